@@ -1,0 +1,40 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   installs into .venv on first use, then runs `tidalpool demo`
+#   make test   installs into .venv on first use, then lint, type check and tests
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-dev
+
+.PHONY: demo test lint typecheck unit stubs bench clean
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "tidalpool needs Python >= 3.11, $(PYTHON) is " + sys.version.split()[0])'
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+	@touch $@
+
+demo: $(STAMP)
+	$(VENV)/bin/tidalpool demo
+
+test: lint typecheck unit
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+typecheck: $(STAMP)
+	$(PY) -m mypy
+
+unit: $(STAMP)
+	$(PY) -m pytest
+
+stubs: $(STAMP)
+	$(PY) proto/generate.py
+
+bench: $(STAMP)
+	$(PY) bench/attach.py
+	$(PY) bench/executor.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info client/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,309 @@
+"""Latency of a malloc+free pair through the learning-mode Executor, against a naive first-fit.
+
+Two workloads: (a) one size allocated and freed over and over; (b) the alloc/free events of one
+training iteration of a real trace (ResNet-50, batch 32), replayed again and again in steady
+state, in a lease of twice the peak live bytes. Each malloc and each free is timed on its own
+(perf_counter_ns, the timer's own cost subtracted); a pair's latency is its malloc's plus its
+free's. "mean" is an untimed replay of the same sequence: total time / pairs.
+
+    PYTHONPATH=client:daemon python bench/executor.py [--json] [--trace FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from bisect import bisect_left
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tidalpool.executor import BestFit, Executor
+from tidalpool.units import format_size
+
+TRACES = ("shared/traces/models", "/work/shared/traces/models")
+TRACE = "resnet50.b32.trace.csv"
+SINGLE_SIZE = 1 << 20
+SINGLE_PAIRS = 30_000
+REPLAYS = 120
+
+
+class NaiveFirstFit:
+    """Baseline: first fit over a Python list of free [offset, size] ranges sorted by offset."""
+
+    def __init__(self, capacity: int, alignment: int = 256) -> None:
+        self.mask = alignment - 1
+        self.free_list: list[list[int]] = [[0, capacity & ~self.mask]]
+        self.live: dict[int, int] = {}
+
+    def allocate(self, nbytes: int) -> int | None:
+        size = (nbytes + self.mask) & ~self.mask
+        for i, hole in enumerate(self.free_list):  # first hole that fits
+            if hole[1] >= size:
+                offset = hole[0]
+                if hole[1] == size:
+                    del self.free_list[i]
+                else:
+                    hole[0] += size
+                    hole[1] -= size
+                self.live[offset] = size
+                return offset
+        return None
+
+    def release(self, offset: int) -> int:
+        size = self.live.pop(offset)
+        free = self.free_list
+        i = bisect_left(free, [offset, 0])
+        if i < len(free) and free[i][0] == offset + size:  # merge with the right neighbour
+            free[i][0] = offset
+            free[i][1] += size
+        else:
+            free.insert(i, [offset, size])
+        if i > 0 and free[i - 1][0] + free[i - 1][1] == offset:  # and with the left one
+            free[i - 1][1] += free[i][1]
+            del free[i]
+        return size
+
+
+Malloc = Callable[[int], Any]
+Free = Callable[[Any], Any]
+
+
+@dataclass(frozen=True)
+class Replay:
+    """One steady-state iteration: setup allocations, then ops, then the carry-over renaming."""
+
+    setup: list[tuple[int, int]]  # (trace id, bytes) live when the iteration starts
+    ops: list[tuple[int, int]]  # (trace id, bytes) for a malloc, (trace id, 0) for a free
+    carry: list[tuple[int, int]]  # (survivor, carried-in): a survivor plays that role next time
+    peak_live: int
+    pairs: int
+
+
+def load_replay(path: Path) -> Replay:
+    """Iteration 1 of a trace CSV v1, closed into a loop.
+
+    Every block live at `iter,1` is allocated in the setup: the persistent ones (allocated
+    before the first `iter` line) and those iteration 0 left behind (optimizer state, and the
+    gradients that iteration 1 frees). The blocks of iteration 1 that iteration 2 frees take
+    the place of the ones iteration 1 freed, matched by the order in which they are freed.
+    """
+    sizes: dict[int, int] = {}
+    born: dict[int, int] = {}
+    live: dict[int, None] = {}  # insertion-ordered set
+    setup: list[tuple[int, int]] = []
+    ops: list[tuple[int, int]] = []
+    carried_in: list[int] = []
+    survivors: list[int] = []
+    it = -1
+    for line in path.read_text().splitlines():
+        if line.startswith("#") or line.startswith("kind,"):
+            continue
+        kind, ident, size = line.split(",", 3)[:3]
+        block = int(ident)
+        if kind == "iter":
+            it = block
+            if it == 1:
+                setup = [(b, sizes[b]) for b in live]
+            elif it == 3:
+                break
+        elif kind == "alloc":
+            sizes[block] = int(size)
+            born[block] = it
+            live[block] = None
+            if it == 1:
+                ops.append((block, int(size)))
+        elif kind == "free":
+            del live[block]
+            if it == 1:
+                ops.append((block, 0))
+                if born[block] < 1:
+                    carried_in.append(block)
+            elif it == 2 and born[block] == 1:
+                survivors.append(block)
+    if not ops or len(survivors) != len(carried_in):
+        raise SystemExit(f"{path}: iterations 1 and 2 differ; cannot replay iteration 1 in a loop")
+    carry = list(zip(survivors, carried_in, strict=True))
+    if any(sizes[s] != sizes[c] for s, c in carry):
+        raise SystemExit(f"{path}: iterations 1 and 2 differ; cannot replay iteration 1 in a loop")
+    now = peak = sum(size for _, size in setup)
+    for block, size in ops:
+        now += size if size else -sizes[block]
+        peak = max(peak, now)
+    return Replay(setup, ops, carry, peak, sum(1 for _, size in ops if size))
+
+
+def make(kind: str, capacity: int) -> tuple[Malloc, Free, Callable[[Any], int]]:
+    """malloc, free, and the offset of what malloc returned, for one allocator."""
+    if kind == "Executor":
+        ex = Executor(capacity)
+        return ex.malloc, ex.free, lambda block: int(block.offset)
+    fit = BestFit(capacity) if kind == "BestFit" else NaiveFirstFit(capacity)
+
+    def malloc(nbytes: int) -> int:
+        offset = fit.allocate(nbytes)
+        if offset is None:
+            raise MemoryError(f"{kind}: {nbytes} bytes do not fit")
+        return offset
+
+    return malloc, fit.release, int
+
+
+def timer_overhead() -> int:
+    clock = time.perf_counter_ns
+    return min(-clock() + clock() for _ in range(20_000))
+
+
+def single(kind: str, overhead: int) -> tuple[list[int], float]:
+    malloc, free, _ = make(kind, 64 << 20)
+    clock = time.perf_counter_ns
+    lat = []
+    for _ in range(SINGLE_PAIRS):
+        t0 = clock()
+        h = malloc(SINGLE_SIZE)
+        t1 = clock()
+        free(h)
+        t2 = clock()
+        lat.append(t2 - t0 - 2 * overhead)
+    t0 = clock()
+    for _ in range(SINGLE_PAIRS):
+        free(malloc(SINGLE_SIZE))
+    return lat, (clock() - t0) / SINGLE_PAIRS
+
+
+def mix(kind: str, replay: Replay, overhead: int) -> tuple[list[int], float, int]:
+    """Pair latencies, untimed mean ns per pair, and the highest byte ever handed out."""
+    lease = 2 * replay.peak_live
+    malloc, free, offset_of = make(kind, lease)
+    handles = {b: malloc(size) for b, size in replay.setup}
+    high = max(
+        (offset_of(h) + size for (_, size), h in zip(replay.setup, handles.values())), default=0
+    )
+    clock = time.perf_counter_ns
+    pending: dict[int, int] = {}
+    lat: list[int] = []
+    for _ in range(REPLAYS):
+        for block, size in replay.ops:
+            if size:
+                t0 = clock()
+                h = malloc(size)
+                pending[block] = clock() - t0 - overhead
+                handles[block] = h
+                high = max(high, offset_of(h) + size)
+            else:
+                t0 = clock()
+                free(handles.pop(block))
+                took = clock() - t0 - overhead
+                if block in pending:
+                    lat.append(pending.pop(block) + took)
+        rename(handles, replay.carry)
+        rename(pending, replay.carry)
+    ops = replay.ops
+    t0 = clock()
+    for _ in range(REPLAYS):
+        for block, size in ops:
+            if size:
+                handles[block] = malloc(size)
+            else:
+                free(handles.pop(block))
+        rename(handles, replay.carry)
+    return lat, (clock() - t0) / (REPLAYS * replay.pairs), high
+
+
+def rename(table: dict[int, Any], carry: list[tuple[int, int]]) -> None:
+    for survivor, carried_in in carry:
+        if survivor in table:
+            table[carried_in] = table.pop(survivor)
+
+
+def summary(lat: list[int]) -> tuple[float, float]:
+    lat.sort()
+    return statistics.median(lat), lat[min(len(lat) - 1, int(0.99 * len(lat)))]
+
+
+def rows(replay: Replay, overhead: int) -> Iterator[dict[str, Any]]:
+    for kind in ("Executor", "BestFit", "NaiveFirstFit"):
+        lat, mean = single(kind, overhead)
+        median, p99 = summary(lat)
+        yield {
+            "workload": f"single {format_size(SINGLE_SIZE)}",
+            "allocator": kind,
+            "median_ns": median,
+            "p99_ns": p99,
+            "mean_ns": mean,
+            "pairs": len(lat),
+        }
+    for kind in ("Executor", "BestFit", "NaiveFirstFit"):
+        lat, mean, high = mix(kind, replay, overhead)
+        median, p99 = summary(lat)
+        yield {
+            "workload": "resnet50 iter",
+            "allocator": kind,
+            "median_ns": median,
+            "p99_ns": p99,
+            "mean_ns": mean,
+            "pairs": len(lat),
+            "high_water_bytes": high,
+        }
+
+
+def find_trace() -> Path:
+    for folder in TRACES:
+        if (Path(folder) / TRACE).exists():
+            return Path(folder) / TRACE
+    return Path(TRACES[-1]) / TRACE
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--trace", type=Path, default=None, help=f"trace CSV (default {TRACE})")
+    args = parser.parse_args(argv)
+    path = args.trace or find_trace()
+    replay = load_replay(path)
+    overhead = timer_overhead()
+    gc.disable()
+    try:
+        results = list(rows(replay, overhead))
+    finally:
+        gc.enable()
+    info = {
+        "trace": str(path),
+        "python": sys.version.split()[0],
+        "timer_overhead_ns": overhead,
+        "setup_blocks": len(replay.setup),
+        "pairs_per_iteration": replay.pairs,
+        "peak_live_bytes": replay.peak_live,
+        "lease_bytes": 2 * replay.peak_live,
+        "replays": REPLAYS,
+        "results": results,
+    }
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(
+        f"trace {path.name}: {len(replay.setup)} blocks live at iter 1, {replay.pairs} "
+        f"malloc+free pairs per iteration, lease {format_size(2 * replay.peak_live)} "
+        f"(2 x peak live {format_size(replay.peak_live)}); timer overhead {overhead} ns "
+        "subtracted"
+    )
+    print(
+        f"{'workload':<16}{'allocator':<15}{'median ns':>10}{'p99 ns':>10}{'mean ns':>10}"
+        f"{'high water':>12}"
+    )
+    for r in results:
+        high = format_size(r["high_water_bytes"]) if "high_water_bytes" in r else ""
+        print(
+            f"{r['workload']:<16}{r['allocator']:<15}{r['median_ns']:>10.0f}"
+            f"{r['p99_ns']:>10.0f}{r['mean_ns']:>10.0f}{high:>12}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

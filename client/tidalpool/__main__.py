@@ -1,0 +1,3 @@
+from tidalpool.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,60 @@
+"""`tidalpool`: the command line of the client side (demo, status)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import grpc
+from rich.console import Console
+
+from tidalpool import __version__
+from tidalpool.session import socket_dir_from_env
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="tidalpool", description="tidalpool: GPU memory for training jobs."
+    )
+    parser.add_argument("--version", action="version", version=f"tidalpool {__version__}")
+    parser.add_argument(
+        "--socket-dir",
+        type=Path,
+        default=None,
+        help="the daemon's socket directory (default: $TIDALPOOL_SOCKET_DIR or /run/tidalpool)",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    demo = commands.add_parser(
+        "demo", help="train a NumPy network in a session (starts a sim daemon if none runs)"
+    )
+    demo.add_argument("--iterations", type=int, default=20)
+    status = commands.add_parser("status", help="pool usage and sessions of a running daemon")
+    status.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    args = parser.parse_args(argv)
+    socket_dir = socket_dir_from_env(args.socket_dir)
+    console = Console()
+
+    if args.command == "demo":
+        from tidalpool.demo.run import run
+
+        if args.iterations < 1:
+            parser.error("--iterations must be at least 1")
+        return 0 if run(socket_dir, args.iterations, console) else 1
+
+    from tidalpool import status as status_view
+
+    try:
+        pool, sessions = status_view.fetch(socket_dir)
+    except grpc.RpcError as e:
+        print(f"tidalpool: no daemon answers at {socket_dir}: {e.details()}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(status_view.as_json(pool, sessions))
+    else:
+        status_view.render(pool, sessions, console)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

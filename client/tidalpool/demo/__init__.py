@@ -1,0 +1,1 @@
+"""The `tidalpool demo` workload: a NumPy network trained with every array from a Memory."""

@@ -1,0 +1,337 @@
+"""A small NumPy MLP whose every array comes from a `Memory`: the demo's training workload.
+
+The network (64 -> width -> width -> 10, ReLU, softmax cross-entropy, plain SGD, float32) is
+written out kernel by kernel so that the memory holding it sees the tide of training: weights and
+gradients live for the whole run, activations from forward until their use in backward,
+temporaries for one or two kernels.
+
+Determinism: every result depends only on the values and shapes of the inputs, never on where the
+arrays lie nor on the thread count. Every kernel is one of NumPy's own single-threaded loops, which
+sum in index order: element-wise ufuncs compute each element alone, float32 sums use pairwise
+summation by index, the softmax max is exact in any order, the float64 loss only picks one exact
+value per row, and the matrix products go through `np.einsum` rather than BLAS (see `_matmul`).
+Hence `train(PlainMemory())` and `train(m)` for any other conforming `m` give equal losses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+
+Array: TypeAlias = npt.NDArray[Any]
+DType: TypeAlias = np.dtype[Any] | type[Any]
+
+FEATURES = 64
+CLASSES = 10
+LEARNING_RATE = 0.1
+N_BATCHES = 4  # fixed batches, cycled
+NOISE = 2.0  # std of the blobs around their centres (N(0, 1) per feature), before scaling
+
+
+class Memory(Protocol):
+    """Where the training code gets every array, and what it tells about their use."""
+
+    def array(self, shape: tuple[int, ...], dtype: DType) -> Array:
+        """An uninitialized C-contiguous array (like `np.empty`)."""
+        ...
+
+    def release(self, arr: Array) -> None:
+        """`arr` (an array this memory returned) is no longer needed."""
+        ...
+
+    def op(
+        self, name: str, reads: Sequence[Array], writes: Sequence[Array]
+    ) -> contextlib.AbstractContextManager[None]:
+        """Wraps one computation (a kernel) that reads and writes these arrays."""
+        ...
+
+    def step(self) -> None:
+        """Iteration boundary: called at the start of every iteration."""
+        ...
+
+
+class PlainMemory:
+    """Plain NumPy: `np.empty`, and nothing else to do."""
+
+    def array(self, shape: tuple[int, ...], dtype: DType) -> Array:
+        return np.empty(shape, dtype=dtype)
+
+    def release(self, arr: Array) -> None:
+        pass
+
+    def op(
+        self, name: str, reads: Sequence[Array], writes: Sequence[Array]
+    ) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def step(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """Unit-variance Gaussian blobs in host memory, the data loader's side."""
+
+    inputs: Array  # (N_BATCHES, batch, FEATURES) float32
+    targets: Array  # (N_BATCHES, batch, CLASSES) float32, one-hot
+
+
+def make_dataset(seed: int, batch: int) -> Dataset:
+    """`N_BATCHES` fixed batches of `CLASSES` Gaussian blobs, the same for the same seed."""
+    rng = np.random.default_rng(np.random.SeedSequence([seed, 0]))
+    centres = rng.standard_normal((CLASSES, FEATURES))
+    labels = rng.integers(0, CLASSES, size=(N_BATCHES, batch))
+    noise = rng.standard_normal((N_BATCHES, batch, FEATURES))
+    inputs = ((centres[labels] + NOISE * noise) / np.sqrt(1 + NOISE**2)).astype(np.float32)
+    targets = np.zeros((N_BATCHES, batch, CLASSES), dtype=np.float32)
+    np.put_along_axis(targets, labels[..., None], np.float32(1), axis=2)
+    return Dataset(inputs, targets)
+
+
+@dataclass(frozen=True)
+class Linear:
+    """A fully connected layer: weight (fan_in, fan_out), bias and their gradients."""
+
+    name: str
+    weight: Array
+    bias: Array
+    grad_weight: Array
+    grad_bias: Array
+
+
+def _linear_create(
+    mem: Memory, name: str, fan_in: int, fan_out: int, gain: float, rng: np.random.Generator
+) -> Linear:
+    """Weights N(0, gain / fan_in) (He for gain 2), bias 0, gradients left uninitialized."""
+    layer = Linear(
+        name,
+        mem.array((fan_in, fan_out), np.float32),
+        mem.array((fan_out,), np.float32),
+        mem.array((fan_in, fan_out), np.float32),
+        mem.array((fan_out,), np.float32),
+    )
+    with mem.op(f"{name}.init", reads=[], writes=[layer.weight, layer.bias]):
+        rng.standard_normal(dtype=np.float32, out=layer.weight)
+        np.multiply(layer.weight, np.float32(np.sqrt(gain / fan_in)), out=layer.weight)
+        layer.bias.fill(0)
+    return layer
+
+
+def _matmul(a: Array, b: Array, out: Array) -> None:
+    """out = a @ b in NumPy's own loop: bit-identical for any alignment and any thread count.
+
+    OpenBLAS sgemm (np.matmul) is alignment-independent too, but measured with OpenBLAS 0.3.31 it
+    gives other bits with 1 thread than with 2 or more; einsum costs ~1 ms per 128x256x256 product.
+    """
+    np.einsum("ik,kj->ij", a, b, out=out)
+
+
+def _linear_forward(mem: Memory, layer: Linear, x: Array) -> Array:
+    z = mem.array((x.shape[0], layer.weight.shape[1]), np.float32)
+    with mem.op(f"{layer.name}.forward", reads=[x, layer.weight, layer.bias], writes=[z]):
+        _matmul(x, layer.weight, out=z)
+        np.add(z, layer.bias, out=z)
+    return z
+
+
+def _linear_backward(mem: Memory, layer: Linear, x: Array, dz: Array, need_dx: bool) -> Array:
+    """Fills the layer's gradients; returns dx (an empty array when not needed)."""
+    with mem.op(
+        f"{layer.name}.backward_weight",
+        reads=[x, dz],
+        writes=[layer.grad_weight, layer.grad_bias],
+    ):
+        _matmul(x.T, dz, out=layer.grad_weight)
+        np.sum(dz, axis=0, out=layer.grad_bias)
+    if not need_dx:
+        return np.empty((0,), np.float32)
+    dx = mem.array(x.shape, np.float32)
+    with mem.op(f"{layer.name}.backward_data", reads=[dz, layer.weight], writes=[dx]):
+        _matmul(dz, layer.weight.T, out=dx)
+    return dx
+
+
+def _relu_forward(mem: Memory, name: str, z: Array) -> Array:
+    """h = max(z, 0); z dies here (backward uses h > 0 as the mask)."""
+    h = mem.array(z.shape, np.float32)
+    with mem.op(f"{name}.forward", reads=[z], writes=[h]):
+        np.maximum(z, np.float32(0), out=h)
+    mem.release(z)
+    return h
+
+
+def _relu_backward(mem: Memory, name: str, h: Array, dh: Array) -> Array:
+    """dz = dh * (h > 0); h and dh die here."""
+    mask = mem.array(h.shape, np.bool_)
+    with mem.op(f"{name}.mask", reads=[h], writes=[mask]):
+        np.greater(h, np.float32(0), out=mask)
+    mem.release(h)
+    dz = mem.array(h.shape, np.float32)
+    with mem.op(f"{name}.backward", reads=[dh, mask], writes=[dz]):
+        np.multiply(dh, mask, out=dz)
+    mem.release(mask)
+    mem.release(dh)
+    return dz
+
+
+def _softmax(mem: Memory, logits: Array) -> Array:
+    """Row-wise softmax with the max subtracted; logits die here."""
+    rows = (logits.shape[0], 1)
+    peak = mem.array(rows, np.float32)
+    with mem.op("softmax.max", reads=[logits], writes=[peak]):
+        np.max(logits, axis=1, keepdims=True, out=peak)
+    exps = mem.array(logits.shape, np.float32)
+    with mem.op("softmax.exp", reads=[logits, peak], writes=[exps]):
+        np.subtract(logits, peak, out=exps)
+        np.exp(exps, out=exps)
+    mem.release(peak)
+    mem.release(logits)
+    total = mem.array(rows, np.float32)
+    with mem.op("softmax.sum", reads=[exps], writes=[total]):
+        np.sum(exps, axis=1, keepdims=True, out=total)
+    probs = mem.array(logits.shape, np.float32)
+    with mem.op("softmax.normalize", reads=[exps, total], writes=[probs]):
+        np.divide(exps, total, out=probs)
+    mem.release(exps)
+    mem.release(total)
+    return probs
+
+
+def _cross_entropy(mem: Memory, probs: Array, targets: Array) -> float:
+    """Mean negative log-likelihood, in float64 from the float32 probabilities."""
+    batch: int = probs.shape[0]
+    picked = mem.array(probs.shape, np.float64)
+    nll = mem.array((batch,), np.float64)
+    total = mem.array((), np.float64)
+    with mem.op("loss", reads=[probs, targets], writes=[picked, nll, total]):
+        np.multiply(probs, targets, out=picked)  # exact: targets are 0 or 1
+        np.sum(picked, axis=1, out=nll)  # exact: one non-zero per row
+        np.maximum(nll, np.finfo(np.float64).tiny, out=nll)  # a probability of 0 costs 708
+        np.log(nll, out=nll)
+        np.sum(nll, out=total)
+    loss = -float(total[()]) / batch
+    for arr in (picked, nll, total):
+        mem.release(arr)
+    return loss
+
+
+class MLP:
+    """64 -> width -> width -> 10 with ReLU; parameters and gradients live as long as it does."""
+
+    def __init__(self, mem: Memory, width: int, seed: int) -> None:
+        rng = np.random.default_rng(np.random.SeedSequence([seed, 1]))
+        sizes = (FEATURES, width, width, CLASSES)
+        self.layers = [
+            _linear_create(
+                mem, f"fc{i + 1}", fan_in, fan_out, 2.0 if fan_out != CLASSES else 1.0, rng
+            )
+            for i, (fan_in, fan_out) in enumerate(itertools.pairwise(sizes))
+        ]
+
+    def train_step(self, mem: Memory, inputs: Array, targets: Array) -> float:
+        """Forward, backward and SGD update on one host batch; returns the batch's loss."""
+        fc1, fc2, fc3 = self.layers
+        x = mem.array(inputs.shape, np.float32)
+        t = mem.array(targets.shape, np.float32)
+        with mem.op("load_batch", reads=[], writes=[x, t]):
+            np.copyto(x, inputs)
+            np.copyto(t, targets)
+
+        h1 = _relu_forward(mem, "relu1", _linear_forward(mem, fc1, x))
+        h2 = _relu_forward(mem, "relu2", _linear_forward(mem, fc2, h1))
+        probs = _softmax(mem, _linear_forward(mem, fc3, h2))
+        loss = _cross_entropy(mem, probs, t)
+
+        dlogits = mem.array(probs.shape, np.float32)
+        with mem.op("softmax_xent.backward", reads=[probs, t], writes=[dlogits]):
+            np.subtract(probs, t, out=dlogits)
+            np.multiply(dlogits, np.float32(1.0 / probs.shape[0]), out=dlogits)
+        mem.release(probs)
+        mem.release(t)
+
+        dh2 = _linear_backward(mem, fc3, h2, dlogits, need_dx=True)
+        mem.release(dlogits)
+        dz2 = _relu_backward(mem, "relu2", h2, dh2)
+        dh1 = _linear_backward(mem, fc2, h1, dz2, need_dx=True)
+        mem.release(dz2)
+        dz1 = _relu_backward(mem, "relu1", h1, dh1)
+        _linear_backward(mem, fc1, x, dz1, need_dx=False)
+        mem.release(dz1)
+        mem.release(x)
+
+        lr = np.float32(LEARNING_RATE)
+        for layer in self.layers:
+            params = [layer.weight, layer.bias, layer.grad_weight, layer.grad_bias]
+            with mem.op(f"{layer.name}.sgd", reads=params, writes=params):
+                for param, grad in (
+                    (layer.weight, layer.grad_weight),
+                    (layer.bias, layer.grad_bias),
+                ):
+                    np.multiply(grad, lr, out=grad)
+                    np.subtract(param, grad, out=param)
+        return loss
+
+
+def train(
+    mem: Memory,
+    iterations: int = 20,
+    seed: int = 0,
+    on_iteration: Callable[[int, float], None] | None = None,
+    width: int = 256,
+    batch: int = 128,
+) -> list[float]:
+    """Trains a fresh MLP for `iterations` steps; returns the loss of each (0-based) iteration.
+
+    The model's parameters and gradients are obtained before the first `step()`; every other
+    array is obtained and released within one iteration. `on_iteration(i, loss)` follows each.
+    """
+    data = make_dataset(seed, batch)
+    model = MLP(mem, width, seed)
+    losses: list[float] = []
+    for i in range(iterations):
+        mem.step()
+        k = i % N_BATCHES
+        loss = model.train_step(mem, data.inputs[k], data.targets[k])
+        losses.append(loss)
+        if on_iteration is not None:
+            on_iteration(i, loss)
+    return losses
+
+
+class _CountingMemory(PlainMemory):
+    """PlainMemory that counts the bytes of arrays obtained and not yet released."""
+
+    def __init__(self) -> None:
+        self.live = 0
+        self.peak = 0
+
+    def array(self, shape: tuple[int, ...], dtype: DType) -> Array:
+        arr = super().array(shape, dtype)
+        self.live += arr.nbytes
+        self.peak = max(self.peak, self.live)
+        return arr
+
+    def release(self, arr: Array) -> None:
+        self.live -= arr.nbytes
+
+
+def peak_live_bytes(
+    iterations: int = 2, *, seed: int = 0, width: int = 256, batch: int = 128
+) -> int:
+    """Peak bytes live at once (persistent parameters and gradients included) during `train`."""
+    mem = _CountingMemory()
+    train(mem, iterations, seed=seed, width=width, batch=batch)
+    return mem.peak
+
+
+def persistent_bytes(*, seed: int = 0, width: int = 256, batch: int = 128) -> int:
+    """Bytes of the parameters and gradients: what stays live between iterations."""
+    mem = _CountingMemory()
+    train(mem, 1, seed=seed, width=width, batch=batch)
+    return mem.live

@@ -1,0 +1,300 @@
+"""`tidalpool.attach()` and the Session a training job holds.
+
+    attach() ──handles socket──▶ token + lease fds ──map──▶ Attach (gRPC)
+             ──▶ Session stream (heartbeats, trace chunks, step marks ▲ goodbye, plans)
+
+The hot path (`malloc`, `free`, `op`) never leaves the process: the executor
+allocates inside the mapped lease and the recorder appends an event.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from tidalpool import __version__
+from tidalpool.devices.sim import SimMapping
+from tidalpool.errors import AttachError, SessionClosed
+from tidalpool.executor import Block, Executor
+from tidalpool.handles import request_lease
+from tidalpool.recorder import OP, READ, WRITE, Recorder
+from tidalpool.units import parse_size
+from tidalpool.v1 import pool_pb2, pool_pb2_grpc
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
+log = logging.getLogger("tidalpool")
+
+DEFAULT_SOCKET_DIR = Path("/run/tidalpool")
+TOKEN_KEY = "tidalpool-token"
+
+
+@dataclass(frozen=True, slots=True)
+class SessionStats:
+    """What a session has done, as this process and the daemon see it."""
+
+    session_id: str
+    device_lease_bytes: int
+    host_lease_bytes: int
+    live_bytes: int  # requested bytes of live blocks
+    peak_live_bytes: int
+    used_bytes: int  # live bytes rounded to the alignment
+    live_blocks: int
+    mallocs: int
+    frees: int
+    events_recorded: int
+    events_sent: int
+    events_received: int  # by the daemon (-1 once the session is over)
+
+
+def socket_dir_from_env(socket_dir: str | os.PathLike[str] | None) -> Path:
+    """The argument, else $TIDALPOOL_SOCKET_DIR, else /run/tidalpool."""
+    if socket_dir is not None:
+        return Path(socket_dir)
+    return Path(os.environ.get("TIDALPOOL_SOCKET_DIR") or DEFAULT_SOCKET_DIR)
+
+
+def attach(
+    socket_dir: str | os.PathLike[str] | None = None,
+    device_limit: int | str | None = None,
+    host_limit: int | str | None = None,
+    job_name: str | None = None,
+) -> Session:
+    """Open a session with the daemon of `socket_dir` and map its lease.
+
+    `device_limit`/`host_limit` are the lease sizes (bytes or "4GiB"); None asks
+    for the daemon's default. Raises AttachError when there is no daemon or it
+    refuses (wrong uid, pool exhausted).
+    """
+    directory = socket_dir_from_env(socket_dir)
+    device_bytes = parse_size(device_limit) if device_limit is not None else 0
+    host_bytes = parse_size(host_limit) if host_limit is not None else 0
+    name = job_name or os.environ.get("TIDALPOOL_JOB_NAME") or Path(sys.argv[0] or "python").name
+    grant = request_lease(directory / "handles.sock", device_bytes, host_bytes, name)
+    try:
+        lease = grant.response.lease
+        device = SimMapping(grant.device_fd, lease.device.offset, lease.device.length)
+        host = SimMapping(grant.host_fd, lease.host.offset, lease.host.length)
+    finally:
+        grant.close()
+    return Session(directory, grant.response.session_id, grant.response.token, device, host)
+
+
+class Session:
+    """A lease of device and host memory, and the executor that allocates in it."""
+
+    def __init__(
+        self, socket_dir: Path, session_id: str, token: str, device: SimMapping, host: SimMapping
+    ) -> None:
+        self.id = session_id
+        self.device = device
+        self.host = host
+        self._metadata = ((TOKEN_KEY, token),)
+        self._channel = grpc.insecure_channel(f"unix:{socket_dir / 'tidalpool.sock'}")
+        self._stub = pool_pb2_grpc.PoolStub(self._channel)
+        self._closed = False
+        self._goodbye: pool_pb2.Goodbye | None = None
+        self.errors: list[pool_pb2.SessionError] = []  # refusals the daemon reported
+        self._iteration = 0
+        try:
+            reply = self._stub.Attach(
+                pool_pb2.AttachRequest(client_version=__version__, pid=os.getpid()),
+                metadata=self._metadata,
+                timeout=10,
+            )
+        except grpc.RpcError as e:
+            self._channel.close()
+            device.retire()
+            host.retire()
+            raise AttachError(f"Attach failed ({e.code().name}): {e.details()}") from e
+        self._outbox: queue.SimpleQueue[pool_pb2.ClientMessage | None] = queue.SimpleQueue()
+        self._responses = self._stub.Session(self._outgoing(), metadata=self._metadata)
+        self.recorder = Recorder(self._outbox.put, chunk_events=reply.trace_chunk_events or 4096)
+        self.executor = Executor(device.length, record=self.recorder.record)
+        self._heartbeat_s = (reply.heartbeat_interval_ms or 1000) / 1000
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._listen, name="tidalpool-listen", daemon=True),
+            threading.Thread(target=self._beat, name="tidalpool-heartbeat", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    # -- allocation -------------------------------------------------------------------
+    def malloc(self, nbytes: int) -> Block:
+        """`nbytes` of device memory in the lease (ValueError if <= 0, LeaseExceeded if no room)."""
+        if self._closed:
+            raise SessionClosed(self._why_closed())
+        return self.executor.malloc(nbytes)
+
+    def free(self, block: Block) -> None:
+        """Return a block (InvalidBlock if it is not live in this session)."""
+        self.executor.free(block)
+
+    def address(self, block: Block) -> int:
+        """The block's address in this process (sim: host memory)."""
+        return self.device.address + block.offset
+
+    def buffer(self, block: Block) -> memoryview:
+        """The block's bytes (sim backend)."""
+        return self.device.buffer(block.offset, block.size)
+
+    def array(
+        self, shape: int | Sequence[int], dtype: npt.DTypeLike = "float32"
+    ) -> np.ndarray[Any, Any]:
+        """A NumPy array over lease memory, freed when it (and every view of it) is gone."""
+        from tidalpool.numpy import array
+
+        return array(self, shape, dtype)
+
+    def release(self, array: np.ndarray[Any, Any]) -> None:
+        """Free an array's block now instead of when it is garbage."""
+        from tidalpool.numpy import release
+
+        release(self, array)
+
+    # -- iteration structure ------------------------------------------------------------
+    @contextmanager
+    def op(
+        self, reads: Sequence[Any] = (), writes: Sequence[Any] = (), name: str = "op"
+    ) -> Iterator[None]:
+        """Around one computation: records which blocks it reads and writes, and its time."""
+        from tidalpool.numpy import block_of
+
+        record = self.recorder.record
+        for kind, items in ((READ, reads), (WRITE, writes)):
+            for item in items:
+                record(kind, (item if isinstance(item, Block) else block_of(item)).id)
+        name_id = self.recorder.name_id(name)
+        start = time.perf_counter_ns()
+        try:
+            yield
+        finally:
+            record(OP, 0, 0, time.perf_counter_ns() - start, name_id)
+
+    def step(self) -> None:
+        """An iteration boundary: call it at the start of every training iteration."""
+        self._iteration += 1
+        self.recorder.step(self._iteration)
+
+    # -- views ------------------------------------------------------------------------
+    def stats(self) -> SessionStats:
+        received = -1
+        if not self._closed:
+            try:
+                self.recorder.flush()
+                reply = self._stub.Stats(
+                    pool_pb2.StatsRequest(), metadata=self._metadata, timeout=10
+                )
+                received = reply.session.events_received
+            except grpc.RpcError:
+                pass
+        ex = self.executor
+        return SessionStats(
+            session_id=self.id,
+            device_lease_bytes=self.device.length,
+            host_lease_bytes=self.host.length,
+            live_bytes=ex.live_bytes,
+            peak_live_bytes=ex.peak_live_bytes,
+            used_bytes=ex.used_bytes,
+            live_blocks=ex.live_blocks,
+            mallocs=ex.mallocs,
+            frees=ex.frees,
+            events_recorded=self.recorder.events_recorded,
+            events_sent=self.recorder.events_sent,
+            events_received=received,
+        )
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- the end --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Send the rest of the trace, detach, and unmap the lease. Idempotent."""
+        if self._closed:
+            return
+        self.recorder.close()
+        if self._goodbye is None:
+            try:
+                self._stub.Detach(pool_pb2.DetachRequest(), metadata=self._metadata, timeout=10)
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAUTHENTICATED:  # already ended daemon-side
+                    log.warning("tidalpool: Detach failed: %s", e.details())
+        self._finish()
+
+    def _finish(self) -> None:
+        self._closed = True
+        self._stop.set()
+        self._outbox.put(None)
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(timeout=5)
+        self._channel.close()
+        self.device.retire()
+        self.host.retire()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _why_closed(self) -> str:
+        if self._goodbye is not None:
+            reason = (
+                pool_pb2.Goodbye.Reason.Name(self._goodbye.reason).removeprefix("REASON_").lower()
+            )
+            return f"session {self.id} is over ({reason}: {self._goodbye.message})"
+        return f"session {self.id} is closed"
+
+    # -- background -----------------------------------------------------------------------
+    def _outgoing(self) -> Iterator[pool_pb2.ClientMessage]:
+        while True:
+            msg = self._outbox.get()
+            if msg is None:
+                return
+            yield msg
+
+    def _listen(self) -> None:
+        try:
+            for msg in self._responses:
+                body = msg.WhichOneof("body")
+                if body == "goodbye":
+                    self._goodbye = msg.goodbye
+                    self._closed = True  # malloc refuses from now on
+                elif body == "error":
+                    self.errors.append(msg.error)
+                    log.warning(
+                        "tidalpool: daemon refused a message: %s %s",
+                        msg.error.code,
+                        msg.error.message,
+                    )
+        except grpc.RpcError as e:
+            if not self._stop.is_set() and self._goodbye is None:
+                self._goodbye = pool_pb2.Goodbye(message=f"session stream failed: {e.code().name}")
+                self._closed = True
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self._heartbeat_s):
+            ex = self.executor
+            self._outbox.put(
+                pool_pb2.ClientMessage(
+                    heartbeat=pool_pb2.Heartbeat(
+                        device_used_bytes=ex.used_bytes, device_peak_bytes=ex.peak_live_bytes
+                    )
+                )
+            )

@@ -1,0 +1,64 @@
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Range(_message.Message):
+    __slots__ = ("offset", "length")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    length: int
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class Lease(_message.Message):
+    __slots__ = ("device", "host", "backend")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    device: Range
+    host: Range
+    backend: str
+    def __init__(self, device: _Optional[_Union[Range, _Mapping]] = ..., host: _Optional[_Union[Range, _Mapping]] = ..., backend: _Optional[str] = ...) -> None: ...
+
+class PoolUsage(_message.Message):
+    __slots__ = ("total_bytes", "leased_bytes", "free_bytes", "used_bytes")
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LEASED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    total_bytes: int
+    leased_bytes: int
+    free_bytes: int
+    used_bytes: int
+    def __init__(self, total_bytes: _Optional[int] = ..., leased_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ...) -> None: ...
+
+class SessionInfo(_message.Message):
+    __slots__ = ("session_id", "job_name", "pid", "uid", "lease", "device_used_bytes", "device_peak_bytes", "host_used_bytes", "events_received", "iterations_seen", "attached_unix_ns", "state")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_NAME_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    ITERATIONS_SEEN_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    job_name: str
+    pid: int
+    uid: int
+    lease: Lease
+    device_used_bytes: int
+    device_peak_bytes: int
+    host_used_bytes: int
+    events_received: int
+    iterations_seen: int
+    attached_unix_ns: int
+    state: str
+    def __init__(self, session_id: _Optional[str] = ..., job_name: _Optional[str] = ..., pid: _Optional[int] = ..., uid: _Optional[int] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., device_used_bytes: _Optional[int] = ..., device_peak_bytes: _Optional[int] = ..., host_used_bytes: _Optional[int] = ..., events_received: _Optional[int] = ..., iterations_seen: _Optional[int] = ..., attached_unix_ns: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,3 @@
+from tidalpoold.cli import main
+
+raise SystemExit(main())

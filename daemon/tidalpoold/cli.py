@@ -1,0 +1,47 @@
+"""`tidalpoold`: the daemon's command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from types import FrameType
+
+from tidalpoold import __version__, log
+from tidalpoold.server import build_daemon
+from tidalpoold.settings import SettingsError, add_arguments, settings_from_args
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tidalpoold", description="The per-GPU tidalpool daemon.")
+    parser.add_argument("--version", action="version", version=f"tidalpoold {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="own the GPU's pools and serve sessions")
+    add_arguments(serve)
+    args = parser.parse_args(argv)
+
+    try:
+        settings = settings_from_args(args, os.environ)
+    except SettingsError as e:
+        parser.exit(2, f"tidalpoold: {e}\n")
+    log.configure(settings.log_format, settings.log_level)
+    try:
+        daemon = build_daemon(settings)
+    except (OSError, ValueError, NotImplementedError) as e:
+        logging.getLogger("tidalpoold").error("daemon.start_failed", extra={"why": str(e)})
+        print(f"tidalpoold: cannot start: {e}", file=sys.stderr)
+        return 1
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        daemon.request_stop(f"received {signal.Signals(signum).name}")
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    daemon.serve_until_stopped()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

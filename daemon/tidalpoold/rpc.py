@@ -1,0 +1,70 @@
+"""Turning service methods into gRPC handlers, in one place.
+
+Requests arrive as raw bytes and are parsed here, so that a malformed message
+is answered INVALID_ARGUMENT (gRPC's own deserializer would say INTERNAL), and
+every typed failure is mapped to its status code by `errors.status_of`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+
+from tidalpoold.errors import InvalidArgument, status_of
+
+log = logging.getLogger("tidalpoold.rpc")
+
+Req = TypeVar("Req", bound=Message)
+
+
+def parse(kind: type[Req], raw: bytes) -> Req:
+    try:
+        return kind.FromString(raw)
+    except DecodeError as e:
+        raise InvalidArgument(f"malformed {kind.DESCRIPTOR.full_name}: {e}") from e
+
+
+def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> None:
+    code, message = status_of(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("rpc.internal_error", extra={"method": method})
+    context.abort(code, message)
+
+
+def unary(
+    method: str, kind: type[Req], fn: Callable[[Req, grpc.ServicerContext], Message]
+) -> grpc.RpcMethodHandler:
+    def handle(raw: bytes, context: grpc.ServicerContext) -> Message:
+        try:
+            return fn(parse(kind, raw), context)
+        except Exception as e:  # every failure becomes a status, none escapes
+            _abort(context, e, method)
+            raise  # unreachable: abort raises
+
+    return grpc.unary_unary_rpc_method_handler(handle, response_serializer=_serialize)
+
+
+def bidi_stream(
+    method: str, fn: Callable[[Iterator[bytes], grpc.ServicerContext], Iterator[Message]]
+) -> grpc.RpcMethodHandler:
+    """A bidirectional stream; `fn` parses the raw requests itself (see `parse`)."""
+
+    def handle(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[Message]:
+        try:
+            yield from fn(requests, context)
+        except Exception as e:
+            _abort(context, e, method)
+
+    return grpc.stream_stream_rpc_method_handler(handle, response_serializer=_serialize)
+
+
+def _serialize(msg: Message) -> bytes:
+    return msg.SerializeToString()
+
+
+def service(name: str, methods: dict[str, grpc.RpcMethodHandler]) -> Any:
+    return grpc.method_handlers_generic_handler(name, methods)

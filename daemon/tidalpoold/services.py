@@ -1,0 +1,186 @@
+"""The Pool and Admin services over the session registry."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+from tidalpool.v1 import admin_pb2, pool_pb2
+
+from tidalpoold import __version__
+from tidalpoold.errors import Failure, InvalidArgument, Unauthenticated, status_of
+from tidalpoold.rpc import bidi_stream, parse, service, unary
+from tidalpoold.sessions import Reason, Registry, Session, lease_message
+
+log = logging.getLogger("tidalpoold.services")
+
+TOKEN_KEY = "tidalpool-token"
+
+
+class PoolService:
+    """What a training process speaks: Attach, Session, Detach, Stats."""
+
+    name = "tidalpool.v1.Pool"
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+
+    def handler(self) -> Any:
+        return service(
+            self.name,
+            {
+                "Attach": unary("Attach", pool_pb2.AttachRequest, self.attach),
+                "Session": bidi_stream("Session", self.session),
+                "Detach": unary("Detach", pool_pb2.DetachRequest, self.detach),
+                "Stats": unary("Stats", pool_pb2.StatsRequest, self.stats),
+            },
+        )
+
+    def _session_of(self, context: grpc.ServicerContext) -> Session:
+        tokens = [v for k, v in context.invocation_metadata() if k == TOKEN_KEY]
+        if len(tokens) != 1:
+            raise Unauthenticated(f"expected one {TOKEN_KEY!r} metadata entry, got {len(tokens)}")
+        session = self.registry.by_token(str(tokens[0]))
+        if session is None:
+            raise Unauthenticated("unknown session token (never issued, or the session ended)")
+        return session
+
+    def attach(
+        self, request: pool_pb2.AttachRequest, context: grpc.ServicerContext
+    ) -> pool_pb2.AttachResponse:
+        session = self._session_of(context)
+        self.registry.attach(session)
+        s = self.registry.settings
+        return pool_pb2.AttachResponse(
+            session_id=session.id,
+            lease=lease_message(session, self.registry.backend.name),
+            heartbeat_interval_ms=int(s.heartbeat_interval_s * 1000),
+            trace_chunk_events=s.trace_chunk_events,
+        )
+
+    def session(
+        self, requests: Iterator[bytes], context: grpc.ServicerContext
+    ) -> Iterator[pool_pb2.ServerMessage]:
+        session = self._session_of(context)
+        self.registry.open_stream(session)
+        # However the stream ends (client gone, cancelled, broken), the session ends with it.
+        context.add_callback(
+            lambda: self.registry.end_quietly(
+                session.id, Reason.REASON_DETACHED, "session stream ended"
+            )
+        )
+        reader = threading.Thread(
+            target=self._read, args=(session, requests), name=f"read-{session.id}", daemon=True
+        )
+        reader.start()
+        while True:
+            msg = session.outbox.get()
+            if msg is None:
+                return
+            yield msg
+
+    def _read(self, session: Session, requests: Iterator[bytes]) -> None:
+        """Consume the client's half of the stream until it closes."""
+        why = "client closed its session stream"
+        try:
+            for raw in requests:
+                try:
+                    self._handle(session, parse(pool_pb2.ClientMessage, raw))
+                except Failure as e:
+                    code, message = status_of(e)
+                    log.warning(
+                        "session.bad_message", extra={"session": session.id, "why": message}
+                    )
+                    session.outbox.put(
+                        pool_pb2.ServerMessage(
+                            error=pool_pb2.SessionError(code=code.name, message=message)
+                        )
+                    )
+        except grpc.RpcError:
+            why = "session stream broken"
+        except Exception as e:  # keep the daemon alive whatever one client sends
+            log.exception("session.reader_failed", extra={"session": session.id})
+            why = f"internal error reading the stream: {e}"
+        self.registry.end_quietly(session.id, Reason.REASON_DETACHED, why)
+
+    def _handle(self, session: Session, msg: pool_pb2.ClientMessage) -> None:
+        body = msg.WhichOneof("body")
+        if body == "heartbeat":
+            self.registry.touch(session, msg.heartbeat)
+        elif body == "trace":
+            session.trace.add(msg.trace)
+            self.registry.touch(session)
+        elif body == "step":
+            session.trace.step(msg.step)
+            self.registry.touch(session)
+        else:
+            raise InvalidArgument("client message has no body (heartbeat, trace or step)")
+
+    def detach(
+        self, request: pool_pb2.DetachRequest, context: grpc.ServicerContext
+    ) -> pool_pb2.DetachResponse:
+        session = self._session_of(context)
+        ended = self.registry.end(session.id, Reason.REASON_DETACHED, "detached by the client")
+        return pool_pb2.DetachResponse(session=ended.info(self.registry.backend.name))
+
+    def stats(
+        self, request: pool_pb2.StatsRequest, context: grpc.ServicerContext
+    ) -> pool_pb2.StatsResponse:
+        session = self._session_of(context)
+        return pool_pb2.StatsResponse(session=session.info(self.registry.backend.name))
+
+
+class AdminService:
+    """What operators speak: ListSessions, EvictSession, PoolStatus."""
+
+    name = "tidalpool.v1.Admin"
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+        self.started_unix_ns = time.time_ns()
+
+    def handler(self) -> Any:
+        return service(
+            self.name,
+            {
+                "ListSessions": unary(
+                    "ListSessions", admin_pb2.ListSessionsRequest, self.list_sessions
+                ),
+                "EvictSession": unary("EvictSession", admin_pb2.EvictSessionRequest, self.evict),
+                "PoolStatus": unary("PoolStatus", admin_pb2.PoolStatusRequest, self.pool_status),
+            },
+        )
+
+    def list_sessions(
+        self, request: admin_pb2.ListSessionsRequest, context: grpc.ServicerContext
+    ) -> admin_pb2.ListSessionsResponse:
+        backend = self.registry.backend.name
+        return admin_pb2.ListSessionsResponse(
+            sessions=[s.info(backend) for s in self.registry.sessions()]
+        )
+
+    def evict(
+        self, request: admin_pb2.EvictSessionRequest, context: grpc.ServicerContext
+    ) -> admin_pb2.EvictSessionResponse:
+        if not request.session_id:
+            raise InvalidArgument("EvictSession needs a session_id")
+        why = request.reason or "evicted by an operator"
+        ended = self.registry.end(request.session_id, Reason.REASON_EVICTED, why)
+        return admin_pb2.EvictSessionResponse(session=ended.info(self.registry.backend.name))
+
+    def pool_status(
+        self, request: admin_pb2.PoolStatusRequest, context: grpc.ServicerContext
+    ) -> admin_pb2.PoolStatusResponse:
+        device, host = self.registry.usage()
+        return admin_pb2.PoolStatusResponse(
+            backend=self.registry.backend.name,
+            device=device,
+            host=host,
+            sessions=len(self.registry.sessions()),
+            version=__version__,
+            started_unix_ns=self.started_unix_ns,
+        )

@@ -1,0 +1,269 @@
+"""The session registry: who holds which lease, and reclaiming it when they go.
+
+A session is born *pending* on the handles socket (lease carved, token issued,
+fds passed), becomes *attached* by the `Attach` RPC, lives while its `Session`
+stream is open, and *ends* exactly once, for whatever reason: Detach, stream
+closed or broken (process exit, SIGKILL), eviction, missed heartbeats, an
+Attach that never came, or daemon shutdown. Ending returns both ranges to
+their pools and scrubs them, then tells the session's stream (if any) goodbye.
+
+    handles socket ──open()──▶ pending ──attach()──▶ attached ──end()──▶ (gone)
+                                  └──────── reap(): attach timeout ─────▲
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TypeAlias
+
+from tidalpool.v1 import common_pb2, pool_pb2
+
+from tidalpoold.backends.base import Backend
+from tidalpoold.errors import FailedPrecondition, NotFound, ResourceExhausted
+from tidalpoold.pool import LeaseRange, PoolAccount, PoolExhausted
+from tidalpoold.settings import Settings
+from tidalpoold.trace import TraceStore
+
+log = logging.getLogger("tidalpoold.sessions")
+
+Reason: TypeAlias = pool_pb2.Goodbye.Reason
+
+
+@dataclass(eq=False)
+class Session:
+    """One client's session; its fields change only under the registry's lock."""
+
+    id: str
+    token: str
+    job_name: str
+    pid: int
+    uid: int
+    device: LeaseRange
+    host: LeaseRange
+    trace: TraceStore
+    created: float  # monotonic seconds
+    state: str = "pending"
+    attached_unix_ns: int = 0
+    last_seen: float = 0.0
+    stream_open: bool = False
+    device_used: int = 0
+    device_peak: int = 0
+    host_used: int = 0
+    # What the Session stream sends to the client; None closes the stream.
+    outbox: queue.SimpleQueue[pool_pb2.ServerMessage | None] = field(
+        default_factory=queue.SimpleQueue
+    )
+
+    def info(self, backend: str) -> common_pb2.SessionInfo:
+        return common_pb2.SessionInfo(
+            session_id=self.id,
+            job_name=self.job_name,
+            pid=self.pid,
+            uid=self.uid,
+            lease=lease_message(self, backend),
+            device_used_bytes=self.device_used,
+            device_peak_bytes=self.device_peak,
+            host_used_bytes=self.host_used,
+            events_received=self.trace.events_received,
+            iterations_seen=self.trace.iterations_seen,
+            attached_unix_ns=self.attached_unix_ns,
+            state=self.state,
+        )
+
+
+def lease_message(session: Session, backend: str) -> common_pb2.Lease:
+    return common_pb2.Lease(
+        device=common_pb2.Range(offset=session.device.offset, length=session.device.length),
+        host=common_pb2.Range(offset=session.host.offset, length=session.host.length),
+        backend=backend,
+    )
+
+
+class Registry:
+    """All sessions of the daemon, and the accounting of both pools."""
+
+    def __init__(
+        self, settings: Settings, backend: Backend, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.settings = settings
+        self.backend = backend
+        self.clock = clock
+        self.device = PoolAccount("device", backend.device.size, settings.lease_alignment)
+        self.host = PoolAccount("host", backend.host.size, settings.lease_alignment)
+        self._lock = threading.Lock()
+        self._by_id: dict[str, Session] = {}
+        self._by_token: dict[str, Session] = {}
+        self.attached_total = 0
+        self.ended_total: dict[str, int] = {}
+
+    # -- birth ------------------------------------------------------------------
+    def open(
+        self, device_bytes: int, host_bytes: int, job_name: str, pid: int, uid: int
+    ) -> Session:
+        """Carve a pending session's lease (from the handles socket)."""
+        s = self.settings
+        device_bytes = device_bytes or s.default_device_lease
+        host_bytes = host_bytes or s.default_host_lease
+        with self._lock:
+            if len(self._by_id) >= s.max_sessions:
+                raise ResourceExhausted(f"the daemon already serves {s.max_sessions} sessions")
+            try:
+                device = self.device.lease(device_bytes)
+            except PoolExhausted as e:
+                raise ResourceExhausted(str(e)) from e
+            try:
+                host = self.host.lease(host_bytes)
+            except PoolExhausted as e:
+                self.device.release(device)
+                raise ResourceExhausted(str(e)) from e
+            session = Session(
+                id="s-" + secrets.token_hex(6),
+                token=secrets.token_urlsafe(32),
+                job_name=job_name[:128],
+                pid=pid,
+                uid=uid,
+                device=device,
+                host=host,
+                trace=TraceStore(s.max_trace_events),
+                created=self.clock(),
+            )
+            self._by_id[session.id] = session
+            self._by_token[session.token] = session
+        log.info(
+            "session.opened",
+            extra={
+                "session": session.id,
+                "job": session.job_name,
+                "pid": pid,
+                "uid": uid,
+                "device_bytes": device.length,
+                "host_bytes": host.length,
+            },
+        )
+        return session
+
+    def by_token(self, token: str) -> Session | None:
+        with self._lock:
+            return self._by_token.get(token)
+
+    def attach(self, session: Session) -> None:
+        with self._lock:
+            if session.state != "pending":
+                raise FailedPrecondition(f"session {session.id} is already attached")
+            session.state = "attached"
+            session.attached_unix_ns = time.time_ns()
+            session.last_seen = self.clock()
+            self.attached_total += 1
+        log.info("session.attached", extra={"session": session.id})
+
+    def open_stream(self, session: Session) -> None:
+        with self._lock:
+            if session.state != "attached":
+                raise FailedPrecondition(f"session {session.id} must Attach before its stream")
+            if session.stream_open:
+                raise FailedPrecondition(f"session {session.id} already has a stream")
+            session.stream_open = True
+            session.last_seen = self.clock()
+
+    def touch(self, session: Session, heartbeat: pool_pb2.Heartbeat | None = None) -> None:
+        with self._lock:
+            session.last_seen = self.clock()
+            if heartbeat is not None:
+                session.device_used = heartbeat.device_used_bytes
+                session.device_peak = max(session.device_peak, heartbeat.device_peak_bytes)
+                session.host_used = heartbeat.host_used_bytes
+
+    # -- death ------------------------------------------------------------------
+    def end(self, session_id: str, reason: Reason, message: str) -> Session:
+        """End a session (once): its lease returns to the pools, its stream says goodbye."""
+        with self._lock:
+            session = self._by_id.pop(session_id, None)
+            if session is None:
+                raise NotFound(f"no session {session_id!r}")
+            del self._by_token[session.token]
+            self.device.release(session.device)
+            self.host.release(session.host)
+            name = Reason.Name(reason).removeprefix("REASON_").lower()
+            self.ended_total[name] = self.ended_total.get(name, 0) + 1
+        self.backend.scrub(self.backend.device, session.device.offset, session.device.length)
+        self.backend.scrub(self.backend.host, session.host.offset, session.host.length)
+        session.outbox.put(
+            pool_pb2.ServerMessage(goodbye=pool_pb2.Goodbye(reason=reason, message=message))
+        )
+        session.outbox.put(None)
+        log.info(
+            "session.ended",
+            extra={
+                "session": session.id,
+                "reason": name,
+                "why": message,
+                "events": session.trace.events_received,
+            },
+        )
+        return session
+
+    def end_quietly(self, session_id: str, reason: Reason, message: str) -> None:
+        """end(), for callers racing others to it (stream callbacks, the reaper)."""
+        with contextlib.suppress(NotFound):
+            self.end(session_id, reason, message)
+
+    def reap(self) -> list[str]:
+        """End sessions that never attached or stopped sending heartbeats."""
+        now, s = self.clock(), self.settings
+        doomed: list[tuple[str, str]] = []
+        with self._lock:
+            for session in self._by_id.values():
+                if session.state == "pending" and now - session.created > s.attach_timeout_s:
+                    doomed.append((session.id, f"not attached within {s.attach_timeout_s:g} s"))
+                elif (
+                    session.state == "attached"
+                    and not session.stream_open
+                    and (now - session.last_seen > s.attach_timeout_s)
+                ):
+                    doomed.append(
+                        (session.id, f"no session stream within {s.attach_timeout_s:g} s")
+                    )
+                elif (
+                    session.state == "attached" and now - session.last_seen > s.heartbeat_timeout_s
+                ):
+                    doomed.append((session.id, f"no heartbeat for {s.heartbeat_timeout_s:g} s"))
+        for session_id, why in doomed:
+            self.end_quietly(session_id, Reason.REASON_EVICTED, why)
+        return [session_id for session_id, _ in doomed]
+
+    # -- views ------------------------------------------------------------------
+    def sessions(self) -> list[Session]:
+        with self._lock:
+            return sorted(self._by_id.values(), key=lambda s: s.created)
+
+    def get(self, session_id: str) -> Session:
+        with self._lock:
+            session = self._by_id.get(session_id)
+        if session is None:
+            raise NotFound(f"no session {session_id!r}")
+        return session
+
+    def usage(self) -> tuple[common_pb2.PoolUsage, common_pb2.PoolUsage]:
+        with self._lock:
+            used_device = sum(s.device_used for s in self._by_id.values())
+            used_host = sum(s.host_used for s in self._by_id.values())
+            return (
+                _usage(self.device, used_device),
+                _usage(self.host, used_host),
+            )
+
+
+def _usage(account: PoolAccount, used: int) -> common_pb2.PoolUsage:
+    return common_pb2.PoolUsage(
+        total_bytes=account.total,
+        leased_bytes=account.leased_bytes,
+        free_bytes=account.free_bytes,
+        used_bytes=used,
+    )

@@ -1,0 +1,476 @@
+"""The daemon's settings: parsed once, at the edge, into one frozen and documented object.
+
+Each setting may come from four places; the first that gives it wins:
+
+    --device-pool 8GiB             command line  (add_arguments, settings_from_args)
+    TIDALPOOLD_DEVICE_POOL=8GiB    environment   (handed in as a mapping; never read here)
+    device_pool = "8GiB"           TOML file     (--config PATH, or TIDALPOOLD_CONFIG)
+    4 GiB                          the field's default
+
+Every failure is a `SettingsError` naming the setting, the source of its value and the value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import grp
+import math
+import os
+import tomllib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tidalpool.units import Bytes, format_size, parse_size
+
+ENV_PREFIX = "TIDALPOOLD_"
+CONFIG_ENV = "TIDALPOOLD_CONFIG"
+DEFAULT_SOURCE = "default"
+DIRECT_SOURCE = "Settings()"
+CONFIG_ARG_SOURCE = "config_path argument"
+
+_KiB = 1024
+_MiB = 1024 * _KiB
+_GiB = 1024 * _MiB
+
+
+class SettingsError(ValueError):
+    """A setting is malformed or out of range.
+
+    `setting`, `source` and `value` say which, from where and what; `related` names the other
+    setting (name, source, value) when the problem is between two of them.
+    """
+
+    def __init__(
+        self,
+        setting: str,
+        source: str,
+        value: object,
+        problem: str,
+        *,
+        related: tuple[str, str, object] | None = None,
+    ) -> None:
+        self.setting = setting
+        self.source = source
+        self.value = value
+        self.problem = problem
+        self.related = related
+        message = f"{setting}: {problem} (got {value!r} from {source})"
+        if related is not None:
+            message += f"; {related[0]} is {related[2]!r} from {related[1]}"
+        super().__init__(message)
+
+
+@dataclass(frozen=True, slots=True)
+class _Kind:
+    """How one type of setting is parsed from text/TOML, checked, shown and logged."""
+
+    parse: Callable[[object], Any]  # raw value (str, int, list...) -> typed value; ValueError
+    check: Callable[[object], bool]  # is a constructed value of the right type?
+    expect: str  # what `check` wants, for the error message
+    show: Callable[[Any], object]  # typed value -> JSON-friendly value
+    text: Callable[[Any], str]  # typed value -> human text (help defaults)
+    metavar: str
+    choices: tuple[str, ...] = ()
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _parse_int(raw: object) -> int:
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        return raw
+    if isinstance(raw, str):
+        try:
+            return int(raw.strip(), 10)
+        except ValueError:
+            pass
+    raise ValueError("expected a whole number")
+
+
+def _parse_size(raw: object) -> Bytes:
+    if isinstance(raw, str | int) and not isinstance(raw, bool):
+        return parse_size(raw)
+    raise ValueError("expected a size such as 4GiB, 512MB or a number of bytes")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _parse_float(raw: object) -> float:
+    if isinstance(raw, int | float) and not isinstance(raw, bool):
+        return float(raw)
+    if isinstance(raw, str):
+        try:
+            return float(raw.strip())
+        except ValueError:
+            pass
+    raise ValueError("expected a number of seconds")
+
+
+def _parse_str(raw: object) -> str:
+    if isinstance(raw, str):
+        return raw.strip()
+    raise ValueError("expected a string")
+
+
+def _parse_word(raw: object) -> str:
+    return _parse_str(raw).lower()
+
+
+def _parse_path(raw: object) -> Path:
+    if isinstance(raw, str | os.PathLike) and str(raw).strip():
+        return Path(str(raw).strip())
+    raise ValueError("expected a non-empty path")
+
+
+def _parse_mode(raw: object) -> int:
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        return raw
+    if isinstance(raw, str):
+        digits = raw.strip().lower().removeprefix("0o")
+        if digits and all(c in "01234567" for c in digits):
+            return int(digits, 8)
+    raise ValueError("expected an octal permission mode such as 0660")
+
+
+def _parse_group(item: object) -> int:
+    if isinstance(item, int) and not isinstance(item, bool):
+        return item
+    if isinstance(item, str):
+        name = item.strip()
+        if name.isascii() and name.isdigit():
+            return int(name)
+        try:
+            return grp.getgrnam(name).gr_gid
+        except KeyError:
+            raise ValueError(f"unknown group {name!r}") from None
+    raise ValueError(f"expected a group name or gid, not {item!r}")
+
+
+def _parse_gids(raw: object) -> tuple[int, ...]:
+    if isinstance(raw, str):
+        items: list[object] = [part for part in raw.split(",") if part.strip()]
+    elif isinstance(raw, list | tuple):
+        items = list(raw)
+    else:
+        raise ValueError("expected group names or gids, comma-separated or as a list")
+    return tuple(_parse_group(item) for item in items)
+
+
+def _is_gids(value: object) -> bool:
+    return isinstance(value, tuple) and all(_is_int(gid) for gid in value)
+
+
+_SIZE = _Kind(_parse_size, _is_int, "a whole number of bytes", int, format_size, "SIZE")
+_INT = _Kind(_parse_int, _is_int, "a whole number", int, str, "N")
+_SECONDS = _Kind(_parse_float, _is_number, "a number", float, lambda v: f"{v:g}", "SECONDS")
+_PATH = _Kind(_parse_path, lambda v: isinstance(v, Path), "a Path", str, str, "DIR")
+_MODE = _Kind(_parse_mode, _is_int, "a whole number", lambda v: f"{v:04o}", "{:04o}".format, "MODE")
+_GIDS = _Kind(
+    _parse_gids,
+    _is_gids,
+    "a tuple of gids",
+    list,
+    lambda v: ",".join(map(str, v)) or "none",
+    "GROUPS",
+)
+_ADDRESS = _Kind(_parse_str, lambda v: isinstance(v, str), "a string", str, repr, "HOST:PORT")
+
+
+def _choice(*choices: str) -> _Kind:
+    metavar = "{" + ",".join(choices) + "}"
+    return _Kind(_parse_word, lambda v: isinstance(v, str), "a string", str, str, metavar, choices)
+
+
+def _about(kind: _Kind, doc: str) -> dict[str, object]:
+    """A field's metadata: how it parses, and its one-line doc (also its --help text)."""
+    return {"kind": kind, "doc": doc}
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Everything the daemon is told at start. Built by `load_settings`; passed down explicitly."""
+
+    backend: str = field(
+        default="sim",
+        metadata=_about(_choice("sim", "cuda"), "memory backend: sim (memfd, no GPU) or cuda"),
+    )
+    device_pool: Bytes = field(
+        default=Bytes(4 * _GiB), metadata=_about(_SIZE, "size of the preallocated device pool")
+    )
+    host_pool: Bytes = field(
+        default=Bytes(8 * _GiB), metadata=_about(_SIZE, "size of the pinned host pool")
+    )
+    default_device_lease: Bytes = field(
+        default=Bytes(1 * _GiB),
+        metadata=_about(_SIZE, "device lease given to a session that asks for 0"),
+    )
+    default_host_lease: Bytes = field(
+        default=Bytes(2 * _GiB),
+        metadata=_about(_SIZE, "host lease given to a session that asks for 0"),
+    )
+    socket_dir: Path = field(
+        default=Path("/run/tidalpool"),
+        metadata=_about(_PATH, "directory of tidalpool.sock (gRPC) and handles.sock"),
+    )
+    socket_mode: int = field(
+        default=0o660, metadata=_about(_MODE, "permission mode of both sockets, in octal")
+    )
+    allowed_gids: tuple[int, ...] = field(
+        default=(),
+        metadata=_about(
+            _GIDS,
+            "groups (names or gids, comma-separated) whose members are admitted although their uid"
+            " differs from the daemon's (checked against the peer's primary gid from SO_PEERCRED)",
+        ),
+    )
+    max_sessions: int = field(default=64, metadata=_about(_INT, "most sessions attached at once"))
+    lease_alignment: Bytes = field(
+        default=Bytes(2 * _MiB), metadata=_about(_SIZE, "alignment of every lease (a power of two)")
+    )
+    attach_timeout_s: float = field(
+        default=5.0,
+        metadata=_about(
+            _SECONDS, "a lease handed out but not Attached over gRPC within this is reclaimed"
+        ),
+    )
+    heartbeat_interval_s: float = field(
+        default=1.0, metadata=_about(_SECONDS, "interval between heartbeats on a session stream")
+    )
+    heartbeat_timeout_s: float = field(
+        default=15.0,
+        metadata=_about(
+            _SECONDS, "a session silent for this long is ended and its lease reclaimed"
+        ),
+    )
+    trace_chunk_events: int = field(
+        default=4096, metadata=_about(_INT, "events per trace chunk on the session stream")
+    )
+    max_trace_events: int = field(
+        default=4_000_000,
+        metadata=_about(_INT, "trace events kept per session; older ones are dropped beyond it"),
+    )
+    shutdown_grace_s: float = field(
+        default=2.0, metadata=_about(_SECONDS, "time sessions get to finish when the daemon stops")
+    )
+    log_format: str = field(
+        default="text", metadata=_about(_choice("text", "json"), "log line format")
+    )
+    log_level: str = field(
+        default="info",
+        metadata=_about(_choice("debug", "info", "warning", "error"), "lowest level logged"),
+    )
+    metrics_address: str = field(
+        default="127.0.0.1:9477",
+        metadata=_about(_ADDRESS, 'host:port of the Prometheus endpoint; "" disables it'),
+    )
+    gpu: int = field(default=0, metadata=_about(_INT, "index of the GPU this daemon manages"))
+
+    def __post_init__(self) -> None:
+        problem = next(_problems(self), None)
+        if problem is not None:
+            name, text, other = problem
+            related = None if other is None else (other, DIRECT_SOURCE, getattr(self, other))
+            raise SettingsError(name, DIRECT_SOURCE, getattr(self, name), text, related=related)
+
+    @property
+    def grpc_socket(self) -> Path:
+        """The gRPC (Attach, Session stream, Admin) Unix socket."""
+        return self.socket_dir / "tidalpool.sock"
+
+    @property
+    def handles_socket(self) -> Path:
+        """The Unix socket that checks the peer and passes lease fds."""
+        return self.socket_dir / "handles.sock"
+
+
+_FIELDS = dataclasses.fields(Settings)
+_NAMES = tuple(f.name for f in _FIELDS)
+
+
+def _kind(f: dataclasses.Field[Any]) -> _Kind:
+    kind = f.metadata["kind"]
+    assert isinstance(kind, _Kind)
+    return kind
+
+
+def _address_ok(address: str) -> bool:
+    if address == "":
+        return True
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not (port.isascii() and port.isdigit()) or int(port) > 65535:
+        return False
+    return ":" not in host or (host.startswith("[") and host.endswith("]"))
+
+
+def _problems(s: Settings) -> Iterator[tuple[str, str, str | None]]:
+    """Yield (setting, problem, related setting or None) for every rule `s` breaks.
+
+    A problem between two settings names both in its text, so either may be blamed for it.
+    """
+    for f in _FIELDS:
+        kind, value = _kind(f), getattr(s, f.name)
+        if not kind.check(value):
+            yield f.name, f"must be {kind.expect}", None
+            return
+        if kind.choices and value not in kind.choices:
+            yield f.name, f"must be one of {', '.join(kind.choices)}", None
+    for pool in ("device_pool", "host_pool"):
+        if getattr(s, pool) <= 0:
+            yield pool, "must be greater than 0", None
+    for lease, pool in (
+        ("default_device_lease", "device_pool"),
+        ("default_host_lease", "host_pool"),
+    ):
+        if getattr(s, lease) <= 0:
+            yield lease, "must be greater than 0", None
+        elif getattr(s, lease) > getattr(s, pool):
+            yield lease, f"{lease} must not exceed {pool}", pool
+    if not 0 <= s.socket_mode <= 0o777:
+        yield "socket_mode", 'must be a mode from 0000 to 0777 (write it as a string: "0660")', None
+    if any(gid < 0 for gid in s.allowed_gids):
+        yield "allowed_gids", "gids must not be negative", None
+    if s.max_sessions < 1:
+        yield "max_sessions", "must be at least 1", None
+    if s.lease_alignment <= 0 or s.lease_alignment & (s.lease_alignment - 1):
+        yield "lease_alignment", "must be a power of two", None
+    for name in ("attach_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s"):
+        if not (math.isfinite(getattr(s, name)) and getattr(s, name) > 0):
+            yield name, "must be a finite number of seconds greater than 0", None
+    if s.heartbeat_timeout_s <= s.heartbeat_interval_s:
+        yield (
+            "heartbeat_timeout_s",
+            "heartbeat_timeout_s must exceed heartbeat_interval_s",
+            "heartbeat_interval_s",
+        )
+    if not (math.isfinite(s.shutdown_grace_s) and s.shutdown_grace_s >= 0):
+        yield "shutdown_grace_s", "must be a finite number of seconds, 0 or more", None
+    if not 1 <= s.trace_chunk_events <= 1_000_000:
+        yield "trace_chunk_events", "must be between 1 and 1000000", None
+    if s.max_trace_events < s.trace_chunk_events:
+        yield (
+            "max_trace_events",
+            "max_trace_events must be at least trace_chunk_events",
+            "trace_chunk_events",
+        )
+    if not _address_ok(s.metrics_address):
+        yield "metrics_address", 'must be host:port (IPv6 as [::1]:9477) or "" to disable', None
+    if s.gpu < 0:
+        yield "gpu", "must not be negative", None
+
+
+def _read_toml(path: Path, source: str) -> dict[str, Any]:
+    try:
+        with path.open("rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise SettingsError("config", source, str(path), "config file does not exist") from None
+    except tomllib.TOMLDecodeError as err:
+        raise SettingsError("config", source, str(path), f"not valid TOML: {err}") from None
+    except OSError as err:
+        problem = f"cannot read config file: {err.strerror or err}"
+        raise SettingsError("config", source, str(path), problem) from None
+    for key, value in data.items():
+        if key not in _NAMES:
+            problem = f"unknown key; valid keys: {', '.join(_NAMES)}"
+            raise SettingsError(key, f"config file {path} key {key}", value, problem)
+    return data
+
+
+def _load(
+    cli: Mapping[str, object], env: Mapping[str, str], config_path: Path | None, config_source: str
+) -> Settings:
+    values: dict[str, Any] = {f.name: f.default for f in _FIELDS}
+    origin: dict[str, tuple[str, object]] = {f.name: (DEFAULT_SOURCE, f.default) for f in _FIELDS}
+
+    def put(name: str, raw: object, source: str) -> None:
+        try:
+            values[name] = _kind(_FIELDS[_NAMES.index(name)]).parse(raw)
+        except ValueError as err:
+            raise SettingsError(name, source, raw, str(err)) from None
+        origin[name] = (source, raw)
+
+    known_env = {ENV_PREFIX + name.upper() for name in _NAMES} | {CONFIG_ENV}
+    for var in sorted(env):
+        if var.startswith(ENV_PREFIX) and var not in known_env:
+            problem = f"unknown setting; valid variables: {', '.join(sorted(known_env))}"
+            raise SettingsError(var, "environment", env[var], problem)
+    for key in cli:
+        if key not in _NAMES:
+            raise SettingsError(key, "command line", cli[key], "unknown setting")
+
+    if config_path is None and env.get(CONFIG_ENV, "").strip():
+        config_path, config_source = Path(env[CONFIG_ENV].strip()), CONFIG_ENV
+    if config_path is not None:
+        for key, raw in _read_toml(Path(config_path), config_source).items():
+            put(key, raw, f"config file {config_path} key {key}")
+    for name in _NAMES:
+        if ENV_PREFIX + name.upper() in env:
+            put(name, env[ENV_PREFIX + name.upper()], ENV_PREFIX + name.upper())
+    for name in _NAMES:
+        if cli.get(name) is not None:
+            put(name, cli[name], "--" + name.replace("_", "-"))
+
+    try:
+        return Settings(**values)
+    except SettingsError as err:
+        blamed, other = err.setting, None if err.related is None else err.related[0]
+        if other is not None and origin[blamed][0] == DEFAULT_SOURCE != origin[other][0]:
+            blamed, other = other, blamed  # blame the setting someone actually gave
+        related = None if other is None else (other, *origin[other])
+        raise SettingsError(blamed, *origin[blamed], err.problem, related=related) from None
+
+
+def load_settings(
+    cli: Mapping[str, object] | None = None,
+    env: Mapping[str, str] | None = None,
+    config_path: Path | None = None,
+) -> Settings:
+    """Merge CLI > environment > TOML file > defaults into a validated `Settings`.
+
+    `cli` maps field names to values (None: not given); `env` is the environment to read
+    (the caller passes os.environ); `config_path`, or else $TIDALPOOLD_CONFIG, names the TOML file.
+    """
+    return _load(cli or {}, env or {}, config_path, CONFIG_ARG_SOURCE)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one --kebab-case option per setting (default None: not given) and --config PATH."""
+    for f in _FIELDS:
+        kind = _kind(f)
+        doc = f"{f.metadata['doc']} (default: {kind.text(f.default)})"
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"),
+            dest=f.name,
+            default=None,
+            metavar=kind.metavar,
+            help=doc.replace("%", "%%"),
+        )
+    parser.add_argument(
+        "--config",
+        dest="config",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help=f"TOML file whose top-level keys are setting names (default: ${CONFIG_ENV} if set)",
+    )
+
+
+def settings_from_args(ns: argparse.Namespace, env: Mapping[str, str]) -> Settings:
+    """The `Settings` for options parsed by a parser that `add_arguments` set up."""
+    cli = {name: getattr(ns, name, None) for name in _NAMES}
+    config = getattr(ns, "config", None)
+    return _load(cli, env, None if config is None else Path(config), "--config")
+
+
+def describe(settings: Settings) -> dict[str, object]:
+    """JSON-friendly settings (sizes as ints, paths as str, mode as "0660") for the startup log."""
+    out = {f.name: _kind(f).show(getattr(settings, f.name)) for f in _FIELDS}
+    out["grpc_socket"] = str(settings.grpc_socket)
+    out["handles_socket"] = str(settings.handles_socket)
+    return out

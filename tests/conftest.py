@@ -1,0 +1,44 @@
+"""Shared fixtures: real tidalpoold processes in short temporary socket directories."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from tidalpool.local import LocalDaemon
+
+StartDaemon = Callable[..., LocalDaemon]
+
+
+@pytest.fixture
+def start_daemon() -> Iterator[StartDaemon]:
+    """Start sim daemons (256 MiB pools, 64 MiB default leases, extra CLI args allowed);
+    every one is stopped and its directory removed at the end of the test."""
+    started: list[LocalDaemon] = []
+
+    def start(*extra: str, device_pool: str = "256MiB", host_pool: str = "256MiB") -> LocalDaemon:
+        # Unix socket paths are limited to 107 bytes: keep the directory short.
+        directory = Path(tempfile.mkdtemp(prefix="tp-", dir="/tmp"))
+        d = LocalDaemon.start(
+            directory,
+            device_pool=device_pool,
+            host_pool=host_pool,
+            default_lease="64MiB",
+            extra=extra,
+        )
+        started.append(d)
+        return d
+
+    yield start
+    for d in started:
+        d.stop()
+        shutil.rmtree(d.socket_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon(start_daemon: StartDaemon) -> LocalDaemon:
+    """One sim daemon with the defaults of `start_daemon`."""
+    return start_daemon()

@@ -1,0 +1,192 @@
+"""The demo network learns, is bit-identical wherever its arrays lie, and uses Memory right."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tidalpool.demo import net
+from tidalpool.demo.net import Array, DType, PlainMemory, peak_live_bytes, persistent_bytes, train
+
+ALIGN = 256
+F, C = net.FEATURES, net.CLASSES
+
+
+class ArenaMemory:
+    """A bump allocator over one big uint8 buffer filled with 0xFF (NaN as float32, so a read of
+    memory never written shows in the loss); blocks `align`-aligned, starting `skew` bytes past a
+    256-byte boundary. Nothing is reused: every iteration gets fresh addresses."""
+
+    def __init__(self, size: int = 64 << 20, align: int = ALIGN, skew: int = 0) -> None:
+        raw = np.full(size + 2 * ALIGN, 0xFF, dtype=np.uint8)
+        start = (-raw.ctypes.data) % ALIGN + skew
+        self.buf = raw[start : start + size]
+        self.align = align
+        self.top = 0
+
+    def array(self, shape: tuple[int, ...], dtype: DType) -> Array:
+        dt = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        offset = self.top
+        self.top += -(-max(nbytes, 1) // self.align) * self.align
+        if self.top > self.buf.size:
+            raise MemoryError("arena exhausted")
+        return self.buf[offset : offset + nbytes].view(dt).reshape(shape)
+
+    def release(self, arr: Array) -> None:
+        pass
+
+    def op(
+        self, name: str, reads: Sequence[Array], writes: Sequence[Array]
+    ) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def step(self) -> None:
+        pass
+
+
+class RecordingMemory(PlainMemory):
+    """Checks each call as it comes; arrays are known by identity (kept alive, so ids stay unique).
+
+    Iteration -1 is model creation (before the first step)."""
+
+    def __init__(self) -> None:
+        self.arrays: dict[int, Array] = {}
+        self.obtained_in: dict[int, int] = {}
+        self.released_in: dict[int, int] = {}
+        self.written: set[int] = set()
+        self.iteration = -1
+        self.live_at_step: list[int] = []
+        self.in_op = False
+        self.ops = 0
+
+    def live(self) -> int:
+        return len(self.arrays) - len(self.released_in)
+
+    def array(self, shape: tuple[int, ...], dtype: DType) -> Array:
+        arr = super().array(shape, dtype)
+        self.arrays[id(arr)] = arr
+        self.obtained_in[id(arr)] = self.iteration
+        return arr
+
+    def _check_live(self, arr: Array, what: str) -> None:
+        assert self.arrays.get(id(arr)) is arr, f"{what}: an array this memory did not return"
+        assert id(arr) not in self.released_in, f"{what}: array used after its release"
+
+    def release(self, arr: Array) -> None:
+        self._check_live(arr, "release")
+        assert not self.in_op, "release inside an op"
+        self.released_in[id(arr)] = self.iteration
+
+    @contextlib.contextmanager
+    def _op(self, name: str, reads: Sequence[Array], writes: Sequence[Array]) -> Iterator[None]:
+        assert not self.in_op, f"{name}: nested op"
+        for arr in reads:
+            self._check_live(arr, f"{name} reads")
+            assert id(arr) in self.written, f"{name} reads an array never written"
+        for arr in writes:
+            self._check_live(arr, f"{name} writes")
+        self.in_op = True
+        yield
+        self.in_op = False
+        self.written.update(id(arr) for arr in writes)
+        self.ops += 1
+
+    def op(
+        self, name: str, reads: Sequence[Array], writes: Sequence[Array]
+    ) -> contextlib.AbstractContextManager[None]:
+        return self._op(name, reads, writes)
+
+    def step(self) -> None:
+        assert not self.in_op, "step inside an op"
+        self.live_at_step.append(self.live())
+        self.iteration += 1
+
+
+@pytest.fixture(scope="module")
+def plain_losses() -> list[float]:
+    return train(PlainMemory())
+
+
+def test_loss_falls(plain_losses: list[float]) -> None:
+    # Measured (NumPy 2.4): 2.8578514986726 at iteration 0, 0.4678785127663745 at iteration 19.
+    assert len(plain_losses) == 20
+    assert 2.8 < plain_losses[0] < 2.9
+    assert plain_losses[-1] < 0.5
+    assert plain_losses[-1] < plain_losses[0] / 5
+
+
+def test_on_iteration_gets_each_loss(plain_losses: list[float]) -> None:
+    seen: list[tuple[int, float]] = []
+    losses = train(PlainMemory(), iterations=3, on_iteration=lambda i, x: seen.append((i, x)))
+    assert seen == list(enumerate(losses))
+    assert losses == plain_losses[:3]
+
+
+def test_two_plain_runs_are_equal(plain_losses: list[float]) -> None:
+    assert train(PlainMemory()) == plain_losses
+
+
+@pytest.mark.parametrize("skew", [0, 4, 64])
+def test_arena_is_bit_identical_to_plain(plain_losses: list[float], skew: int) -> None:
+    # skew 0: 256-byte-aligned blocks; 4 and 64: only 4- and 64-byte-aligned addresses.
+    arena = ArenaMemory(skew=skew)
+    assert train(arena) == plain_losses
+    assert arena.top > 0
+
+
+@pytest.mark.parametrize("threads", ["1", "4"])
+def test_loss_does_not_depend_on_thread_count(plain_losses: list[float], threads: str) -> None:
+    # OpenBLAS gives other bits with 1 thread than with more; the network must not use it.
+    env = dict(os.environ, PYTHONPATH=str(Path(net.__file__).parents[2]))
+    env.update({k: threads for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")})
+    code = "from tidalpool.demo.net import *; print(*(x.hex() for x in train(PlainMemory())))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    assert out.split() == [x.hex() for x in plain_losses]
+
+
+def test_memory_protocol_usage() -> None:
+    mem = RecordingMemory()
+    iterations = 3
+    train(mem, iterations=iterations, width=32, batch=16)
+
+    persistent = {i for i, it in mem.obtained_in.items() if it == -1}
+    assert len(persistent) == 12  # weight, bias and their gradients for 3 layers
+    assert not persistent & mem.released_in.keys()
+    # Every other array is released exactly once (a second release fails in _check_live),
+    # in the iteration that obtained it.
+    temporaries = mem.arrays.keys() - persistent
+    assert temporaries == mem.released_in.keys()
+    assert all(mem.released_in[i] == mem.obtained_in[i] for i in temporaries)
+    assert len(temporaries) == iterations * 21
+    assert mem.iteration == iterations - 1  # step() once per iteration
+    assert mem.live_at_step == [12] * iterations
+    assert mem.live() == 12
+    assert mem.ops == 3 + iterations * 24
+
+
+def _persistent(width: int) -> int:
+    params = F * width + width + width * width + width + width * C + C
+    return 2 * 4 * params  # float32 parameters and their gradients
+
+
+@pytest.mark.parametrize(("width", "batch"), [(256, 128), (64, 32)])
+def test_peak_live_bytes_formula(width: int, batch: int) -> None:
+    # The peak is in relu2's backward: x (B x F) and h1, dh2, dz2 (B x W) in float32 and the bool
+    # mask (B x W) are live; h2 was released once the mask was made.
+    activations = batch * (4 * (F + 3 * width) + width)
+    assert persistent_bytes(width=width, batch=batch) == _persistent(width)
+    assert peak_live_bytes(width=width, batch=batch) == _persistent(width) + activations
+
+
+def test_peak_live_bytes_default() -> None:
+    assert persistent_bytes() == 680_016
+    assert peak_live_bytes() == 680_016 + 458_752 == 1_138_768
