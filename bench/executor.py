@@ -1,10 +1,18 @@
 """Latency of a malloc+free pair through the learning-mode Executor, against a naive first-fit.
 
-Two workloads: (a) one size allocated and freed over and over; (b) the alloc/free events of one
-training iteration of a real trace (ResNet-50, batch 32), replayed again and again in steady
-state, in a lease of twice the peak live bytes. Each malloc and each free is timed on its own
-(perf_counter_ns, the timer's own cost subtracted); a pair's latency is its malloc's plus its
-free's. "mean" is an untimed replay of the same sequence: total time / pairs.
+Workloads: (a) one size allocated and freed over and over in an empty lease; (a') the same
+behind 1000 free 256 B holes, where a first fit must walk past every hole; (b) the alloc/free
+events of one training iteration of a real trace (ResNet-50, batch 32), replayed again and
+again in steady state in a lease of twice the peak live bytes.
+
+Allocators: `Executor` (what a session calls: validation, Block, counters), the bare `BestFit`
+under it, and `NaiveFirstFit`, a first fit over a Python list written below as the baseline.
+
+Each malloc and each free is timed on its own (perf_counter_ns, the timer's own cost
+subtracted); a pair's latency is its malloc's plus its free's: "median" and "p99" are over
+pairs. "loop" is the same sequence without timers: time / pairs, the median over the rounds.
+"high water" is the highest byte ever handed out. Rounds alternate the allocators so that noise
+from other processes falls on all of them alike; the garbage collector is off while timing.
 
     PYTHONPATH=client:daemon python bench/executor.py [--json] [--trace FILE]
 """
@@ -18,19 +26,23 @@ import statistics
 import sys
 import time
 from bisect import bisect_left
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tidalpool.executor import BestFit, Executor
 from tidalpool.units import format_size
 
-TRACES = ("shared/traces/models", "/work/shared/traces/models")
+# The shared data sits beside the repository (../shared), as on every developer machine and CI.
+TRACES = (str(Path(__file__).resolve().parents[2] / "shared/traces/models"),)
 TRACE = "resnet50.b32.trace.csv"
 SINGLE_SIZE = 1 << 20
-SINGLE_PAIRS = 30_000
-REPLAYS = 120
+SINGLE_PAIRS = 5_000  # per round
+HOLES = 1000
+REPLAYS = 20  # per round
+ROUNDS = 5
+ALLOCATORS = ("Executor", "BestFit", "NaiveFirstFit")
 
 
 class NaiveFirstFit:
@@ -126,16 +138,14 @@ def load_replay(path: Path) -> Replay:
                     carried_in.append(block)
             elif it == 2 and born[block] == 1:
                 survivors.append(block)
-    if not ops or len(survivors) != len(carried_in):
+    carry = list(zip(survivors, carried_in, strict=False))
+    if not ops or len(survivors) != len(carried_in) or any(sizes[s] != sizes[c] for s, c in carry):
         raise SystemExit(f"{path}: iterations 1 and 2 differ; cannot replay iteration 1 in a loop")
-    carry = list(zip(survivors, carried_in, strict=True))
-    if any(sizes[s] != sizes[c] for s, c in carry):
-        raise SystemExit(f"{path}: iterations 1 and 2 differ; cannot replay iteration 1 in a loop")
-    now = peak = sum(size for _, size in setup)
-    for block, size in ops:
-        now += size if size else -sizes[block]
+    now = peak = sum(nbytes for _, nbytes in setup)
+    for block, nbytes in ops:
+        now += nbytes if nbytes else -sizes[block]
         peak = max(peak, now)
-    return Replay(setup, ops, carry, peak, sum(1 for _, size in ops if size))
+    return Replay(setup, ops, carry, peak, sum(1 for _, nbytes in ops if nbytes))
 
 
 def make(kind: str, capacity: int) -> tuple[Malloc, Free, Callable[[Any], int]]:
@@ -159,34 +169,43 @@ def timer_overhead() -> int:
     return min(-clock() + clock() for _ in range(20_000))
 
 
-def single(kind: str, overhead: int) -> tuple[list[int], float]:
+@dataclass
+class Sample:
+    """What the rounds of one workload on one allocator measured."""
+
+    latencies: list[int] = field(default_factory=list)  # timed pairs, ns
+    untimed: list[float] = field(default_factory=list)  # per round: ns per pair, no timers
+    high_water: int = 0
+
+
+def single(kind: str, holes: int, overhead: int, out: Sample) -> None:
+    """malloc+free of SINGLE_SIZE, behind `holes` free 256 B holes left by freed blocks."""
     malloc, free, _ = make(kind, 64 << 20)
+    blocks = [malloc(256) for _ in range(2 * holes)]
+    for h in blocks[::2]:
+        free(h)
     clock = time.perf_counter_ns
-    lat = []
+    lat = out.latencies
     for _ in range(SINGLE_PAIRS):
         t0 = clock()
         h = malloc(SINGLE_SIZE)
         t1 = clock()
         free(h)
-        t2 = clock()
-        lat.append(t2 - t0 - 2 * overhead)
+        lat.append(clock() - t1 + t1 - t0 - 2 * overhead)
     t0 = clock()
     for _ in range(SINGLE_PAIRS):
         free(malloc(SINGLE_SIZE))
-    return lat, (clock() - t0) / SINGLE_PAIRS
+    out.untimed.append((clock() - t0) / SINGLE_PAIRS)
 
 
-def mix(kind: str, replay: Replay, overhead: int) -> tuple[list[int], float, int]:
-    """Pair latencies, untimed mean ns per pair, and the highest byte ever handed out."""
-    lease = 2 * replay.peak_live
-    malloc, free, offset_of = make(kind, lease)
+def mix(kind: str, replay: Replay, overhead: int, out: Sample) -> None:
+    """REPLAYS iterations timed op by op, then REPLAYS more untimed."""
+    malloc, free, offset_of = make(kind, 2 * replay.peak_live)
     handles = {b: malloc(size) for b, size in replay.setup}
-    high = max(
-        (offset_of(h) + size for (_, size), h in zip(replay.setup, handles.values())), default=0
-    )
+    high = max(offset_of(handles[b]) + size for b, size in replay.setup)
     clock = time.perf_counter_ns
-    pending: dict[int, int] = {}
-    lat: list[int] = []
+    pending: dict[int, int] = {}  # block -> its malloc's ns, until it is freed
+    lat = out.latencies
     for _ in range(REPLAYS):
         for block, size in replay.ops:
             if size:
@@ -212,44 +231,45 @@ def mix(kind: str, replay: Replay, overhead: int) -> tuple[list[int], float, int
             else:
                 free(handles.pop(block))
         rename(handles, replay.carry)
-    return lat, (clock() - t0) / (REPLAYS * replay.pairs), high
+    out.untimed.append((clock() - t0) / (REPLAYS * replay.pairs))
+    out.high_water = max(out.high_water, high)
 
 
 def rename(table: dict[int, Any], carry: list[tuple[int, int]]) -> None:
+    """Survivors of this iteration play the blocks the next one frees first."""
     for survivor, carried_in in carry:
         if survivor in table:
             table[carried_in] = table.pop(survivor)
 
 
-def summary(lat: list[int]) -> tuple[float, float]:
-    lat.sort()
-    return statistics.median(lat), lat[min(len(lat) - 1, int(0.99 * len(lat)))]
-
-
-def rows(replay: Replay, overhead: int) -> Iterator[dict[str, Any]]:
-    for kind in ("Executor", "BestFit", "NaiveFirstFit"):
-        lat, mean = single(kind, overhead)
-        median, p99 = summary(lat)
-        yield {
-            "workload": f"single {format_size(SINGLE_SIZE)}",
-            "allocator": kind,
-            "median_ns": median,
-            "p99_ns": p99,
-            "mean_ns": mean,
-            "pairs": len(lat),
-        }
-    for kind in ("Executor", "BestFit", "NaiveFirstFit"):
-        lat, mean, high = mix(kind, replay, overhead)
-        median, p99 = summary(lat)
-        yield {
-            "workload": "resnet50 iter",
-            "allocator": kind,
-            "median_ns": median,
-            "p99_ns": p99,
-            "mean_ns": mean,
-            "pairs": len(lat),
-            "high_water_bytes": high,
-        }
+def measure(replay: Replay, overhead: int) -> list[dict[str, Any]]:
+    """Every workload on every allocator, in ROUNDS interleaved rounds (noise hits all alike)."""
+    workloads: dict[str, Callable[[str, Sample], None]] = {
+        f"{format_size(SINGLE_SIZE)}": lambda k, out: single(k, 0, overhead, out),
+        f"{format_size(SINGLE_SIZE)}, {HOLES} holes": lambda k, out: single(
+            k, HOLES, overhead, out
+        ),
+        "resnet50 iter": lambda k, out: mix(k, replay, overhead, out),
+    }
+    samples = {(w, k): Sample() for w in workloads for k in ALLOCATORS}
+    for _ in range(ROUNDS):
+        for (workload, kind), out in samples.items():
+            workloads[workload](kind, out)
+    results = []
+    for (workload, kind), out in samples.items():
+        lat = sorted(out.latencies)
+        results.append(
+            {
+                "workload": workload,
+                "allocator": kind,
+                "median_ns": statistics.median(lat),
+                "p99_ns": lat[int(0.99 * (len(lat) - 1))],
+                "loop_ns": statistics.median(out.untimed),
+                "timed_pairs": len(lat),
+                "high_water_bytes": out.high_water or None,
+            }
+        )
+    return results
 
 
 def find_trace() -> Path:
@@ -269,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     overhead = timer_overhead()
     gc.disable()
     try:
-        results = list(rows(replay, overhead))
+        results = measure(replay, overhead)
     finally:
         gc.enable()
     info = {
@@ -280,27 +300,28 @@ def main(argv: list[str] | None = None) -> int:
         "pairs_per_iteration": replay.pairs,
         "peak_live_bytes": replay.peak_live,
         "lease_bytes": 2 * replay.peak_live,
-        "replays": REPLAYS,
+        "rounds": ROUNDS,
+        "replays_per_round": REPLAYS,
+        "single_pairs_per_round": SINGLE_PAIRS,
         "results": results,
     }
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
     print(
-        f"trace {path.name}: {len(replay.setup)} blocks live at iter 1, {replay.pairs} "
-        f"malloc+free pairs per iteration, lease {format_size(2 * replay.peak_live)} "
-        f"(2 x peak live {format_size(replay.peak_live)}); timer overhead {overhead} ns "
-        "subtracted"
+        f"{path.name}: {len(replay.setup)} blocks live at iter 1, {replay.pairs} malloc+free pairs"
+        f" an iteration, lease {format_size(2 * replay.peak_live)} (2 x peak live"
+        f" {format_size(replay.peak_live)}); timer overhead {overhead} ns subtracted"
     )
     print(
-        f"{'workload':<16}{'allocator':<15}{'median ns':>10}{'p99 ns':>10}{'mean ns':>10}"
+        f"{'workload':<20}{'allocator':<15}{'median ns':>10}{'p99 ns':>10}{'loop ns':>10}"
         f"{'high water':>12}"
     )
     for r in results:
-        high = format_size(r["high_water_bytes"]) if "high_water_bytes" in r else ""
+        high = format_size(r["high_water_bytes"]) if r["high_water_bytes"] else ""
         print(
-            f"{r['workload']:<16}{r['allocator']:<15}{r['median_ns']:>10.0f}"
-            f"{r['p99_ns']:>10.0f}{r['mean_ns']:>10.0f}{high:>12}"
+            f"{r['workload']:<20}{r['allocator']:<15}{r['median_ns']:>10.0f}"
+            f"{r['p99_ns']:>10.0f}{r['loop_ns']:>10.0f}{high:>12}"
         )
     return 0
 

@@ -24,6 +24,7 @@ keeps the counters and calls the recorder; it turns `BestFit`'s "does not fit" (
 from __future__ import annotations
 
 import itertools
+import operator
 from bisect import bisect_left, insort
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,7 +46,17 @@ _executor_ids = itertools.count(1)
 class BestFit:
     """Online best-fit over [0, capacity) with coalescing of free neighbours."""
 
-    __slots__ = ("_alignment", "_by_end", "_by_size", "_by_start", "_capacity", "_live", "_used")
+    __slots__ = (
+        "_alignment",
+        "_by_end",
+        "_by_size",
+        "_by_start",
+        "_capacity",
+        "_live",
+        "_mask",
+        "_notmask",
+        "_used",
+    )
 
     def __init__(self, capacity: int, alignment: int = ALIGNMENT) -> None:
         if alignment <= 0 or alignment & (alignment - 1):
@@ -53,6 +64,8 @@ class BestFit:
         if capacity < 0:
             raise ValueError(f"capacity must not be negative, got {capacity}")
         self._alignment = alignment
+        self._mask = alignment - 1
+        self._notmask = ~(alignment - 1)
         self._capacity = capacity & ~(alignment - 1)
         self._live: dict[int, int] = {}
         self._by_start: dict[int, int] = {}
@@ -60,14 +73,15 @@ class BestFit:
         self._by_size: list[tuple[int, int]] = []
         self._used = 0
         if self._capacity:
-            self._add_free(0, self._capacity)
+            self._by_start[0] = self._capacity
+            self._by_end[self._capacity] = 0
+            self._by_size.append((self._capacity, 0))
 
     def allocate(self, nbytes: int) -> int | None:
         """Place `nbytes` (rounded up to the alignment); the offset, or None when nothing fits."""
         if nbytes <= 0:
             raise ValueError(f"allocate of {nbytes} bytes: size must be positive")
-        mask = self._alignment - 1
-        size = (nbytes + mask) & ~mask
+        size = (nbytes + self._mask) & self._notmask
         by_size = self._by_size
         i = bisect_left(by_size, (size, -1))
         if i == len(by_size):
@@ -77,7 +91,7 @@ class BestFit:
         end = offset + free_size
         if free_size > size:
             rest = offset + size
-            insort(by_size, (free_size - size, rest))
+            insort(by_size, (free_size - size, rest), 0, i)  # it sorts below the hole
             self._by_start[rest] = free_size - size
             self._by_end[end] = rest
         else:
@@ -96,22 +110,17 @@ class BestFit:
         start, end = offset, offset + size
         by_start, by_end, by_size = self._by_start, self._by_end, self._by_size
         right = by_start.pop(end, None)
-        if right is not None:
-            del by_end[end + right]
+        if right is not None:  # its by_end entry is overwritten below
             del by_size[bisect_left(by_size, (right, end))]
             end += right
         left = by_end.pop(start, None)
-        if left is not None:
+        if left is not None:  # its by_start entry is overwritten below
             del by_size[bisect_left(by_size, (start - left, left))]
-            del by_start[left]
             start = left
-        self._add_free(start, end - start)
+        by_start[start] = end - start
+        by_end[end] = start
+        insort(by_size, (end - start, start))
         return size
-
-    def _add_free(self, start: int, size: int) -> None:
-        self._by_start[start] = size
-        self._by_end[start + size] = start
-        insort(self._by_size, (size, start))
 
     @property
     def capacity(self) -> int:
@@ -194,10 +203,10 @@ class Executor:
 
     def malloc(self, nbytes: int) -> Block:
         """A new live block of `nbytes`; LeaseExceeded when it does not fit in the lease now."""
-        if type(nbytes) is not int:
-            if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+        if type(nbytes) is not int:  # NumPy integers are fine; bools, floats, strings are not
+            if isinstance(nbytes, bool) or not hasattr(nbytes, "__index__"):
                 raise TypeError(f"malloc size must be an int, got {type(nbytes).__name__}")
-            nbytes = int(nbytes)
+            nbytes = operator.index(nbytes)
         if nbytes <= 0:
             raise ValueError(f"malloc of {nbytes} bytes: size must be positive")
         offset = self._place(nbytes)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -229,6 +230,11 @@ def test_malloc_of_non_positive_size(nbytes: int) -> None:
     with pytest.raises(ValueError, match=f"malloc of {nbytes} bytes: size must be positive"):
         ex.malloc(nbytes)
     assert (ex.mallocs, ex.live_blocks) == (0, 0)
+
+
+def test_malloc_takes_numpy_integers() -> None:
+    ex = Executor(4096)
+    assert ex.malloc(np.int64(1000)) == Block(BlockId(1), Offset(0), Bytes(1000), ex.session)
 
 
 @pytest.mark.parametrize(("value", "name"), [(True, "bool"), (1.5, "float"), ("8", "str")])
