@@ -140,18 +140,17 @@ def _linear_forward(mem: Memory, layer: Linear, x: Array) -> Array:
     return z
 
 
-def _linear_backward(mem: Memory, layer: Linear, x: Array, dz: Array, need_dx: bool) -> Array:
-    """Fills the layer's gradients; returns dx (an empty array when not needed)."""
-    with mem.op(
-        f"{layer.name}.backward_weight",
-        reads=[x, dz],
-        writes=[layer.grad_weight, layer.grad_bias],
-    ):
+def _linear_backward_weight(mem: Memory, layer: Linear, x: Array, dz: Array) -> None:
+    """Fills the layer's gradients from its input x and the gradient dz of its output."""
+    grads = [layer.grad_weight, layer.grad_bias]
+    with mem.op(f"{layer.name}.backward_weight", reads=[x, dz], writes=grads):
         _matmul(x.T, dz, out=layer.grad_weight)
         np.sum(dz, axis=0, out=layer.grad_bias)
-    if not need_dx:
-        return np.empty((0,), np.float32)
-    dx = mem.array(x.shape, np.float32)
+
+
+def _linear_backward_data(mem: Memory, layer: Linear, dz: Array) -> Array:
+    """The gradient of the layer's input."""
+    dx = mem.array((dz.shape[0], layer.weight.shape[0]), np.float32)
     with mem.op(f"{layer.name}.backward_data", reads=[dz, layer.weight], writes=[dx]):
         _matmul(dz, layer.weight.T, out=dx)
     return dx
@@ -255,13 +254,15 @@ class MLP:
         mem.release(probs)
         mem.release(t)
 
-        dh2 = _linear_backward(mem, fc3, h2, dlogits, need_dx=True)
+        _linear_backward_weight(mem, fc3, h2, dlogits)
+        dh2 = _linear_backward_data(mem, fc3, dlogits)
         mem.release(dlogits)
         dz2 = _relu_backward(mem, "relu2", h2, dh2)
-        dh1 = _linear_backward(mem, fc2, h1, dz2, need_dx=True)
+        _linear_backward_weight(mem, fc2, h1, dz2)
+        dh1 = _linear_backward_data(mem, fc2, dz2)
         mem.release(dz2)
         dz1 = _relu_backward(mem, "relu1", h1, dh1)
-        _linear_backward(mem, fc1, x, dz1, need_dx=False)
+        _linear_backward_weight(mem, fc1, x, dz1)  # no dx: x is data
         mem.release(dz1)
         mem.release(x)
 
