@@ -7,6 +7,7 @@ Shared by the daemon and the client: the framing is part of the protocol.
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 from typing import TypeVar
@@ -39,12 +40,15 @@ def receive(sock: socket.socket, kind: type[M]) -> tuple[M, list[int]]:
     if length > MAX_MESSAGE:
         _close_all(fds)
         raise FramingError(f"message of {length} bytes exceeds the limit of {MAX_MESSAGE}")
-    body, _ = _recv_exact(sock, length, with_fds=False)
     try:
+        body, _ = _recv_exact(sock, length, with_fds=False)
         return kind.FromString(body), fds
     except DecodeError as e:
         _close_all(fds)
         raise FramingError(f"malformed {kind.DESCRIPTOR.full_name}: {e}") from e
+    except BaseException:
+        _close_all(fds)
+        raise
 
 
 def _recv_exact(sock: socket.socket, n: int, with_fds: bool) -> tuple[bytes, list[int]]:
@@ -63,7 +67,5 @@ def _recv_exact(sock: socket.socket, n: int, with_fds: bool) -> tuple[bytes, lis
 
 
 def _close_all(fds: list[int]) -> None:
-    import os
-
     for fd in fds:
         os.close(fd)

@@ -7,6 +7,7 @@ distinct types to mypy, so a size is never passed where an offset is meant.
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 from typing import NewType
 
 Bytes = NewType("Bytes", int)
@@ -60,8 +61,8 @@ def parse_size(text: str | int) -> Bytes:
         raise ValueError(
             f"unknown size unit {unit!r} in {text!r} (use B, kB, MB, GB, KiB, MiB, GiB)"
         )
-    value = float(number) * factor if "." in number else int(number) * factor
-    if value != int(value):
+    value = Fraction(number) * factor  # exact: 4.1MB is 4100000 bytes, not 4099999.99...
+    if value.denominator != 1:
         raise ValueError(f"size {text!r} is not a whole number of bytes")
     return Bytes(int(value))
 
@@ -70,7 +71,7 @@ def format_size(nbytes: int) -> str:
     """Format bytes with a binary unit: 1536 -> "1.5 KiB", 4294967296 -> "4 GiB"."""
     value = float(nbytes)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
+        if abs(round(value, 1)) < 1024 or unit == "TiB":  # 1048575 B is "1 MiB", not "1024 KiB"
             text = f"{value:.1f}".rstrip("0").rstrip(".") if unit != "B" else str(int(value))
             return f"{text} {unit}"
         value /= 1024

@@ -45,9 +45,9 @@ class TextFormatter(logging.Formatter):
 
 
 def configure(fmt: str, level: str, stream: TextIO = sys.stderr) -> None:
+    root = logging.getLogger("tidalpoold")
+    root.setLevel(level.upper())  # first: a bad level raises before anything changes
     handler = logging.StreamHandler(stream)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
-    root = logging.getLogger("tidalpoold")
     root.handlers[:] = [handler]
-    root.setLevel(level.upper())
     root.propagate = False
