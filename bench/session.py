@@ -22,12 +22,10 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 import tidalpool
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tidalpool.local import LocalDaemon
 from tidalpool.recorder import ALLOC, FREE, OP, Recorder
-from tidalpool.v1 import pool_pb2
 
 
 def percentiles(samples_ns: list[float]) -> dict[str, float]:
@@ -141,7 +139,7 @@ def main() -> None:
         LocalDaemon.start(Path(tmp), device_pool="1GiB", host_pool="1GiB") as d,
     ):
         result = {
-            "machine": f"{platform.machine()}, {platform.python_implementation()} {platform.python_version()}",
+            "machine": f"{platform.machine()}, Python {platform.python_version()}",
             "attach": bench_attach(d.socket_dir, args.attaches),
             "malloc_free": bench_malloc(d.socket_dir, 4096),
             "trace_upload": bench_upload(d.socket_dir, args.events),
@@ -150,25 +148,22 @@ def main() -> None:
         print(json.dumps(result, indent=2))
         return
     a, m, u = result["attach"], result["malloc_free"], result["trace_upload"]
+    rows = [
+        ("attach (handles + Attach + stream)", a["attach"], "us"),
+        ("  baseline: one gRPC round trip", a["baseline_grpc_round_trip"], "us"),
+        ("malloc+free 4 KiB, learning mode", m["session_malloc_free"], "ns"),
+        ("  baseline: np.empty + release", m["baseline_numpy_empty"], "ns"),
+    ]
     print(f"machine: {result['machine']}")
+    for label, r, unit in rows:
+        median, p99 = r[f"median_{unit}"], r[f"p99_{unit}"]
+        print(f"{label:38} median {median:9.1f} {unit}   p99 {p99:9.1f} {unit}")
+    rate, base = u["events_per_s"] / 1e6, u["baseline_pack_only_events_per_s"] / 1e6
     print(
-        f"attach (handles + Attach + stream):  median {a['attach']['median_us']:8.1f} us   p99 {a['attach']['p99_us']:8.1f} us"
+        f"{'trace upload, one client':38} {rate:6.2f} M events/s end to end "
+        f"({u['events']:,} events, {u['wire_bytes_per_event']:.1f} B/event on the wire)"
     )
-    print(
-        f"  baseline gRPC round trip:          median {a['baseline_grpc_round_trip']['median_us']:8.1f} us   p99 {a['baseline_grpc_round_trip']['p99_us']:8.1f} us"
-    )
-    print(
-        f"malloc+free 4 KiB, learning mode:    median {m['session_malloc_free']['median_ns']:8.0f} ns   p99 {m['session_malloc_free']['p99_ns']:8.0f} ns"
-    )
-    print(
-        f"  baseline np.empty + release:       median {m['baseline_numpy_empty']['median_ns']:8.0f} ns   p99 {m['baseline_numpy_empty']['p99_ns']:8.0f} ns"
-    )
-    print(
-        f"trace upload, one client:            {u['events_per_s'] / 1e6:8.2f} M events/s end to end ({u['events']:,} events, {u['wire_bytes_per_event']:.1f} B/event on the wire)"
-    )
-    print(
-        f"  baseline packing only:             {u['baseline_pack_only_events_per_s'] / 1e6:8.2f} M events/s"
-    )
+    print(f"{'  baseline: packing only':38} {base:6.2f} M events/s")
 
 
 if __name__ == "__main__":

@@ -109,10 +109,12 @@ class HandlesServer:
     def _serve(self, conn: socket.socket) -> None:
         peer = peer_of(conn)
         try:
-            admit(peer, self.own_uid, self.allowed_gids)
+            # Read the request before judging the peer: closing on unread data would reset the
+            # connection and the peer would never read why it was refused.
             request, fds = framing.receive(conn, handles_pb2.HandlesRequest)
             for fd in fds:  # a client has no business sending fds
                 os.close(fd)
+            admit(peer, self.own_uid, self.allowed_gids)
             if request.version != 1:
                 raise InvalidArgument(
                     f"handles protocol version {request.version} is not supported (1)"

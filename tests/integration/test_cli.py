@@ -1,0 +1,125 @@
+"""The command lines as a user runs them: tidalpool demo, tidalpool status, tidalpoold."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import tidalpool
+from tidalpool.local import LocalDaemon, is_serving
+
+from ..conftest import StartDaemon
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tidalpool", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_demo_starts_its_own_daemon_and_matches_plain_numpy() -> None:
+    with tempfile.TemporaryDirectory(prefix="tp-", dir="/tmp") as missing:
+        out = run_cli(
+            "demo", "--iterations", "5", env={"TIDALPOOL_SOCKET_DIR": missing, "COLUMNS": "200"}
+        )
+    assert out.returncode == 0, out.stderr
+    assert "starting a sim daemon" in out.stdout
+    assert "losses bit-identical to plain NumPy over 5 iterations" in out.stdout
+    rows = [line for line in out.stdout.splitlines() if line.startswith("│")]
+    assert [row.split("│")[1].strip() for row in rows] == ["0", "1", "2", "3", "4"]
+
+
+def test_demo_uses_a_running_daemon(daemon: LocalDaemon) -> None:
+    out = run_cli("--socket-dir", str(daemon.socket_dir), "demo", "--iterations", "2")
+    assert out.returncode == 0, out.stderr
+    assert f"using the daemon at {daemon.socket_dir}" in out.stdout.replace("\n", "")
+    assert "session.ended" in daemon.log_path.read_text()
+
+
+def test_status_lists_pool_and_sessions(daemon: LocalDaemon) -> None:
+    with tidalpool.attach(daemon.socket_dir, device_limit="8MiB", job_name="train-a"):
+        out = run_cli("--socket-dir", str(daemon.socket_dir), "status", "--json")
+        table = run_cli("--socket-dir", str(daemon.socket_dir), "status", env={"COLUMNS": "200"})
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["pool"]["backend"] == "sim"
+    assert int(data["pool"]["device"]["leased_bytes"]) == 8 << 20
+    assert [s["job_name"] for s in data["sessions"]] == ["train-a"]
+    assert "train-a" in table.stdout and "8 MiB" in table.stdout
+
+
+def test_status_without_a_daemon_says_so() -> None:
+    out = run_cli("--socket-dir", "/tmp/tp-none-here", "status")
+    assert out.returncode == 1
+    assert "no daemon answers at /tmp/tp-none-here" in out.stderr
+
+
+def test_daemon_json_logs_one_object_per_line(start_daemon: StartDaemon) -> None:
+    d = start_daemon("--log-format", "json")
+    with tidalpool.attach(d.socket_dir):
+        pass
+    d.stop()
+    events = [json.loads(line)["event"] for line in d.log_path.read_text().splitlines()]
+    assert events[0] == "daemon.ready"
+    assert events[-1] == "daemon.stopped"
+    assert {"session.opened", "session.attached", "session.ended", "daemon.stopping"} <= set(events)
+
+
+def test_sigint_stops_gracefully(start_daemon: StartDaemon) -> None:
+    d = start_daemon()
+    d.process.send_signal(signal.SIGINT)
+    assert d.process.wait(10) == 0
+    assert "why=received SIGINT" in d.log_path.read_text()
+    assert not (d.socket_dir / "tidalpool.sock").exists()
+
+
+def test_bad_settings_exit_2_naming_the_setting() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "tidalpoold", "serve", "--device-pool", "lots"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2
+    assert "--device-pool" in out.stderr and "lots" in out.stderr
+
+
+def test_a_second_daemon_on_the_same_directory_is_refused(daemon: LocalDaemon) -> None:
+    started = time.monotonic()
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tidalpoold",
+            "serve",
+            "--socket-dir",
+            str(daemon.socket_dir),
+            "--device-pool",
+            "64MiB",
+            "--host-pool",
+            "64MiB",
+            "--default-device-lease",
+            "8MiB",
+            "--default-host-lease",
+            "8MiB",
+            "--metrics-address",
+            "",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode != 0
+    assert "another daemon is listening" in out.stderr
+    assert time.monotonic() - started < 30
+    assert is_serving(Path(daemon.socket_dir))
