@@ -33,7 +33,7 @@ stubs: $(STAMP)
 	$(PY) proto/generate.py
 
 bench: $(STAMP)
-	$(PY) bench/attach.py
+	$(PY) bench/session.py
 	$(PY) bench/executor.py
 
 clean:
