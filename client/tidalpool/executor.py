@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tidalpool.errors import InvalidBlock, LeaseExceeded
-from tidalpool.units import ALIGNMENT, BlockId, Bytes, Offset, format_size
+from tidalpool.units import ALIGNMENT, BlockId, Bytes, Offset, align_up, format_size
 
 EVENT_ALLOC = 1
 """`record` kind of a malloc; equals the protobuf `EVENT_KIND_ALLOC`."""
@@ -252,7 +252,7 @@ class Executor:
 
     def _exceeded(self, nbytes: int) -> LeaseExceeded:
         fit = self._fit
-        rounded = (nbytes + fit.alignment - 1) & ~(fit.alignment - 1)
+        rounded = align_up(nbytes, fit.alignment)
         asked = _size(nbytes) if rounded == nbytes else f"{_size(nbytes)}, {rounded} aligned"
         lease = _size(fit.capacity)
         if rounded > fit.capacity:

@@ -18,7 +18,7 @@ ALIGN = 256
 F, C = net.FEATURES, net.CLASSES
 
 
-class ArenaMemory:
+class ArenaMemory(PlainMemory):
     """A bump allocator over one big uint8 buffer filled with 0xFF (NaN as float32, so a read of
     memory never written shows in the loss); blocks `align`-aligned, starting `skew` bytes past a
     256-byte boundary. Nothing is reused: every iteration gets fresh addresses (20 take 24.4 MB)."""
@@ -38,17 +38,6 @@ class ArenaMemory:
         if self.top > self.buf.size:
             raise MemoryError("arena exhausted")
         return self.buf[offset : offset + nbytes].view(dt).reshape(shape)
-
-    def release(self, arr: Array) -> None:
-        pass
-
-    def op(
-        self, name: str, reads: Sequence[Array], writes: Sequence[Array]
-    ) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
-
-    def step(self) -> None:
-        pass
 
 
 class RecordingMemory(PlainMemory):
