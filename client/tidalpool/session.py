@@ -105,7 +105,8 @@ class Session:
         self._metadata = ((TOKEN_KEY, token),)
         self._channel = grpc.insecure_channel(f"unix:{socket_dir / 'tidalpool.sock'}")
         self._stub = pool_pb2_grpc.PoolStub(self._channel)
-        self._closed = False
+        self._closed = False  # the session is over: closed here, or ended by the daemon
+        self._released = False  # threads joined, channel closed, mappings retired
         self._goodbye: pool_pb2.Goodbye | None = None
         self.errors: list[pool_pb2.SessionError] = []  # refusals the daemon reported
         self._iteration = 0
@@ -224,8 +225,9 @@ class Session:
 
     # -- the end --------------------------------------------------------------------------
     def close(self) -> None:
-        """Send the rest of the trace, detach, and unmap the lease. Idempotent."""
-        if self._closed:
+        """Send the rest of the trace, detach, and unmap the lease. Idempotent; also needed
+        after the daemon ended the session (eviction, shutdown) to release local resources."""
+        if self._released:
             return
         self.recorder.close()
         if self._goodbye is None:
@@ -238,6 +240,7 @@ class Session:
 
     def _finish(self) -> None:
         self._closed = True
+        self._released = True
         self._stop.set()
         self._outbox.put(None)
         for t in self._threads:

@@ -181,7 +181,9 @@ def test_evict_ends_one_session_only(daemon: LocalDaemon, bystander: tidalpool.S
         time.sleep(0.02)
     with pytest.raises(tidalpool.SessionClosed, match="evicted: test"):
         s.malloc(1)
-    s.close()
+    assert not s.device.retired
+    s.close()  # still releases what the process holds
+    assert s.device.retired and s.host.retired
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="switching to another uid needs root")

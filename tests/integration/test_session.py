@@ -124,6 +124,7 @@ def test_sigterm_tells_sessions_and_removes_sockets(daemon: LocalDaemon) -> None
     with pytest.raises(tidalpool.SessionClosed, match="shutdown"):
         s.malloc(16)
     s.close()
+    assert s.device.retired and s.host.retired
     assert not (daemon.socket_dir / "tidalpool.sock").exists()
     assert not (daemon.socket_dir / "handles.sock").exists()
     assert "daemon.stopped" in daemon.log_path.read_text()
