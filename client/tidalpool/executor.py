@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tidalpool.errors import InvalidBlock, LeaseExceeded
+from tidalpool.planned import Arena, PlanTable
 from tidalpool.units import ALIGNMENT, BlockId, Bytes, Offset, align_up, format_size
 
 EVENT_ALLOC = 1
@@ -177,15 +178,23 @@ class Executor:
     """
 
     __slots__ = (
+        "_arena",
         "_blocks",
         "_fit",
         "_frees",
+        "_high_water",
         "_live_bytes",
         "_mallocs",
         "_next_id",
         "_peak_live_bytes",
+        "_pending",
         "_record",
         "_session",
+        "last_footprint",
+        "max_iteration_misses",
+        "plan_fallbacks",
+        "plan_hits_before",
+        "plan_misses_before",
     )
 
     def __init__(
@@ -200,6 +209,14 @@ class Executor:
         self._peak_live_bytes = 0
         self._mallocs = 0
         self._frees = 0
+        self._arena: Arena | None = None  # the plan in use (or draining)
+        self._pending: PlanTable | None = None  # a plan to switch to at the next iteration
+        self._high_water = 0  # highest lease byte handed out in this iteration
+        self.last_footprint = 0  # the same, for the last complete iteration
+        self.max_iteration_misses = 8  # more misses than this in one iteration: back to learning
+        self.plan_fallbacks = 0
+        self.plan_hits_before = 0  # hits and misses of arenas already dropped
+        self.plan_misses_before = 0
 
     def malloc(self, nbytes: int) -> Block:
         """A new live block of `nbytes`; LeaseExceeded when it does not fit in the lease now."""
@@ -209,11 +226,17 @@ class Executor:
             nbytes = operator.index(nbytes)
         if nbytes <= 0:
             raise ValueError(f"malloc of {nbytes} bytes: size must be positive")
-        offset = self._place(nbytes)
-        if offset is None:
-            raise self._exceeded(nbytes)
         block_id = self._next_id
+        arena = self._arena
+        offset = arena.take(nbytes, block_id) if arena is not None else None
+        if offset is None:
+            offset = self._place(nbytes)
+            if offset is None:
+                raise self._exceeded(nbytes)
         self._next_id = block_id + 1
+        end = offset + nbytes
+        if end > self._high_water:
+            self._high_water = end
         block = Block(BlockId(block_id), Offset(offset), Bytes(nbytes), self._session)
         self._blocks[block_id] = block
         self._mallocs += 1
@@ -236,12 +259,71 @@ class Executor:
         live = self._blocks.get(block.id)
         if live is None or (live is not block and live != block):
             raise InvalidBlock(f"{_describe(block)} is not live (already freed?)")
-        self._fit.release(block.offset)
+        arena = self._arena
+        if arena is None or not arena.release(block.id):
+            self._fit.release(block.offset)
+        elif not arena.active and not arena.live:
+            self._drop_arena()
         del self._blocks[block.id]
         self._frees += 1
         self._live_bytes -= block.size
         if self._record is not None:
             self._record(EVENT_FREE, block.id, 0)
+
+    # -- planned mode --------------------------------------------------------------------
+    def install_plan(self, table: PlanTable) -> None:
+        """Use this plan from the next `begin_iteration()` on (when its arena fits)."""
+        self._pending = table
+
+    def begin_iteration(self) -> None:
+        """An iteration boundary: judge the plan in use, switch to a pending one, reset counts."""
+        arena = self._arena
+        if (
+            arena is not None
+            and arena.active
+            and arena.iteration_misses > self.max_iteration_misses
+        ):
+            arena.active = False  # back to learning; the arena goes when its last block does
+            self.plan_fallbacks += 1
+            if not arena.live:
+                self._drop_arena()
+        if self._pending is not None and (self._arena is None or not self._arena.live):
+            if self._arena is not None:
+                self._drop_arena()
+            base = self._fit.allocate(self._pending.height) if self._pending.height else 0
+            if base is not None:  # no room for the arena now: stay learning, try next time
+                self._arena = Arena(self._pending, base)
+                self._pending = None
+        if self._arena is not None:
+            self._arena.begin_iteration()
+        self.last_footprint = self._high_water
+        self._high_water = max((b.offset + b.size for b in self._blocks.values()), default=0)
+        if self._arena is not None:
+            self._high_water = max(self._high_water, self._arena.base + self._arena.table.height)
+
+    def _drop_arena(self) -> None:
+        arena = self._arena
+        assert arena is not None and not arena.live
+        if arena.table.height:
+            self._fit.release(arena.base)
+        self.plan_hits_before += arena.hits
+        self.plan_misses_before += arena.misses
+        self._arena = None
+
+    @property
+    def mode(self) -> str:
+        """ "planned" while a plan serves allocations, else "learning"."""
+        return "planned" if self._arena is not None and self._arena.active else "learning"
+
+    @property
+    def plan_hits(self) -> int:
+        """Allocations served from a plan, over the executor's life."""
+        return self.plan_hits_before + (self._arena.hits if self._arena is not None else 0)
+
+    @property
+    def plan_misses(self) -> int:
+        """Planned-mode allocations that had to be placed online."""
+        return self.plan_misses_before + (self._arena.misses if self._arena is not None else 0)
 
     def block(self, block_id: int) -> Block:
         """The live block with this id; InvalidBlock when there is none."""
