@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed-dev
 
 .PHONY: demo test lint typecheck unit stubs bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml daemon/tidalpoold/planner/_exact.c
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "tidalpool needs Python >= 3.11, $(PYTHON) is " + sys.version.split()[0])'
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev]"
