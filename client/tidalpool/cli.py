@@ -31,7 +31,12 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--iterations", type=int, default=20)
     status = commands.add_parser("status", help="pool usage and sessions of a running daemon")
     status.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    from tidalpoold.planner import plan_cli
+
+    plan_cli.add_parser(commands)
     args = parser.parse_args(argv)
+    if args.command == "plan":
+        return plan_cli.run(args)
     socket_dir = socket_dir_from_env(args.socket_dir)
     console = Console()
 
