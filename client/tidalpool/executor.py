@@ -311,6 +311,11 @@ class Executor:
         self._arena = None
 
     @property
+    def high_water(self) -> int:
+        """The highest lease byte handed out in the current iteration so far."""
+        return self._high_water
+
+    @property
     def mode(self) -> str:
         """ "planned" while a plan serves allocations, else "learning"."""
         return "planned" if self._arena is not None and self._arena.active else "learning"

@@ -70,6 +70,8 @@ class LocalDaemon:
             default_lease,
             "--metrics-address",
             "",
+            "--plan-cache-dir",
+            str(socket_dir / "plans"),
             *extra,
         ]
         env = {k: v for k, v in os.environ.items() if not k.startswith("TIDALPOOLD_")}

@@ -28,8 +28,9 @@ from tidalpool.devices.sim import SimMapping
 from tidalpool.errors import AttachError, SessionClosed
 from tidalpool.executor import Block, Executor
 from tidalpool.handles import request_lease
+from tidalpool.planned import PlanRejected, PlanTable
 from tidalpool.recorder import OP, READ, WRITE, Recorder
-from tidalpool.units import parse_size
+from tidalpool.units import ALIGNMENT, parse_size
 from tidalpool.v1 import pool_pb2, pool_pb2_grpc
 
 if TYPE_CHECKING:
@@ -58,6 +59,11 @@ class SessionStats:
     events_recorded: int
     events_sent: int
     events_received: int  # by the daemon (-1 once the session is over)
+    mode: str  # "learning" or "planned"
+    plans_received: int
+    plan_hits: int  # allocations served by a plan
+    plan_misses: int  # allocations a plan could not serve (placed online)
+    footprint_bytes: int  # highest lease byte used in the current iteration so far
 
 
 def socket_dir_from_env(socket_dir: str | os.PathLike[str] | None) -> Path:
@@ -109,6 +115,8 @@ class Session:
         self._released = False  # threads joined, channel closed, mappings retired
         self._goodbye: pool_pb2.Goodbye | None = None
         self.errors: list[pool_pb2.SessionError] = []  # refusals the daemon reported
+        self.plans_received = 0
+        self.plans_rejected = 0
         self._iteration = 0
         try:
             reply = self._stub.Attach(
@@ -189,6 +197,7 @@ class Session:
     def step(self) -> None:
         """An iteration boundary: call it at the start of every training iteration."""
         self._iteration += 1
+        self.executor.begin_iteration()  # where a received plan takes over
         self.recorder.step(self._iteration)
 
     # -- views ------------------------------------------------------------------------
@@ -217,6 +226,11 @@ class Session:
             events_recorded=self.recorder.events_recorded,
             events_sent=self.recorder.events_sent,
             events_received=received,
+            mode=ex.mode,
+            plans_received=self.plans_received,
+            plan_hits=ex.plan_hits,
+            plan_misses=ex.plan_misses,
+            footprint_bytes=ex.high_water,
         )
 
     @property
@@ -279,6 +293,8 @@ class Session:
                 if body == "goodbye":
                     self._goodbye = msg.goodbye
                     self._closed = True  # malloc refuses from now on
+                elif body == "plan":
+                    self._receive_plan(msg.plan)
                 elif body == "error":
                     self.errors.append(msg.error)
                     log.warning(
@@ -290,6 +306,19 @@ class Session:
             if not self._stop.is_set() and self._goodbye is None:
                 self._goodbye = pool_pb2.Goodbye(message=f"session stream failed: {e.code().name}")
                 self._closed = True
+
+    def _receive_plan(self, plan: pool_pb2.PlanUpdate) -> None:
+        """Ready a plan for the hot path here, off it; the executor switches at the next step()."""
+        try:
+            table = PlanTable.build(
+                plan.plan_id, list(plan.sizes), list(plan.offsets), plan.height_bytes, ALIGNMENT
+            )
+        except PlanRejected as e:
+            self.plans_rejected += 1
+            log.warning("tidalpool: ignoring a plan: %s", e)
+            return
+        self.plans_received += 1
+        self.executor.install_plan(table)
 
     def _beat(self) -> None:
         while not self._stop.wait(self._heartbeat_s):

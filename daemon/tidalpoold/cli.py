@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from types import FrameType
 
 from tidalpoold import __version__, log
@@ -27,19 +28,25 @@ def main(argv: list[str] | None = None) -> int:
     except SettingsError as e:
         parser.exit(2, f"tidalpoold: {e}\n")
     log.configure(settings.log_format, settings.log_level)
+    # Handlers first: a signal during start-up must stop the daemon once it is built,
+    # not kill it half-way with KeyboardInterrupt.
+    stop_reason: list[str] = []
+    stop = threading.Event()
+
+    def request_stop(signum: int, frame: FrameType | None) -> None:
+        stop_reason.append(f"received {signal.Signals(signum).name}")
+        stop.set()
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
     try:
         daemon = build_daemon(settings)
     except (OSError, ValueError, NotImplementedError) as e:
         logging.getLogger("tidalpoold").error("daemon.start_failed", extra={"why": str(e)})
         print(f"tidalpoold: cannot start: {e}", file=sys.stderr)
         return 1
-
-    def stop(signum: int, frame: FrameType | None) -> None:
-        daemon.request_stop(f"received {signal.Signals(signum).name}")
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    daemon.serve_until_stopped()
+    stop.wait()
+    daemon.shutdown(stop_reason[0])
     return 0
 
 

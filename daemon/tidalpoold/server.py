@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 from tidalpoold.backends import Backend, open_backend
 from tidalpoold.handles import HandlesServer
+from tidalpoold.planning import Planner
 from tidalpoold.services import AdminService, PoolService
 from tidalpoold.sessions import Reason, Registry
 from tidalpoold.settings import Settings, describe
@@ -34,26 +35,16 @@ class Daemon:
     grpc_server: grpc.Server
     handles: HandlesServer
     health: health.HealthServicer
+    planner: Planner
     grpc_socket: Path
     handles_socket: Path
     _stop: threading.Event
     _reaper: threading.Thread
-    _stop_requested: threading.Event = field(default_factory=threading.Event)
-    _stop_reason: str = "daemon shutting down"
     _shutdown_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def grpc_target(self) -> str:
         return f"unix:{self.grpc_socket}"
-
-    def request_stop(self, reason: str) -> None:
-        """Ask `serve_until_stopped` to shut down (safe from a signal handler)."""
-        self._stop_reason = reason
-        self._stop_requested.set()
-
-    def serve_until_stopped(self) -> None:
-        self._stop_requested.wait()
-        self.shutdown(self._stop_reason)
 
     def shutdown(self, reason: str = "daemon shutting down") -> None:
         """Tell every session, stop serving, remove the sockets, free the pools. Once."""
@@ -71,6 +62,7 @@ class Daemon:
         for session in self.registry.sessions():
             self.registry.end_quietly(session.id, Reason.REASON_SHUTDOWN, reason)
         self.grpc_server.stop(self.settings.shutdown_grace_s).wait()
+        self.planner.close()
         self._stop.set()
         self._reaper.join(timeout=2)
         self.grpc_socket.unlink(missing_ok=True)
@@ -87,7 +79,8 @@ def build_daemon(settings: Settings) -> Daemon:
 
     backend = open_backend(settings.backend, settings.device_pool, settings.host_pool)
     registry = Registry(settings, backend)
-    pool, admin = PoolService(registry), AdminService(registry)
+    planner = Planner(settings)
+    pool, admin = PoolService(registry, planner), AdminService(registry)
 
     # A Session stream holds a worker for its lifetime: room for every session, and then some.
     server = grpc.server(
@@ -124,16 +117,17 @@ def build_daemon(settings: Settings) -> Daemon:
         },
     )
     return Daemon(
-        settings,
-        backend,
-        registry,
-        server,
-        handles,
-        health_servicer,
-        settings.grpc_socket,
-        settings.handles_socket,
-        stop,
-        reaper,
+        settings=settings,
+        backend=backend,
+        registry=registry,
+        grpc_server=server,
+        handles=handles,
+        health=health_servicer,
+        planner=planner,
+        grpc_socket=settings.grpc_socket,
+        handles_socket=settings.handles_socket,
+        _stop=stop,
+        _reaper=reaper,
     )
 
 

@@ -13,6 +13,7 @@ from tidalpool.v1 import admin_pb2, pool_pb2
 
 from tidalpoold import __version__
 from tidalpoold.errors import Failure, InvalidArgument, Unauthenticated, status_of
+from tidalpoold.planning import Planner
 from tidalpoold.rpc import bidi_stream, parse, service, unary
 from tidalpoold.sessions import Reason, Registry, Session, lease_message
 
@@ -26,8 +27,9 @@ class PoolService:
 
     name = "tidalpool.v1.Pool"
 
-    def __init__(self, registry: Registry) -> None:
+    def __init__(self, registry: Registry, planner: Planner | None = None) -> None:
         self.registry = registry
+        self.planner = planner
 
     def handler(self) -> Any:
         return service(
@@ -117,6 +119,8 @@ class PoolService:
         elif body == "step":
             session.trace.step(msg.step)
             self.registry.touch(session)
+            if self.planner is not None:
+                self.planner.on_step(session)
         else:
             raise InvalidArgument("client message has no body (heartbeat, trace or step)")
 

@@ -270,6 +270,21 @@ class Settings:
         metadata=_about(_ADDRESS, 'host:port of the Prometheus endpoint; "" disables it'),
     )
     gpu: int = field(default=0, metadata=_about(_INT, "index of the GPU this daemon manages"))
+    plan_after_iterations: int = field(
+        default=3,
+        metadata=_about(
+            _INT, "plan a session once it has marked this many iterations (step); 0 never plans"
+        ),
+    )
+    plan_time_limit_s: float = field(
+        default=5.0, metadata=_about(_SECONDS, "time budget of one placement solve")
+    )
+    plan_cache_dir: Path = field(
+        default=Path("/var/cache/tidalpool"),
+        metadata=_about(
+            _PATH, "plans are kept here by iteration signature (a warm start for the next run)"
+        ),
+    )
 
     def __post_init__(self) -> None:
         problem = next(_problems(self), None)
@@ -350,6 +365,10 @@ def _problems(s: Settings) -> Iterator[tuple[str, str, str | None]]:
         )
     if not (math.isfinite(s.shutdown_grace_s) and s.shutdown_grace_s >= 0):
         yield "shutdown_grace_s", "must be a finite number of seconds, 0 or more", None
+    if s.plan_after_iterations < 0:
+        yield "plan_after_iterations", "must be 0 (never plan) or more", None
+    if not (math.isfinite(s.plan_time_limit_s) and s.plan_time_limit_s > 0):
+        yield "plan_time_limit_s", "must be a finite number of seconds greater than 0", None
     if not 1 <= s.trace_chunk_events <= 1_000_000:
         yield "trace_chunk_events", "must be between 1 and 1000000", None
     if s.max_trace_events < s.trace_chunk_events:

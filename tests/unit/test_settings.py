@@ -90,6 +90,9 @@ def test_describe_is_json_friendly() -> None:
         "log_level": "info",
         "metrics_address": "127.0.0.1:9477",
         "gpu": 0,
+        "plan_after_iterations": 3,
+        "plan_time_limit_s": 5.0,
+        "plan_cache_dir": "/var/cache/tidalpool",
         "grpc_socket": "/tmp/tp/tidalpool.sock",
         "handles_socket": "/tmp/tp/handles.sock",
     }

@@ -22,7 +22,7 @@ from rich.table import Table
 import tidalpool
 from tidalpool.demo.net import PlainMemory, peak_live_bytes, train
 from tidalpool.local import LocalDaemon, is_serving
-from tidalpool.session import Session
+from tidalpool.session import Session, SessionStats
 from tidalpool.units import align_up, format_size
 
 
@@ -76,19 +76,31 @@ def run(socket_dir: Path, iterations: int = 20, console: Console | None = None) 
             f"network peak {format_size(peak)} live"
         )
         table = Table(title="training with tidalpool (sim backend)")
-        for column in ("iter", "loss", "live", "peak live", "lease", "events sent", "received"):
-            table.add_column(column, justify="right")
+        for column in (
+            "iter",
+            "loss",
+            "mode",
+            "live",
+            "footprint",
+            "plan hits",
+            "misses",
+            "events",
+        ):
+            table.add_column(column, justify="left" if column == "mode" else "right")
+        rows: list[SessionStats] = []
 
         def row(i: int, loss: float) -> None:
             s = session.stats()  # sends what is recorded, asks the daemon what it has
+            rows.append(s)
             table.add_row(
                 str(i),
                 f"{loss:.6f}",
+                s.mode,
                 format_size(s.live_bytes),
-                format_size(s.peak_live_bytes),
-                format_size(s.device_lease_bytes),
-                f"{s.events_sent:,}",
-                f"{s.events_received:,}",
+                format_size(s.footprint_bytes),
+                f"{s.plan_hits:,}",
+                f"{s.plan_misses:,}",
+                f"{s.events_received:,}/{s.events_sent:,}",
             )
 
         with Live(table, console=console, refresh_per_second=8):
@@ -96,6 +108,17 @@ def run(socket_dir: Path, iterations: int = 20, console: Console | None = None) 
         if not console.is_terminal:
             console.line()  # Live leaves its last frame without a newline off a terminal
 
+    learning = [r.footprint_bytes for r in rows if r.mode == "learning"]
+    planned = [r.footprint_bytes for r in rows if r.mode == "planned"]
+    if planned:
+        console.print(
+            f"switched to the daemon's plan after {len(learning)} iterations: footprint "
+            f"{format_size(max(learning))} while learning, {format_size(max(planned))} planned; "
+            f"{rows[-1].plan_misses} plan misses in {rows[-1].plan_hits + rows[-1].plan_misses:,} "
+            "allocations"
+        )
+    else:
+        console.print(f"no plan arrived in {len(rows)} iterations: the session kept learning")
     plain = train(PlainMemory(), iterations=iterations)
     same = pooled == plain
     if same:

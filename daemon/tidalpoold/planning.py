@@ -1,0 +1,144 @@
+"""Planning sessions: trace → steady iteration → placement → validated plan → the stream.
+
+Runs on one worker thread of the daemon, never on a request thread: a session
+that marks `plan_after_iterations` iterations is queued once; the worker
+extracts its steady iteration, looks its signature up in the plan cache,
+solves and validates the placement when it is not there, and puts the plan on
+the session's stream. The client switches to it at its next step().
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+from tidalpool.units import ALIGNMENT
+from tidalpool.v1 import pool_pb2
+
+from tidalpoold.sessions import Session
+from tidalpoold.settings import Settings
+
+log = logging.getLogger("tidalpoold.planning")
+
+
+class PlanCache:
+    """Plans on disk by iteration signature; a cache that cannot be written is skipped."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def _path(self, signature: bytes) -> Path:
+        return self.directory / f"{signature.hex()}.plan"
+
+    def get(self, signature: bytes) -> pool_pb2.PlanUpdate | None:
+        try:
+            return pool_pb2.PlanUpdate.FromString(self._path(signature).read_bytes())
+        except (OSError, ValueError):
+            return None
+
+    def put(self, plan: pool_pb2.PlanUpdate) -> None:
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                f.write(plan.SerializeToString())
+            os.replace(tmp, self._path(plan.signature))
+        except OSError as e:
+            log.warning("plan.cache_unwritable", extra={"dir": str(self.directory), "why": str(e)})
+
+
+class Planner:
+    """Queues sessions for planning and runs the pure planner on one worker thread."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.cache = PlanCache(settings.plan_cache_dir)
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planner")
+        self._queued: set[str] = set()
+        self._lock = threading.Lock()
+        self._next_plan_id = 1
+        self.plans_made = 0
+        self.plans_cached = 0
+        self.plans_failed = 0
+        self.plan_seconds: list[float] = []
+
+    def on_step(self, session: Session) -> None:
+        """Called after each step mark; queues the session once it has enough iterations."""
+        after = self.settings.plan_after_iterations
+        if not after or session.trace.iterations_seen < after:
+            return
+        with self._lock:
+            if session.id in self._queued:
+                return
+            self._queued.add(session.id)
+        self._worker.submit(self._plan_quietly, session)
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=False, cancel_futures=True)
+
+    def _plan_quietly(self, session: Session) -> None:
+        try:
+            self.plan(session)
+        except Exception as e:  # a plan that fails leaves the session learning, nothing more
+            self.plans_failed += 1
+            log.warning(
+                "plan.failed", extra={"session": session.id, "why": f"{type(e).__name__}: {e}"}
+            )
+
+    def plan(self, session: Session) -> pool_pb2.PlanUpdate:
+        from tidalpoold.planner.learn import extract, signature, to_problem
+        from tidalpoold.planner.placement import lower_bound, solve
+        from tidalpoold.planner.tracecsv import Events
+        from tidalpoold.planner.validate import validate
+
+        started = time.perf_counter()
+        trace = session.trace
+        events = Events.concat(list(trace.chunks), dict(trace.names))
+        steps = [int(i) for i in np.flatnonzero(events.kinds == pool_pb2.EVENT_KIND_ITER)]
+        iteration = extract(events, steps)
+        key = signature(iteration)
+        plan = self.cache.get(key)
+        if plan is not None and len(plan.sizes) == len(iteration.blocks):
+            self.plans_cached += 1
+            source, bound = "cache", 0
+        else:
+            problem, mapping = to_problem(iteration, alignment=ALIGNMENT)
+            placement = solve(problem, time_limit_s=self.settings.plan_time_limit_s)
+            validate(problem, placement)
+            offsets = [0] * len(iteration.blocks)
+            for buffer_index, block_index in enumerate(mapping):
+                offsets[block_index] = placement.offsets[buffer_index]
+            plan = pool_pb2.PlanUpdate(
+                signature=key,
+                sizes=[b.size for b in iteration.blocks],
+                offsets=offsets,
+                height_bytes=placement.height,
+            )
+            self.cache.put(plan)
+            self.plans_made += 1
+            source, bound = placement.solver, lower_bound(problem)
+        with self._lock:
+            plan.plan_id = self._next_plan_id
+            self._next_plan_id += 1
+        seconds = time.perf_counter() - started
+        self.plan_seconds.append(seconds)
+        session.outbox.put(pool_pb2.ServerMessage(plan=plan))
+        log.info(
+            "plan.sent",
+            extra={
+                "session": session.id,
+                "plan": plan.plan_id,
+                "source": source,
+                "allocations": len(plan.sizes),
+                "height": plan.height_bytes,
+                "lower_bound": bound,
+                "seconds": round(seconds, 3),
+            },
+        )
+        return plan
