@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from tidalpool.executor import BestFit, Executor
+from tidalpool.planned import PlanTable
 from tidalpool.units import format_size
 
 # The shared data sits beside the repository (../shared), as on every developer machine and CI.
@@ -42,7 +43,7 @@ SINGLE_PAIRS = 5_000  # per round
 HOLES = 1000
 REPLAYS = 20  # per round
 ROUNDS = 5
-ALLOCATORS = ("Executor", "BestFit", "NaiveFirstFit")
+ALLOCATORS = ("Executor", "Executor, planned", "BestFit", "NaiveFirstFit")
 
 
 class NaiveFirstFit:
@@ -148,10 +149,15 @@ def load_replay(path: Path) -> Replay:
     return Replay(setup, ops, carry, peak, sum(1 for _, nbytes in ops if nbytes))
 
 
+PLANS: dict[str, PlanTable] = {}  # the plan of the replayed iteration, made once in main()
+
+
 def make(kind: str, capacity: int) -> tuple[Malloc, Free, Callable[[Any], int]]:
     """malloc, free, and the offset of what malloc returned, for one allocator."""
-    if kind == "Executor":
+    if kind.startswith("Executor"):
         ex = Executor(capacity)
+        if kind == "Executor, planned":
+            EXECUTORS.append(ex)
         return ex.malloc, ex.free, lambda block: int(block.offset)
     fit = BestFit(capacity) if kind == "BestFit" else NaiveFirstFit(capacity)
 
@@ -176,6 +182,8 @@ class Sample:
     latencies: list[int] = field(default_factory=list)  # timed pairs, ns
     untimed: list[float] = field(default_factory=list)  # per round: ns per pair, no timers
     high_water: int = 0
+    hits: int = 0  # planned executor: allocations served by the plan
+    misses: int = 0
 
 
 def single(kind: str, holes: int, overhead: int, out: Sample) -> None:
@@ -202,11 +210,17 @@ def mix(kind: str, replay: Replay, overhead: int, out: Sample) -> None:
     """REPLAYS iterations timed op by op, then REPLAYS more untimed."""
     malloc, free, offset_of = make(kind, 2 * replay.peak_live)
     handles = {b: malloc(size) for b, size in replay.setup}
+    begin: Callable[[], None] = lambda: None  # noqa: E731
+    if kind == "Executor, planned":  # the setup was learned online; the iteration runs planned
+        ex = EXECUTORS[-1]
+        ex.install_plan(PLANS["replay"])
+        begin = ex.begin_iteration
     high = max(offset_of(handles[b]) + size for b, size in replay.setup)
     clock = time.perf_counter_ns
     pending: dict[int, int] = {}  # block -> its malloc's ns, until it is freed
     lat = out.latencies
     for _ in range(REPLAYS):
+        begin()
         for block, size in replay.ops:
             if size:
                 t0 = clock()
@@ -225,6 +239,7 @@ def mix(kind: str, replay: Replay, overhead: int, out: Sample) -> None:
     ops = replay.ops
     t0 = clock()
     for _ in range(REPLAYS):
+        begin()
         for block, size in ops:
             if size:
                 handles[block] = malloc(size)
@@ -233,6 +248,9 @@ def mix(kind: str, replay: Replay, overhead: int, out: Sample) -> None:
         rename(handles, replay.carry)
     out.untimed.append((clock() - t0) / (REPLAYS * replay.pairs))
     out.high_water = max(out.high_water, high)
+    if kind == "Executor, planned":
+        out.misses += EXECUTORS[-1].plan_misses
+        out.hits += EXECUTORS[-1].plan_hits
 
 
 def rename(table: dict[int, Any], carry: list[tuple[int, int]]) -> None:
@@ -251,7 +269,12 @@ def measure(replay: Replay, overhead: int) -> list[dict[str, Any]]:
         ),
         "resnet50 iter": lambda k, out: mix(k, replay, overhead, out),
     }
-    samples = {(w, k): Sample() for w in workloads for k in ALLOCATORS}
+    samples = {
+        (w, k): Sample()
+        for w in workloads
+        for k in ALLOCATORS
+        if w == "resnet50 iter" or k != "Executor, planned"  # a plan exists for the replay only
+    }
     for _ in range(ROUNDS):
         for (workload, kind), out in samples.items():
             workloads[workload](kind, out)
@@ -267,9 +290,35 @@ def measure(replay: Replay, overhead: int) -> list[dict[str, Any]]:
                 "loop_ns": statistics.median(out.untimed),
                 "timed_pairs": len(lat),
                 "high_water_bytes": out.high_water or None,
+                "plan_hits": out.hits,
+                "plan_misses": out.misses,
             }
         )
     return results
+
+
+EXECUTORS: list[Executor] = []
+
+
+def make_plan(path: Path, replay: Replay) -> PlanTable:
+    """The daemon's plan for the replayed iteration: learn, place (exact search), validate."""
+    from tidalpoold.planner.learn import extract, to_problem
+    from tidalpoold.planner.placement import solve
+    from tidalpoold.planner.tracecsv import read_trace_csv
+    from tidalpoold.planner.validate import validate
+
+    events = read_trace_csv(path)
+    iteration = extract(events, events.marks())
+    sizes = [b.size for b in iteration.blocks]
+    if sizes != [size for _, size in replay.ops if size]:
+        raise SystemExit(f"{path}: the learned iteration is not the replayed one")
+    problem, mapping = to_problem(iteration, alignment=256)
+    placement = solve(problem, time_limit_s=10.0)
+    validate(problem, placement)
+    offsets = [0] * len(sizes)
+    for buffer_index, block_index in enumerate(mapping):
+        offsets[block_index] = placement.offsets[buffer_index]
+    return PlanTable.build(1, sizes, offsets, placement.height, 256)
 
 
 def find_trace() -> Path:
@@ -286,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     path = args.trace or find_trace()
     replay = load_replay(path)
+    PLANS["replay"] = make_plan(path, replay)
     overhead = timer_overhead()
     gc.disable()
     try:
@@ -314,14 +364,16 @@ def main(argv: list[str] | None = None) -> int:
         f" {format_size(replay.peak_live)}); timer overhead {overhead} ns subtracted"
     )
     print(
-        f"{'workload':<20}{'allocator':<15}{'median ns':>10}{'p99 ns':>10}{'loop ns':>10}"
-        f"{'high water':>12}"
+        f"{'workload':<20}{'allocator':<19}{'median ns':>10}{'p99 ns':>10}{'loop ns':>10}"
+        f"{'high water':>12}{'plan misses':>13}"
     )
     for r in results:
         high = format_size(r["high_water_bytes"]) if r["high_water_bytes"] else ""
+        planned = r["allocator"] == "Executor, planned"
+        misses = f"{r['plan_misses']}/{r['plan_hits'] + r['plan_misses']}" if planned else ""
         print(
-            f"{r['workload']:<20}{r['allocator']:<15}{r['median_ns']:>10.0f}"
-            f"{r['p99_ns']:>10.0f}{r['loop_ns']:>10.0f}{high:>12}"
+            f"{r['workload']:<20}{r['allocator']:<19}{r['median_ns']:>10.0f}"
+            f"{r['p99_ns']:>10.0f}{r['loop_ns']:>10.0f}{high:>12}{misses:>13}"
         )
     return 0
 

@@ -12,6 +12,17 @@ from tidalpool.local import LocalDaemon
 
 StartDaemon = Callable[..., LocalDaemon]
 
+# The shared data (traces, MiniMalloc instances) sits beside the repository, as in CI.
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+
+
+def shared_file(relative: str) -> Path:
+    """A file of ../shared, or skip the test saying which is missing."""
+    path = SHARED / relative
+    if not path.exists():
+        pytest.skip(f"shared data {path} is not present beside the repository")
+    return path
+
 
 @pytest.fixture
 def start_daemon() -> Iterator[StartDaemon]:

@@ -9,9 +9,6 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-pytest.importorskip("tidalpoold.planner._exact", reason="C extension not built")
-
 from tidalpool.units import Bytes, Tick
 from tidalpoold.planner import _exact
 from tidalpoold.planner.exact import search

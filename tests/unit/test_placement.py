@@ -26,7 +26,8 @@ from tidalpoold.planner.placement import (
 )
 from tidalpoold.planner.validate import validate
 
-CHALLENGING = Path(__file__).resolve().parents[3] / "shared/traces/minimalloc/challenging"
+from ..conftest import shared_file
+
 Search = Callable[..., tuple[str, tuple[int, ...] | None]]
 
 
@@ -276,7 +277,7 @@ def test_solve_every_option_combination(
 
 
 def test_solve_is_deterministic() -> None:
-    p = read_minimalloc(CHALLENGING / "B.1048576.csv")
+    p = read_minimalloc(shared_file("traces/minimalloc/challenging/B.1048576.csv"))
     first = solve(p, use_exact=False)
     second = solve(p, use_exact=False)
     assert first.offsets == second.offsets
@@ -409,7 +410,7 @@ def test_deadline_keeps_the_first_run_and_stops_the_rest() -> None:
 
 def test_real_exact_search_reaches_the_peak_of_challenging_a() -> None:
     pytest.importorskip("tidalpoold.planner.exact")
-    p = read_minimalloc(CHALLENGING / "A.1048576.csv")
+    p = read_minimalloc(shared_file("traces/minimalloc/challenging/A.1048576.csv"))
     placed = solve(p, time_limit_s=10.0)
     validate(p, placed)
     assert (placed.height, placed.optimal, placed.solver) == (1048576, True, "exact")
