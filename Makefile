@@ -35,6 +35,7 @@ stubs: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/session.py
 	$(PY) bench/executor.py
+	$(PY) bench/placement.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info client/*.egg-info .pytest_cache .mypy_cache .ruff_cache

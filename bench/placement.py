@@ -19,16 +19,16 @@ by the validator. `--no-exact` runs the heuristics alone.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tidalpool.units import Bytes, Tick
+from tidalpool.units import Tick
 from tidalpoold.planner.model import Buffer, Problem
 from tidalpoold.planner.placement import lower_bound, smartpool, solve
+from tidalpoold.planner.tracecsv import read_problem_csv
 from tidalpoold.planner.validate import validate
 
 SHARED = Path(__file__).resolve().parents[2] / "shared/traces"
@@ -52,20 +52,6 @@ class Row:
     seconds: float
     optimal: bool
     solver: str
-
-
-def read_minimalloc(path: Path) -> Problem:
-    """id,lower,upper,size (half-open lifetimes) into a problem; alignment 1."""
-    with path.open(newline="") as f:
-        rows = list(csv.DictReader(f))
-    return Problem(
-        tuple(
-            Buffer(
-                int(r["id"]), Tick(int(r["lower"])), Tick(int(r["upper"])), Bytes(int(r["size"]))
-            )
-            for r in rows
-        )
-    )
 
 
 def steady_iteration(path: Path) -> tuple[Problem, int] | None:
@@ -156,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     for path in sorted(CHALLENGING.glob("*.csv")):
         name = path.name.split(".")[0]
-        emit(measure("challenging", name, read_minimalloc(path), args.time_limit, exact))
+        emit(measure("challenging", name, read_problem_csv(path), args.time_limit, exact))
 
     base: tuple[Problem, int] | None = None
     for path in sorted(MODELS.glob("*.trace.csv")):

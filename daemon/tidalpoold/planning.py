@@ -17,7 +17,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
 from tidalpool.units import ALIGNMENT
 from tidalpool.v1 import pool_pb2
 
@@ -100,8 +99,7 @@ class Planner:
         started = time.perf_counter()
         trace = session.trace
         events = Events.concat(list(trace.chunks), dict(trace.names))
-        steps = [int(i) for i in np.flatnonzero(events.kinds == pool_pb2.EVENT_KIND_ITER)]
-        iteration = extract(events, steps)
+        iteration = extract(events, events.marks())
         key = signature(iteration)
         plan = self.cache.get(key)
         if plan is not None and len(plan.sizes) == len(iteration.blocks):

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import csv
 from array import array
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -13,8 +11,9 @@ from tidalpool.units import Bytes, Tick
 from tidalpoold.planner import _exact
 from tidalpoold.planner.exact import search
 from tidalpoold.planner.model import Buffer, Problem
+from tidalpoold.planner.tracecsv import read_problem_csv
 
-CHALLENGING = Path(__file__).resolve().parents[3] / "shared/traces/minimalloc/challenging"
+from ..conftest import shared_file
 
 
 def problem(*specs: tuple[int, int, int], alignment: int = 1) -> Problem:
@@ -142,12 +141,7 @@ def test_the_core_checks_its_own_input(
 
 
 def load(name: str) -> Problem:
-    path = CHALLENGING / f"{name}.1048576.csv"
-    if not path.exists():
-        pytest.skip(f"{path} not present")
-    with path.open() as f:
-        rows = list(csv.DictReader(f))
-    return problem(*((int(r["lower"]), int(r["upper"]), int(r["size"])) for r in rows))
+    return read_problem_csv(shared_file(f"traces/minimalloc/challenging/{name}.1048576.csv"))
 
 
 def test_challenging_a_is_solved_at_its_peak_load() -> None:

@@ -5,10 +5,8 @@ Small instances are written by hand; their offsets are worked out in the comment
 
 from __future__ import annotations
 
-import csv
 import itertools
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -24,6 +22,7 @@ from tidalpoold.planner.placement import (
     smartpool,
     solve,
 )
+from tidalpoold.planner.tracecsv import read_problem_csv
 from tidalpoold.planner.validate import validate
 
 from ..conftest import shared_file
@@ -37,13 +36,6 @@ def problem(*rows: tuple[int, int, int], alignment: int = 1) -> Problem:
         tuple(Buffer(i, Tick(lo), Tick(up), Bytes(s)) for i, (lo, up, s) in enumerate(rows)),
         alignment,
     )
-
-
-def read_minimalloc(path: Path) -> Problem:
-    """A MiniMalloc CSV (id,lower,upper,size), read here so that the test needs no other module."""
-    with path.open() as f:
-        rows = [(int(r["lower"]), int(r["upper"]), int(r["size"])) for r in csv.DictReader(f)]
-    return problem(*rows)
 
 
 # Six buffers over ticks 0..6; live bytes per tick: 5 6 5 7 6 4, so the bound is 7 (tick 3).
@@ -277,7 +269,7 @@ def test_solve_every_option_combination(
 
 
 def test_solve_is_deterministic() -> None:
-    p = read_minimalloc(shared_file("traces/minimalloc/challenging/B.1048576.csv"))
+    p = read_problem_csv(shared_file("traces/minimalloc/challenging/B.1048576.csv"))
     first = solve(p, use_exact=False)
     second = solve(p, use_exact=False)
     assert first.offsets == second.offsets
@@ -410,7 +402,7 @@ def test_deadline_keeps_the_first_run_and_stops_the_rest() -> None:
 
 def test_real_exact_search_reaches_the_peak_of_challenging_a() -> None:
     pytest.importorskip("tidalpoold.planner.exact")
-    p = read_minimalloc(shared_file("traces/minimalloc/challenging/A.1048576.csv"))
+    p = read_problem_csv(shared_file("traces/minimalloc/challenging/A.1048576.csv"))
     placed = solve(p, time_limit_s=10.0)
     validate(p, placed)
     assert (placed.height, placed.optimal, placed.solver) == (1048576, True, "exact")
