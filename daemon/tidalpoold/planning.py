@@ -17,9 +17,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from tidalpool.units import ALIGNMENT
+from tidalpool.units import ALIGNMENT, Bytes, Offset
 from tidalpool.v1 import pool_pb2
 
+from tidalpoold.planner.model import Placement, Problem
 from tidalpoold.sessions import Session
 from tidalpoold.settings import Settings
 
@@ -90,6 +91,27 @@ class Planner:
                 "plan.failed", extra={"session": session.id, "why": f"{type(e).__name__}: {e}"}
             )
 
+    def _cached(
+        self, key: bytes, problem: Problem, mapping: list[int], sizes: list[int]
+    ) -> Placement | None:
+        """The cached plan of this signature as a placement, if it fits this iteration."""
+        from tidalpoold.planner.validate import InvalidPlacement, validate
+
+        plan = self.cache.get(key)
+        if plan is None or list(plan.sizes) != sizes:
+            return None
+        placement = Placement(
+            offsets=tuple(Offset(plan.offsets[block]) for block in mapping),
+            height=Bytes(plan.height_bytes),
+            solver="cache",
+        )
+        try:
+            validate(problem, placement)
+        except InvalidPlacement as e:
+            log.warning("plan.cache_invalid", extra={"signature": key.hex(), "why": str(e)})
+            return None
+        return placement
+
     def plan(self, session: Session) -> pool_pb2.PlanUpdate:
         from tidalpoold.planner.learn import extract, signature, to_problem
         from tidalpoold.planner.placement import lower_bound, solve
@@ -101,26 +123,26 @@ class Planner:
         events = Events.concat(list(trace.chunks), dict(trace.names))
         iteration = extract(events, events.marks())
         key = signature(iteration)
-        plan = self.cache.get(key)
-        if plan is not None and len(plan.sizes) == len(iteration.blocks):
-            self.plans_cached += 1
-            source, bound = "cache", 0
-        else:
-            problem, mapping = to_problem(iteration, alignment=ALIGNMENT)
+        problem, mapping = to_problem(iteration, alignment=ALIGNMENT)
+        sizes = [int(b.size) for b in iteration.blocks]
+        placement = self._cached(key, problem, mapping, sizes)
+        source = "cache"
+        if placement is None:
             placement = solve(problem, time_limit_s=self.settings.plan_time_limit_s)
-            validate(problem, placement)
-            offsets = [0] * len(iteration.blocks)
-            for buffer_index, block_index in enumerate(mapping):
-                offsets[block_index] = placement.offsets[buffer_index]
-            plan = pool_pb2.PlanUpdate(
-                signature=key,
-                sizes=[b.size for b in iteration.blocks],
-                offsets=offsets,
-                height_bytes=placement.height,
-            )
+            source = placement.solver
+        validate(problem, placement)  # every plan, cached or new, before it is used
+        offsets = [0] * len(sizes)
+        for buffer_index, block_index in enumerate(mapping):
+            offsets[block_index] = placement.offsets[buffer_index]
+        plan = pool_pb2.PlanUpdate(
+            signature=key, sizes=sizes, offsets=offsets, height_bytes=placement.height
+        )
+        if source == "cache":
+            self.plans_cached += 1
+        else:
             self.cache.put(plan)
             self.plans_made += 1
-            source, bound = placement.solver, lower_bound(problem)
+        bound = lower_bound(problem)
         with self._lock:
             plan.plan_id = self._next_plan_id
             self._next_plan_id += 1

@@ -63,3 +63,23 @@ def test_the_next_run_of_the_same_job_gets_its_plan_from_the_cache(
     assert len(sources) == 2
     assert "source=cache" not in sources[0]
     assert "source=cache" in sources[1]
+
+
+def test_a_corrupted_cached_plan_is_refused_and_solved_again(start_daemon: StartDaemon) -> None:
+    from tidalpool.v1 import pool_pb2
+
+    d = start_daemon()
+    with tidalpool.attach(d.socket_dir, device_limit="8MiB") as s:
+        run_until_planned(s)
+    (cached,) = (d.socket_dir / "plans").glob("*.plan")
+    plan = pool_pb2.PlanUpdate.FromString(cached.read_bytes())
+    plan.offsets[:] = [0] * len(plan.offsets)  # every allocation on top of the others
+    cached.write_bytes(plan.SerializeToString())
+    with tidalpool.attach(d.socket_dir, device_limit="8MiB") as s:
+        run_until_planned(s)
+        for _ in range(3):
+            iteration(s)
+        assert s.stats().plan_misses == 0
+    log = d.log_path.read_text()
+    assert "plan.cache_invalid" in log
+    assert "source=cache" not in log
