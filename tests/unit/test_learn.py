@@ -8,6 +8,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tidalpool.units import Bytes, Tick
 from tidalpoold.planner.learn import (
     NoIteration,
     Rotation,
@@ -476,3 +479,26 @@ def sweep_peak(buffers: tuple[Buffer, ...]) -> int:
         live += delta
         peak = max(peak, live)
     return peak
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ticks=st.integers(1, 12),
+    spans=st.lists(
+        st.tuples(st.integers(0, 11), st.integers(1, 36), st.integers(1, 9)), max_size=6
+    ),
+)
+def test_live_bytes_matches_a_tick_by_tick_count(
+    ticks: int, spans: list[tuple[int, int, int]]
+) -> None:
+    """Lifetimes of any length, wrapping the iteration any number of times."""
+    blocks = tuple(
+        IterBlock(i, Bytes(size), Tick(s % ticks), Tick(s % ticks + n), s % ticks + n > ticks)
+        for i, (s, n, size) in enumerate(spans)
+    )
+    it = Iteration(ticks, blocks, (), (), ())
+    expected = [
+        sum(b.size for b in blocks for u in range(b.start, b.end) if u % ticks == t)
+        for t in range(ticks)
+    ]
+    assert live_bytes(it).tolist() == expected

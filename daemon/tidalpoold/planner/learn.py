@@ -251,10 +251,23 @@ def _add_periodic(acc: npt.NDArray[np.int64], first: int, count: int, size: int)
 def live_bytes(it: Iteration) -> npt.NDArray[np.int64]:
     """Transient bytes live during each tick in the steady state: every block of the iteration,
     and the previous iteration's instance of each crossing block, over [0, end - ticks)."""
-    live = np.zeros(it.ticks, np.int64)
-    for b in it.blocks:
-        _add_periodic(live, b.start, b.end - b.start, b.size)
-    return live
+    t = it.ticks
+    if not it.blocks:
+        return np.zeros(t, np.int64)
+    start = np.fromiter((b.start for b in it.blocks), np.int64, len(it.blocks))
+    count = np.fromiter((b.end - b.start for b in it.blocks), np.int64, len(it.blocks))
+    size = np.fromiter((b.size for b in it.blocks), np.int64, len(it.blocks))
+    # One pass with a difference array: whole wraps add to every tick, the rest is a
+    # range [first, first + rest) that may wrap past the end once.
+    first, rest = start % t, count % t
+    diff = np.zeros(t + 1, np.int64)
+    np.add.at(diff, first, size)
+    end = first + rest
+    wraps = end > t
+    np.add.at(diff, np.where(wraps, t, end), -size)
+    np.add.at(diff, np.zeros(int(wraps.sum()), np.intp), size[wraps])
+    np.add.at(diff, end[wraps] - t, -size[wraps])
+    return np.cumsum(diff[:t]) + int((size * (count // t)).sum())
 
 
 def rotation(it: Iteration) -> Rotation:
