@@ -1,0 +1,222 @@
+"""planner/swap_baselines: the exact swaps vDNN and SuperNeurons choose on a hand-built
+two-convolution iteration, every plan accepted by `simulate`, and the policies on a real trace."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from tidalpool.units import Bytes, Tick
+from tidalpoold.planner.learn import extract
+from tidalpoold.planner.model import Access, Iteration, IterBlock, Op
+from tidalpoold.planner.simulate import Swap, SwapPlan, no_limit, simulate
+from tidalpoold.planner.swap_baselines import (
+    BASELINES,
+    superneurons,
+    superneurons_candidates,
+    uses,
+    vdnn_all,
+    vdnn_conv,
+    vdnn_dyn,
+)
+from tidalpoold.planner.tracecsv import read_trace_csv
+
+RESNET = Path(__file__).resolve().parents[3] / "shared/traces/models/resnet50.b32.trace.csv"
+
+CONV = "aten.convolution.default"
+CONV_BWD = "aten.convolution_backward.default"
+
+
+def build(steps: list[str]) -> Iteration:
+    """One tick per step: "a X 100" allocates block X of 100 bytes, "f X" frees it,
+    "o NAME 1000 X >Y" is op NAME of 1000 ns reading X and writing Y. Block ids 1, 2, ...
+    by allocation, which is also the order of `it.blocks`."""
+    ids: dict[str, int] = {}
+    starts: dict[str, tuple[int, int]] = {}
+    ends: dict[str, int] = {}
+    ops, accesses = [], []
+    for tick, step in enumerate(steps):
+        kind, *args = step.split()
+        if kind == "a":
+            ids[args[0]] = len(ids) + 1
+            starts[args[0]] = (tick, int(args[1]))
+        elif kind == "f":
+            ends[args[0]] = tick
+        else:
+            ops.append(Op(tick=Tick(tick), name=args[0], duration_ns=int(args[1])))
+            for b in args[2:]:
+                write = b.startswith(">")
+                accesses.append(Access(tick=Tick(tick), block=ids[b.lstrip(">")], write=write))
+    blocks = tuple(
+        IterBlock(id=ids[n], size=Bytes(size), start=Tick(start), end=Tick(ends[n]))
+        for n, (start, size) in sorted(starts.items(), key=lambda kv: kv[1][0])
+    )
+    return Iteration(
+        ticks=len(steps),
+        blocks=blocks,
+        ops=tuple(ops),
+        accesses=tuple(accesses),
+        persistent=(),
+    )
+
+
+# conv → relu → conv → sum, then the loss gradient and back through both convolutions.
+# Blocks, in allocation order: 0 X, 1 C1, 2 R, 3 C2, 4 L, 5 G, 6 GC2, 7 GR, 8 GC1, 9 GX.
+# Op ticks: forward 2 4 6 8, backward (from the first "backward" op) 10 13 16 20 22 26.
+NET = build(
+    [
+        "a X 1000",  # 0
+        "a C1 2000",  # 1
+        f"o {CONV} 4000 X >C1",  # 2
+        "a R 2000",  # 3
+        "o aten.relu.default 1000 C1 >R",  # 4
+        "a C2 3000",  # 5
+        f"o {CONV} 4000 R >C2",  # 6
+        "a L 100",  # 7
+        "o aten.sum.default 500 C2 >L",  # 8
+        "a G 100",  # 9
+        "o aten.nll_loss_backward.default 500 L >G",  # 10  the split
+        "f L",  # 11
+        "a GC2 3000",  # 12
+        "o aten.mul.Tensor 1000 C2 G >GC2",  # 13
+        "f G",  # 14
+        "a GR 2000",  # 15
+        f"o {CONV_BWD} 4000 R GC2 >GR",  # 16
+        "f GC2",  # 17
+        "f C2",  # 18
+        "f R",  # 19
+        "o aten.add_.Tensor 500 GR >GR",  # 20
+        "a GC1 2000",  # 21
+        "o aten.threshold_backward.default 1000 C1 GR >GC1",  # 22
+        "f GR",  # 23
+        "f C1",  # 24
+        "a GX 1000",  # 25
+        f"o {CONV_BWD} 4000 X GC1 >GX",  # 26
+        "f GC1",  # 27
+        "f GX",  # 28
+        "f X",  # 29
+    ]
+)
+GBPS = 1.0  # 1 byte per ns: a 2000-byte copy takes 2000 ns
+
+
+def swap(block: int, out_after: int, in_before: int, in_at: int) -> Swap:
+    return Swap(
+        block=block, out_after=Tick(out_after), in_before=Tick(in_before), in_at=Tick(in_at)
+    )
+
+
+def test_uses_maps_trace_ids_to_block_indices() -> None:
+    u = uses(NET)
+    assert u.split == 10
+    assert u.conv == {2, 6, 16, 26}
+    assert u.ticks[0] == (2, 26)  # X
+    assert u.ticks[1] == (2, 4, 22)  # C1
+    assert (u.reads[1], u.writes[1]) == (frozenset({4, 22}), frozenset({2}))
+    assert u.ticks[7] == (16, 20, 22)  # GR, read and written in place at 20
+    assert (u.first(1), u.last(1), u.last_forward(1), u.next_after(1, 4)) == (2, 22, 4, 22)
+    assert u.last_forward(5) is None  # G lives in backward only
+
+
+def test_vdnn_all_offloads_every_forward_input_needed_in_backward() -> None:
+    # L is written in forward but first read in backward: no forward op reads it.
+    assert vdnn_all(NET) == SwapPlan(
+        (swap(0, 2, 26, 22), swap(1, 4, 22, 20), swap(2, 6, 16, 13), swap(3, 8, 13, 10))
+    )
+
+
+def test_vdnn_conv_offloads_convolution_inputs_only() -> None:
+    assert vdnn_conv(NET) == SwapPlan((swap(0, 2, 26, 22), swap(2, 6, 16, 13)))
+
+
+def test_superneurons_candidates_are_conv_outputs_in_lru_order() -> None:
+    # C1 is prefetched at the backward convolution 16, one convolution ahead of its use at 22
+    # (not at 20, the op before); no backward convolution precedes C2's use at 13: op 10.
+    assert superneurons_candidates(NET) == (swap(1, 4, 22, 16), swap(3, 8, 13, 10))
+
+
+def test_no_backward_op_means_nothing_to_offload() -> None:
+    forward = build(["a X 10", f"o {CONV} 100 X", "o aten.relu.default 100 X", "f X"])
+    assert uses(forward).split == 4
+    assert vdnn_all(forward) == vdnn_conv(forward) == SwapPlan()
+    assert superneurons_candidates(forward) == ()
+
+
+# The no-limit peak is 13000 bytes at tick 15 (X C1 R C2 GC2 GR live); 20500 ns of ops.
+PEAK = 13000
+PEAK_CONV = 12000  # X and R away: the lowest limit vDNN_conv's simulation fits
+PEAK_ALL = 10000  # X, C1, R and C2 away
+
+
+def test_static_plans_lower_the_peak_and_cost_time() -> None:
+    base = no_limit(NET)
+    assert (base.peak_bytes, base.iteration_ns) == (PEAK, 20500)
+    r_conv = simulate(NET, vdnn_conv(NET), None, GBPS, GBPS)
+    r_all = simulate(NET, vdnn_all(NET), None, GBPS, GBPS)
+    assert (r_conv.feasible, r_conv.peak_bytes, r_conv.iteration_ns) == (True, PEAK_CONV, 22500)
+    assert (r_all.feasible, r_all.peak_bytes, r_all.iteration_ns) == (True, PEAK_ALL, 30000)
+    assert simulate(NET, vdnn_conv(NET), PEAK_CONV, GBPS, GBPS).feasible
+    assert not simulate(NET, vdnn_conv(NET), PEAK_CONV - 1, GBPS, GBPS).feasible
+    assert simulate(NET, vdnn_all(NET), PEAK_ALL, GBPS, GBPS).feasible
+    assert not simulate(NET, vdnn_all(NET), PEAK_ALL - 1, GBPS, GBPS).feasible
+
+
+@pytest.mark.parametrize(
+    ("limit", "chosen"),
+    [
+        (PEAK, "none"),  # fits as it is
+        (PEAK_CONV, "conv"),  # both swap plans fit; conv is cheaper (22500 ns against 30000)
+        (PEAK_ALL, "all"),  # only vDNN_all fits
+        (PEAK_ALL - 1, "all"),  # nothing fits: the most frugal plan, infeasible in simulate
+    ],
+)
+def test_vdnn_dyn_takes_the_cheapest_plan_that_fits(limit: int, chosen: str) -> None:
+    plans = {"none": SwapPlan(), "conv": vdnn_conv(NET), "all": vdnn_all(NET)}
+    assert vdnn_dyn(NET, limit, GBPS, GBPS) == plans[chosen]
+
+
+C1_OUT = swap(1, 4, 22, 16)
+C2_OUT = swap(3, 8, 13, 10)
+
+
+@pytest.mark.parametrize(
+    ("limit", "swaps", "feasible"),
+    [
+        (PEAK, (), True),  # memory is not short: no traffic at all
+        (11000, (C1_OUT,), True),  # the least recently used conv output is enough
+        (10999, (C1_OUT, C2_OUT), False),  # candidates run out; simulate says it cannot fit
+    ],
+)
+def test_superneurons_swaps_only_as_many_as_memory_needs(
+    limit: int, swaps: tuple[Swap, ...], feasible: bool
+) -> None:
+    plan = superneurons(NET, limit, GBPS, GBPS)
+    assert plan == SwapPlan(swaps)
+    r = simulate(NET, plan, limit, GBPS, GBPS)
+    assert r.feasible is feasible
+    if feasible:
+        assert r.peak_bytes <= limit
+
+
+def test_registry_names_and_uniform_signature() -> None:
+    assert sorted(BASELINES) == ["superneurons", "vdnn-all", "vdnn-conv", "vdnn-dyn"]
+    assert BASELINES["vdnn-all"](NET, 0, GBPS, GBPS) == vdnn_all(NET)
+    assert BASELINES["vdnn-conv"](NET, 0, GBPS, GBPS) == vdnn_conv(NET)
+    assert BASELINES["vdnn-dyn"](NET, PEAK_CONV, GBPS, GBPS) == vdnn_conv(NET)
+    assert BASELINES["superneurons"](NET, 11000, GBPS, GBPS) == SwapPlan((C1_OUT,))
+
+
+@pytest.mark.skipif(not RESNET.exists(), reason=f"no trace at {RESNET}")
+def test_resnet50_plans_validate_and_superneurons_fits_four_fifths() -> None:
+    events = read_trace_csv(RESNET)
+    it = extract(events, events.marks())
+    base = no_limit(it)
+    limit = int(0.8 * base.peak_bytes)
+    for name, policy in BASELINES.items():
+        plan = policy(it, limit, 12.0, 12.0)
+        assert plan.swaps, name
+        simulate(it, plan, None, 12.0, 12.0)  # raises ValueError on a plan it refuses
+    r_all = simulate(it, vdnn_all(it), None, 12.0, 12.0)
+    assert r_all.feasible and r_all.peak_bytes < base.peak_bytes
+    r_sn = simulate(it, superneurons(it, limit, 12.0, 12.0), limit, 12.0, 12.0)
+    assert r_sn.feasible and r_sn.peak_bytes <= limit
