@@ -1,0 +1,191 @@
+"""AutoSwap (SmartPool/AutoSwap, Section IV): pick blocks to swap until the memory load fits.
+
+    load ▲        peak
+         │      ┌──┐          candidate b: size >= threshold, live across the peak,
+         │   ┌──┘  └──┐       with an access gap (out_after, in_before) around it
+         │ ┌─┘ ░░░░░░ └─┐     ░: b's bytes off the device when swapped over its gap
+         └─┴──┼──────┼──┴──▶ tick
+          out_after  in_before
+
+The memory load is the persistent bytes plus `learn.live_bytes` at each tick; time
+is measured in ns by the ops' durations (allocs and frees take none). Candidates
+(IV-A) are ranked by a priority score (IV-B), picked greedily while the load is
+updated (IV-D), and scheduled (IV-E): out right after `out_after`, in issued as
+late as the copy still fits in the compute before `in_before`. The Bayesian
+optimization of the score weights (IV-C) is not done here; `combined` takes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
+from tidalpool.units import Bytes, Tick
+
+from tidalpoold.planner.learn import live_bytes
+from tidalpoold.planner.model import Iteration
+from tidalpoold.planner.simulate import Swap, SwapPlan, copy_ns
+
+Score = Literal["doa", "aoa", "wdoa", "swdoa", "combined"]
+SCORES: tuple[Score, ...] = ("doa", "aoa", "wdoa", "swdoa", "combined")
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A block that may be off the device over its access gap around the peak."""
+
+    block: int  # index into `Iteration.blocks`
+    size: Bytes
+    out_after: Tick  # the op tick of the access before the gap
+    in_before: Tick  # the op tick of the access after it
+    gap_ns: int  # durations of the ops strictly between the two
+
+
+def load(it: Iteration) -> npt.NDArray[np.int64]:
+    """Device bytes at each tick with no swaps: persistent bytes plus transient live bytes."""
+    return live_bytes(it) + sum(size for _, size in it.persistent)
+
+
+def durations(it: Iteration) -> npt.NDArray[np.int64]:
+    """ns spent at each tick: the op's duration, 0 for allocs and frees."""
+    d = np.zeros(it.ticks, np.int64)
+    for op in it.ops:
+        d[op.tick] = op.duration_ns
+    return d
+
+
+def candidates(it: Iteration, threshold_bytes: int) -> list[Candidate]:
+    """IV-A: transient blocks of at least `threshold_bytes` with two consecutive accesses
+    (within their lifetime) on either side of the peak tick (the earliest highest load)."""
+    if not it.ticks:
+        return []
+    peak = int(np.argmax(load(it)))
+    dur = durations(it)
+    ticks: dict[int, set[int]] = {}
+    for a in it.accesses:
+        ticks.setdefault(a.block, set()).add(a.tick)
+    out: list[Candidate] = []
+    for i, b in enumerate(it.blocks):
+        if b.size < threshold_bytes or not b.start < peak < b.end:
+            continue
+        mine = sorted(t for t in ticks.get(b.id, ()) if b.start < t < b.end)
+        before = [t for t in mine if t < peak]
+        after = [t for t in mine if t > peak]
+        if before and after:
+            lo, hi = before[-1], after[0]
+            gap = int(dur[lo + 1 : hi].sum())
+            out.append(Candidate(i, b.size, Tick(lo), Tick(hi), gap))
+    return out
+
+
+def doa(c: Candidate, out_gbps: float, in_gbps: float) -> int:
+    """Duration of Absence (IV-B i): the time between the two accesses less the swap-out and
+    swap-in copy times; negative when the copies take longer than the gap."""
+    return c.gap_ns - copy_ns(c.size, out_gbps) - copy_ns(c.size, in_gbps)
+
+
+def aoa(c: Candidate, out_gbps: float, in_gbps: float) -> float:
+    """Area of Absence (IV-B ii): DOA × size; for a negative DOA, DOA / size (the paper's
+    "product of the inverse of variable size and DOA"), so smaller blocks rank higher there."""
+    d = doa(c, out_gbps, in_gbps)
+    return float(d * c.size) if d >= 0 else d / c.size
+
+
+def wdoa(c: Candidate, curve: npt.NDArray[np.int64], dur: npt.NDArray[np.int64]) -> int:
+    """Weighted Duration of Absence (IV-B iii): the area (bytes × ns) under the load `curve`
+    between the two accesses. The paper gives it in words only (no numbered equation); with
+    the original load it is WDOA, with the load updated by earlier picks it is SWDOA (IV-B iv)."""
+    lo, hi = c.out_after + 1, c.in_before
+    return int((curve[lo:hi] * dur[lo:hi]).sum())
+
+
+def _standard(x: Sequence[float]) -> list[float]:
+    """(x - mean) / standard deviation; all 0.0 when x is constant."""
+    v = np.asarray(x, np.float64)
+    sd = float(v.std())
+    return [0.0] * len(x) if sd == 0.0 else ((v - v.mean()) / sd).tolist()
+
+
+def scores(
+    cands: Sequence[Candidate],
+    score: Score,
+    original: npt.NDArray[np.int64],
+    current: npt.NDArray[np.int64],
+    dur: npt.NDArray[np.int64],
+    out_gbps: float,
+    in_gbps: float,
+    weights: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 1.0),
+) -> list[float]:
+    """Each candidate's priority score; higher is swapped first. `combined` is Eq. (3),
+    a·AOA + b·DOA + c·WDOA + d·SWDOA over the standardized scores of `cands`."""
+    if score == "doa":
+        return [float(doa(c, out_gbps, in_gbps)) for c in cands]
+    if score == "aoa":
+        return [aoa(c, out_gbps, in_gbps) for c in cands]
+    if score == "wdoa":
+        return [float(wdoa(c, original, dur)) for c in cands]
+    if score == "swdoa":
+        return [float(wdoa(c, current, dur)) for c in cands]
+    if score != "combined":
+        raise ValueError(f"unknown score {score!r}; one of {SCORES}")
+    parts = [
+        _standard(scores(cands, s, original, current, dur, out_gbps, in_gbps))
+        for s in ("aoa", "doa", "wdoa", "swdoa")
+    ]
+    return [sum(w * p[k] for w, p in zip(weights, parts, strict=True)) for k in range(len(cands))]
+
+
+def swap_in_tick(it: Iteration, c: Candidate, in_gbps: float) -> Tick:
+    """IV-E: the latest tick from which the ops before `in_before` take at least the swap-in's
+    copy time, but never before `out_after + 1`."""
+    dur = durations(it)
+    need = copy_ns(c.size, in_gbps)
+    have = 0
+    for t in range(c.in_before - 1, c.out_after, -1):
+        have += int(dur[t])
+        if have >= need:
+            return Tick(t)
+    return Tick(c.out_after + 1)
+
+
+def autoswap(
+    it: Iteration,
+    limit: int,
+    out_gbps: float,
+    in_gbps: float,
+    score: Score = "swdoa",
+    weights: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 1.0),
+    threshold_bytes: int = 0,
+) -> SwapPlan:
+    """IV-D and IV-E: swap the best-scoring remaining candidate (ties: lowest block index), take
+    its bytes off the load over its gap, rescore, and stop once the load's peak is at most
+    `limit` or no candidate is left (then the plan holds every candidate; see `load_min`).
+    The plan's swaps are in pick order."""
+    if score not in SCORES:
+        raise ValueError(f"unknown score {score!r}; one of {SCORES}")
+    left = candidates(it, threshold_bytes)
+    original = load(it)
+    current = original.copy()
+    dur = durations(it)
+    picked: list[Candidate] = []
+    while left and int(current.max(initial=0)) > limit:
+        s = scores(left, score, original, current, dur, out_gbps, in_gbps, weights)
+        best = max(range(len(left)), key=lambda k: (s[k], -left[k].block))
+        c = left.pop(best)
+        current[c.out_after + 1 : c.in_before] -= c.size
+        picked.append(c)
+    return SwapPlan(
+        tuple(Swap(c.block, c.out_after, c.in_before, swap_in_tick(it, c, in_gbps)) for c in picked)
+    )
+
+
+def load_min(it: Iteration, threshold_bytes: int = 0) -> int:
+    """The lowest peak load swapping can reach (VI-B's load_min): the peak with every candidate
+    off the device over its whole gap, copies taking no time."""
+    curve = load(it)
+    for c in candidates(it, threshold_bytes):
+        curve[c.out_after + 1 : c.in_before] -= c.size
+    return int(curve.max(initial=0))
