@@ -23,42 +23,12 @@ from tidalpoold.planner.autoswap import (
     wdoa,
 )
 from tidalpoold.planner.learn import extract
-from tidalpoold.planner.model import Access, Iteration, IterBlock, Op
 from tidalpoold.planner.simulate import Swap, SwapPlan, no_limit, simulate
 from tidalpoold.planner.tracecsv import read_trace_csv
 
+from .iterations import build
+
 RESNET = Path(__file__).resolve().parents[3] / "shared/traces/models/resnet50.b32.trace.csv"
-
-
-def build(steps: list[str], persistent: dict[str, int] | None = None) -> Iteration:
-    """One tick per step: "a X 100" allocates block X of 100 bytes, "f X" frees it,
-    "o 1000 X Y" is an op of 1000 ns touching X and Y. Block ids by first mention,
-    persistent first; `it.blocks` in allocation order."""
-    ids: dict[str, int] = {name: k + 1 for k, name in enumerate(persistent or {})}
-    starts: dict[str, tuple[int, int]] = {}
-    ends: dict[str, int] = {}
-    ops, accesses = [], []
-    for tick, step in enumerate(steps):
-        kind, *args = step.split()
-        if kind == "a":
-            ids.setdefault(args[0], len(ids) + 1)
-            starts[args[0]] = (tick, int(args[1]))
-        elif kind == "f":
-            ends[args[0]] = tick
-        else:
-            ops.append(Op(tick=Tick(tick), name=f"op{tick}", duration_ns=int(args[0])))
-            accesses += [Access(tick=Tick(tick), block=ids[b], write=False) for b in args[1:]]
-    blocks = tuple(
-        IterBlock(id=ids[n], size=Bytes(size), start=Tick(start), end=Tick(ends[n]))
-        for n, (start, size) in sorted(starts.items(), key=lambda kv: kv[1][0])
-    )
-    return Iteration(
-        ticks=len(steps),
-        blocks=blocks,
-        ops=tuple(ops),
-        accesses=tuple(accesses),
-        persistent=tuple((ids[n], Bytes(s)) for n, s in (persistent or {}).items()),
-    )
 
 
 # Load (W = 10 persistent bytes + live) at each tick:

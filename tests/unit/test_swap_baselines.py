@@ -6,9 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from tidalpool.units import Bytes, Tick
+from tidalpool.units import Tick
 from tidalpoold.planner.learn import extract
-from tidalpoold.planner.model import Access, Iteration, IterBlock, Op
 from tidalpoold.planner.simulate import Swap, SwapPlan, no_limit, simulate
 from tidalpoold.planner.swap_baselines import (
     BASELINES,
@@ -21,43 +20,12 @@ from tidalpoold.planner.swap_baselines import (
 )
 from tidalpoold.planner.tracecsv import read_trace_csv
 
+from .iterations import build
+
 RESNET = Path(__file__).resolve().parents[3] / "shared/traces/models/resnet50.b32.trace.csv"
 
 CONV = "aten.convolution.default"
 CONV_BWD = "aten.convolution_backward.default"
-
-
-def build(steps: list[str]) -> Iteration:
-    """One tick per step: "a X 100" allocates block X of 100 bytes, "f X" frees it,
-    "o NAME 1000 X >Y" is op NAME of 1000 ns reading X and writing Y. Block ids 1, 2, ...
-    by allocation, which is also the order of `it.blocks`."""
-    ids: dict[str, int] = {}
-    starts: dict[str, tuple[int, int]] = {}
-    ends: dict[str, int] = {}
-    ops, accesses = [], []
-    for tick, step in enumerate(steps):
-        kind, *args = step.split()
-        if kind == "a":
-            ids[args[0]] = len(ids) + 1
-            starts[args[0]] = (tick, int(args[1]))
-        elif kind == "f":
-            ends[args[0]] = tick
-        else:
-            ops.append(Op(tick=Tick(tick), name=args[0], duration_ns=int(args[1])))
-            for b in args[2:]:
-                write = b.startswith(">")
-                accesses.append(Access(tick=Tick(tick), block=ids[b.lstrip(">")], write=write))
-    blocks = tuple(
-        IterBlock(id=ids[n], size=Bytes(size), start=Tick(start), end=Tick(ends[n]))
-        for n, (start, size) in sorted(starts.items(), key=lambda kv: kv[1][0])
-    )
-    return Iteration(
-        ticks=len(steps),
-        blocks=blocks,
-        ops=tuple(ops),
-        accesses=tuple(accesses),
-        persistent=(),
-    )
 
 
 # conv → relu → conv → sum, then the loss gradient and back through both convolutions.
