@@ -66,7 +66,6 @@ class Planner:
         self.plans_made = 0
         self.plans_cached = 0
         self.plans_failed = 0
-        self.plan_seconds: list[float] = []
 
     def on_step(self, session: Session) -> None:
         """Called after each step mark; queues the session once it has enough iterations."""
@@ -147,7 +146,6 @@ class Planner:
             plan.plan_id = self._next_plan_id
             self._next_plan_id += 1
         seconds = time.perf_counter() - started
-        self.plan_seconds.append(seconds)
         session.outbox.put(pool_pb2.ServerMessage(plan=plan))
         log.info(
             "plan.sent",

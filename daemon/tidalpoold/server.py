@@ -42,10 +42,6 @@ class Daemon:
     _reaper: threading.Thread
     _shutdown_lock: threading.Lock = field(default_factory=threading.Lock)
 
-    @property
-    def grpc_target(self) -> str:
-        return f"unix:{self.grpc_socket}"
-
     def shutdown(self, reason: str = "daemon shutting down") -> None:
         """Tell every session, stop serving, remove the sockets, free the pools. Once."""
         with self._shutdown_lock:
