@@ -1,0 +1,132 @@
+"""Streams and events of the sim backend, with CUDA's ordering rules, on worker threads.
+
+A `Stream` is one worker thread running its work in the order it was enqueued: byte copies
+between two addresses of this process (the device and host mappings of a lease), host functions,
+event records and waits on other streams' events. An `Event` recorded on a stream completes once
+everything enqueued on that stream before it has run.
+
+    out stream:  [copy D→H]──[copy D→H]──(E1)──[copy D→H]──(E2)
+    in stream:   [copy H→D]──wait(E1)──[copy H→D]──(E3)      runs only once E1 has completed
+
+A stream may be throttled to a bandwidth: a copy of n bytes then takes at least n / bandwidth
+seconds, like a transfer over PCIe. Copies use `ctypes.memmove`, which releases the GIL.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+Work = Callable[[], object]
+
+
+class StreamError(RuntimeError):
+    """Work enqueued on a stream failed; the event after it reports the failure."""
+
+
+class Event:
+    """Completes when its stream has run everything enqueued before `Stream.record()`."""
+
+    __slots__ = ("_done", "_error")
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def query(self) -> bool:
+        """True once the event has completed (cudaEventQuery); never blocks."""
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until completed (cudaEventSynchronize); False on timeout. Raises StreamError
+        when work before the event failed."""
+        if not self._done.wait(timeout):
+            return False
+        if self._error is not None:
+            raise StreamError(f"stream work before this event failed: {self._error!r}")
+        return True
+
+    def _complete(self, error: BaseException | None = None) -> None:
+        self._error = error
+        self._done.set()
+
+
+class Stream:
+    """An in-order queue of work run by its own thread; `gbps` throttles its copies."""
+
+    def __init__(self, name: str, gbps: float | None = None) -> None:
+        if gbps is not None and gbps <= 0:
+            raise ValueError(f"stream bandwidth must be positive, got {gbps} GB/s")
+        self.name = name
+        self.gbps = gbps
+        self._seconds_per_byte = 0.0 if gbps is None else 1 / (gbps * 1e9)
+        self._work: queue.SimpleQueue[Work | None] = queue.SimpleQueue()
+        self._error: BaseException | None = None  # the first failure since the last record
+        self._closed = False
+        self.bytes_copied = 0
+        self._thread = threading.Thread(target=self._run, name=f"tidalpool-{name}", daemon=True)
+        self._thread.start()
+
+    # -- enqueue ---------------------------------------------------------------------------
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        """Copy `nbytes` from address `src` to address `dst` (cudaMemcpyAsync)."""
+        if nbytes < 0:
+            raise ValueError(f"copy of {nbytes} bytes")
+        self._put(lambda: self._copy(dst, src, nbytes))
+
+    def launch(self, fn: Work) -> None:
+        """Run `fn` on the stream's thread in stream order (cudaLaunchHostFunc)."""
+        self._put(fn)
+
+    def record(self) -> Event:
+        """An event that completes after all work enqueued so far (cudaEventRecord)."""
+        event = Event()
+        self._put(lambda: self._mark(event))
+        return event
+
+    def wait_event(self, event: Event) -> None:
+        """Work enqueued after this call starts only once `event` has completed
+        (cudaStreamWaitEvent); the calling thread does not block."""
+        self._put(event._done.wait)
+
+    def synchronize(self) -> None:
+        """Block until everything enqueued so far has run (cudaStreamSynchronize)."""
+        self.record().wait()
+
+    def close(self) -> None:
+        """Run what is enqueued, then stop the thread. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._work.put(None)
+        self._thread.join()
+
+    # -- the worker ------------------------------------------------------------------------
+    def _put(self, work: Work) -> None:
+        if self._closed:
+            raise RuntimeError(f"stream {self.name} is closed")
+        self._work.put(work)
+
+    def _run(self) -> None:
+        while (work := self._work.get()) is not None:
+            try:
+                work()
+            except BaseException as e:  # reported by the next event, never lost
+                if self._error is None:
+                    self._error = e
+
+    def _mark(self, event: Event) -> None:
+        error, self._error = self._error, None
+        event._complete(error)
+
+    def _copy(self, dst: int, src: int, nbytes: int) -> None:
+        start = time.perf_counter()
+        ctypes.memmove(dst, src, nbytes)
+        self.bytes_copied += nbytes
+        if self._seconds_per_byte:
+            left = start + nbytes * self._seconds_per_byte - time.perf_counter()
+            if left > 0:
+                time.sleep(left)
