@@ -175,7 +175,7 @@ def test_bad_plans_are_refused() -> None:
             simulate(HIDE, SwapPlan((swap,)), None, 1.0, 1.0)
     with pytest.raises(ValueError, match="accessed at tick 4"):
         simulate(PAIR, SwapPlan((Swap(block=1, out_after=Tick(2), in_before=Tick(8)),)), None, 1, 1)
-    with pytest.raises(ValueError, match="swapped twice"):
+    with pytest.raises(ValueError, match="overlaps"):
         simulate(HIDE, SwapPlan(SWAP_A.swaps * 2), None, 1.0, 1.0)
     with pytest.raises(ValueError):
         simulate(HIDE, SWAP_A, None, 0.0, 1.0)
@@ -197,3 +197,35 @@ def test_resnet50_without_swaps_is_the_trace() -> None:
     assert r.iteration_ns == r.baseline_ns == sum(op.duration_ns for op in it.ops) > 0
     assert r.peak_bytes == sum(s for _, s in it.persistent) + int(live_bytes(it).max())
     assert (r.stall_ns, r.out_bytes, r.in_bytes) == (0, 0, 0)
+
+
+# A is used at t1, t3 and t5 and swapped over both gaps. At 1 GB/s each copy takes 1000 ns:
+#   out1 100..1100, in1 (issued at t2, 100) waits for out1: 1100..2100, t3 2100..2200,
+#   out2 2200..3200, in2 (issued at t4, 2200) waits for out2: 3200..4200, t5 4200..4300.
+THRICE = build(["a A 1000", "o 100 A", "o 2000", "o 100 A", "o 2000", "o 100 A", "f A"])
+TWICE = SwapPlan(
+    (
+        Swap(block=0, out_after=Tick(1), in_before=Tick(3)),
+        Swap(block=0, out_after=Tick(3), in_before=Tick(5)),
+    )
+)
+
+
+def test_a_block_swapped_twice_over_disjoint_gaps() -> None:
+    r = simulate(THRICE, TWICE, None, 1.0, 1.0)
+    assert (r.iteration_ns, r.overhead, r.stall_ns) == (4300, 0.0, 0)
+    assert (r.out_bytes, r.in_bytes, r.peak_bytes) == (2000, 2000, 1000)
+    assert r.curve == (
+        (0, 0),
+        (0, 1000),
+        (1100, 0),
+        (1100, 1000),
+        (3200, 0),
+        (3200, 1000),
+        (4300, 0),
+    )
+    # Overlapping intervals of one block are refused, whatever their order in the plan.
+    overlapping = (Swap(0, Tick(1), Tick(3)), Swap(0, Tick(2), Tick(3)))
+    for swaps in (overlapping, overlapping[::-1]):
+        with pytest.raises(ValueError, match="overlaps"):
+            simulate(THRICE, SwapPlan(swaps), None, 1.0, 1.0)

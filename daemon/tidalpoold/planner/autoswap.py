@@ -12,7 +12,7 @@ is measured in ns by the ops' durations (allocs and frees take none). Candidates
 (IV-A) are ranked by a priority score (IV-B), picked greedily while the load is
 updated (IV-D), and scheduled (IV-E): out right after `out_after`, in issued as
 late as the copy still fits in the compute before `in_before`. The Bayesian
-optimization of the score weights (IV-C) is not done here; `combined` takes them.
+optimization of the score weights (IV-C) is `autoswap_bo`; `combined` takes the weights.
 """
 
 from __future__ import annotations
@@ -57,12 +57,15 @@ def durations(it: Iteration) -> npt.NDArray[np.int64]:
     return d
 
 
-def candidates(it: Iteration, threshold_bytes: int) -> list[Candidate]:
+def candidates(
+    it: Iteration, threshold_bytes: int, curve: npt.NDArray[np.int64] | None = None
+) -> list[Candidate]:
     """IV-A: transient blocks of at least `threshold_bytes` with two consecutive accesses
-    (within their lifetime) on either side of the peak tick (the earliest highest load)."""
+    (within their lifetime) on either side of the peak tick and none at it (the peak: the
+    earliest highest value of `curve`, by default the load)."""
     if not it.ticks:
         return []
-    peak = int(np.argmax(load(it)))
+    peak = int(np.argmax(load(it) if curve is None else curve))
     dur = durations(it)
     ticks: dict[int, set[int]] = {}
     for a in it.accesses:
@@ -74,7 +77,7 @@ def candidates(it: Iteration, threshold_bytes: int) -> list[Candidate]:
         mine = sorted(t for t in ticks.get(b.id, ()) if b.start < t < b.end)
         before = [t for t in mine if t < peak]
         after = [t for t in mine if t > peak]
-        if before and after:
+        if before and after and peak not in mine:  # it is needed at the peak itself
             lo, hi = before[-1], after[0]
             gap = int(dur[lo + 1 : hi].sum())
             out.append(Candidate(i, b.size, Tick(lo), Tick(hi), gap))
@@ -102,11 +105,64 @@ def wdoa(c: Candidate, curve: npt.NDArray[np.int64], dur: npt.NDArray[np.int64])
     return int((curve[lo:hi] * dur[lo:hi]).sum())
 
 
-def _standard(x: Sequence[float]) -> list[float]:
-    """(x - mean) / standard deviation; all 0.0 when x is constant."""
-    v = np.asarray(x, np.float64)
+def _standard(v: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+    """(v - mean) / standard deviation; all 0.0 when v is constant."""
     sd = float(v.std())
-    return [0.0] * len(x) if sd == 0.0 else ((v - v.mean()) / sd).tolist()
+    return np.zeros_like(v) if sd == 0.0 else (v - v.mean()) / sd
+
+
+def _prefix_area(
+    curve: npt.NDArray[np.int64], dur: npt.NDArray[np.int64]
+) -> npt.NDArray[np.float64]:
+    """area[t] = sum of curve × dur over ticks before t (float: the products overflow int64)."""
+    return np.concatenate(([0.0], np.cumsum(curve.astype(np.float64) * dur)))
+
+
+class _Table:
+    """The candidates' fixed scores as arrays, so that each pick rescoring is vectorized."""
+
+    def __init__(
+        self,
+        cands: Sequence[Candidate],
+        original: npt.NDArray[np.int64],
+        dur: npt.NDArray[np.int64],
+        out_gbps: float,
+        in_gbps: float,
+    ) -> None:
+        self.dur = dur
+        self.block = np.array([c.block for c in cands], np.int64)
+        self.lo = np.array([c.out_after + 1 for c in cands], np.int64)
+        self.hi = np.array([c.in_before for c in cands], np.int64)
+        self.doa = np.array([doa(c, out_gbps, in_gbps) for c in cands], np.float64)
+        self.aoa = np.array([aoa(c, out_gbps, in_gbps) for c in cands], np.float64)
+        area = _prefix_area(original, dur)
+        self.wdoa = area[self.hi] - area[self.lo]
+
+    def scores(
+        self,
+        idx: npt.NDArray[np.int64],
+        score: Score,
+        current: npt.NDArray[np.int64],
+        weights: tuple[float, float, float, float],
+    ) -> npt.NDArray[np.float64]:
+        """The scores of candidates `idx` with the load now at `current`."""
+        if score == "doa":
+            return self.doa[idx]
+        if score == "aoa":
+            return self.aoa[idx]
+        if score == "wdoa":
+            return self.wdoa[idx]
+        area = _prefix_area(current, self.dur)
+        swdoa = area[self.hi[idx]] - area[self.lo[idx]]
+        if score == "swdoa":
+            return swdoa
+        a, b, c, d = weights
+        return (
+            a * _standard(self.aoa[idx])
+            + b * _standard(self.doa[idx])
+            + c * _standard(self.wdoa[idx])
+            + d * _standard(swdoa)
+        )
 
 
 def scores(
@@ -121,34 +177,25 @@ def scores(
 ) -> list[float]:
     """Each candidate's priority score; higher is swapped first. `combined` is Eq. (3),
     a·AOA + b·DOA + c·WDOA + d·SWDOA over the standardized scores of `cands`."""
-    if score == "doa":
-        return [float(doa(c, out_gbps, in_gbps)) for c in cands]
-    if score == "aoa":
-        return [aoa(c, out_gbps, in_gbps) for c in cands]
-    if score == "wdoa":
-        return [float(wdoa(c, original, dur)) for c in cands]
-    if score == "swdoa":
-        return [float(wdoa(c, current, dur)) for c in cands]
-    if score != "combined":
+    if score not in SCORES:
         raise ValueError(f"unknown score {score!r}; one of {SCORES}")
-    parts = [
-        _standard(scores(cands, s, original, current, dur, out_gbps, in_gbps))
-        for s in ("aoa", "doa", "wdoa", "swdoa")
-    ]
-    return [sum(w * p[k] for w, p in zip(weights, parts, strict=True)) for k in range(len(cands))]
+    table = _Table(cands, original, dur, out_gbps, in_gbps)
+    got: list[float] = table.scores(np.arange(len(cands)), score, current, weights).tolist()
+    return got
 
 
-def swap_in_tick(it: Iteration, c: Candidate, in_gbps: float) -> Tick:
+def swap_in_tick(
+    it: Iteration, c: Candidate, in_gbps: float, dur: npt.NDArray[np.int64] | None = None
+) -> Tick:
     """IV-E: the latest tick from which the ops before `in_before` take at least the swap-in's
-    copy time, but never before `out_after + 1`."""
-    dur = durations(it)
+    copy time, but never before `out_after + 1`. `dur` is `durations(it)`, if at hand."""
+    if dur is None:
+        dur = durations(it)
     need = copy_ns(c.size, in_gbps)
-    have = 0
-    for t in range(c.in_before - 1, c.out_after, -1):
-        have += int(dur[t])
-        if have >= need:
-            return Tick(t)
-    return Tick(c.out_after + 1)
+    # have[k]: the ops' time over ticks in_before-1-k .. in_before-1
+    have = np.cumsum(dur[c.out_after + 1 : c.in_before][::-1])
+    k = int(np.searchsorted(have, need, side="left"))
+    return Tick(c.in_before - 1 - k) if k < len(have) else Tick(c.out_after + 1)
 
 
 def autoswap(
@@ -162,24 +209,56 @@ def autoswap(
 ) -> SwapPlan:
     """IV-D and IV-E: swap the best-scoring remaining candidate (ties: lowest block index), take
     its bytes off the load over its gap, rescore, and stop once the load's peak is at most
-    `limit` or no candidate is left (then the plan holds every candidate; see `load_min`).
-    The plan's swaps are in pick order."""
+    `limit`. When no candidate is left the load's peak is at `load_min` or has moved: the
+    candidates across the new peak join, among them other gaps of blocks already picked,
+    which are then swapped more than once. The plan's swaps are in pick order; it holds
+    every gap it could find when the limit is never met."""
     if score not in SCORES:
         raise ValueError(f"unknown score {score!r}; one of {SCORES}")
-    left = candidates(it, threshold_bytes)
     original = load(it)
     current = original.copy()
     dur = durations(it)
     picked: list[Candidate] = []
-    while left and int(current.max(initial=0)) > limit:
-        s = scores(left, score, original, current, dur, out_gbps, in_gbps, weights)
-        best = max(range(len(left)), key=lambda k: (s[k], -left[k].block))
-        c = left.pop(best)
-        current[c.out_after + 1 : c.in_before] -= c.size
-        picked.append(c)
+    taken: set[tuple[int, int]] = set()  # (block, out_after) of the picked gaps
+    cands = candidates(it, threshold_bytes)
+    while int(current.max(initial=0)) > limit:
+        if not cands:  # a new round: the gaps across the peak the picks have left
+            cands = [
+                c
+                for c in candidates(it, threshold_bytes, current)
+                if (c.block, c.out_after) not in taken
+            ]
+            if not cands:
+                break
+        table = _Table(cands, original, dur, out_gbps, in_gbps)
+        left = np.arange(len(cands))
+        while len(left) and int(current.max(initial=0)) > limit:
+            s = table.scores(left, score, current, weights)
+            k = int(left[np.lexsort((table.block[left], -s))[0]])
+            c = cands[k]
+            current[c.out_after + 1 : c.in_before] -= c.size
+            picked.append(c)
+            taken.add((c.block, c.out_after))
+            left = left[left != k]
+        cands = []
     return SwapPlan(
-        tuple(Swap(c.block, c.out_after, c.in_before, swap_in_tick(it, c, in_gbps)) for c in picked)
+        tuple(
+            Swap(c.block, c.out_after, c.in_before, swap_in_tick(it, c, in_gbps, dur))
+            for c in picked
+        )
     )
+
+
+def op_bound(it: Iteration) -> int:
+    """SuperNeurons' op-wise lower bound max(l_i): the most bytes any single op touches (the
+    distinct blocks it reads or writes, persistent ones included). No swap plan can keep an
+    op's blocks on the device with less."""
+    sizes = {b.id: b.size for b in it.blocks}
+    sizes.update(it.persistent)
+    touched: dict[int, set[int]] = {}
+    for a in it.accesses:
+        touched.setdefault(a.tick, set()).add(a.block)
+    return max((sum(sizes.get(b, 0) for b in bs) for bs in touched.values()), default=0)
 
 
 def load_min(it: Iteration, threshold_bytes: int = 0) -> int:

@@ -18,9 +18,10 @@ At equal times, swap-outs finish first, then swap-ins start, then compute moves.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tidalpool.units import Bytes, Tick
 
@@ -57,7 +58,10 @@ class Swap:
 
 @dataclass(frozen=True, slots=True)
 class SwapPlan:
-    """The swaps of one iteration; a block is swapped at most once."""
+    """The swaps of one iteration. A block may be swapped more than once, over intervals
+    that do not overlap: one swap's `in_before` is at or before the next one's `out_after`
+    (a crossing swap of a persistent block holds the ends of the iteration, the others lie
+    between its `in_before` and its `out_after`)."""
 
     swaps: tuple[Swap, ...] = ()
 
@@ -81,6 +85,15 @@ class Result:
     stall_ns: int  # compute waiting for swap-ins or delayed mallocs
     feasible: bool
     curve: tuple[tuple[int, int], ...]  # (time ns, device bytes) at the start and at each change
+    # When each tick happened (an op started, after any wait); per swap of the plan (in plan
+    # order): when its bytes left
+    # (its swap-out finished) and came back (its swap-in started). _NEVER: did not happen.
+    tick_ns: tuple[int, ...] = field(default=(), compare=False)
+    swap_ns: tuple[tuple[int, int], ...] = field(default=(), compare=False)
+    # The same as ticks: the first tick that saw the bytes gone / back (`ticks`: after the last
+    # tick, the next iteration's start), -1 if it did not happen. Ticks order events that share
+    # a time: compute's allocs and frees take none.
+    swap_ticks: tuple[tuple[int, int], ...] = field(default=(), compare=False)
 
 
 def copy_ns(size: int, gbps: float) -> int:
@@ -98,7 +111,10 @@ class _In:
     need_tick: int
     out: int  # index of its swap-out in the out list, -1: none this iteration (wraps)
     ns: int
+    swap: int  # its index in the plan
     issued: int = _NEVER  # when compute reached `issue_tick`
+    started: int = _NEVER  # when the copy started (the bytes came back)
+    started_tick: int = -1  # the first tick that saw them back
     done: int = _NEVER  # when the copy finished
 
 
@@ -109,15 +125,13 @@ def _checked(it: Iteration, plan: SwapPlan) -> list[tuple[int, Swap]]:
     touched: dict[int, list[int]] = {}
     for a in it.accesses if plan.swaps else ():
         touched.setdefault(a.block, []).append(a.tick)
-    seen: set[tuple[bool, int]] = set()
+    per_block: dict[tuple[bool, int], list[Swap]] = {}
     out: list[tuple[int, Swap]] = []
     for s in plan.swaps:
         where = it.persistent if s.persistent else it.blocks
         if not 0 <= s.block < len(where):
             raise ValueError(f"{s}: no such block")
-        if (s.persistent, s.block) in seen:
-            raise ValueError(f"{s}: block swapped twice")
-        seen.add((s.persistent, s.block))
+        per_block.setdefault((s.persistent, s.block), []).append(s)
         if s.out_after not in op_index or s.in_before not in op_index:
             raise ValueError(f"{s}: out_after and in_before must be op ticks")
         first = 0 if s.in_before <= s.out_after else s.out_after + 1
@@ -139,7 +153,26 @@ def _checked(it: Iteration, plan: SwapPlan) -> list[tuple[int, Swap]]:
         if away:
             raise ValueError(f"{s}: block accessed at tick {away[0]} while swapped out")
         out.append((size, s))
+    for mine in per_block.values():
+        _disjoint(mine)
     return out
+
+
+def _disjoint(swaps: list[Swap]) -> None:
+    """ValueError unless the away intervals of one block's swaps do not overlap."""
+    if len(swaps) < 2:
+        return
+    crossing = [s for s in swaps if s.in_before <= s.out_after]
+    inside = sorted((s for s in swaps if s.in_before > s.out_after), key=lambda s: s.out_after)
+    if len(crossing) > 1:
+        raise ValueError(f"{crossing[1]}: block swapped across the boundary twice")
+    for prev, nxt in itertools.pairwise(inside):
+        if nxt.out_after < prev.in_before:
+            raise ValueError(f"{nxt}: overlaps {prev}, another swap of the same block")
+    for c in crossing:
+        for s in inside:
+            if s.out_after < c.in_before or s.in_before > c.out_after:
+                raise ValueError(f"{s}: overlaps {c}, another swap of the same block")
 
 
 def simulate(
@@ -171,19 +204,25 @@ def simulate(
     out_size: list[int] = []
     out_ns: list[int] = []
     out_done: list[int] = []
+    out_tick: list[int] = []
     ins: list[_In] = []
     off = 0  # bytes off the device now
-    for size, s in sorted(swaps, key=lambda x: (x[1].out_after, x[1].in_before)):
+    out_swap: list[int] = []  # plan index of each swap-out
+    order = sorted(range(len(swaps)), key=lambda j: (swaps[j][1].out_after, swaps[j][1].in_before))
+    for j in order:
+        size, s = swaps[j]
         wraps = s.in_before <= s.out_after
         k = len(out_size)
+        out_swap.append(j)
         outs_after.setdefault(s.out_after, []).append(k)
         out_size.append(size)
         out_ns.append(copy_ns(size, out_gbps))
         out_done.append(_NEVER)
+        out_tick.append(-1)
         pos = op_pos[s.in_before]
         first = 0 if wraps else s.out_after + 1
         issue = s.in_at if s.in_at is not None else max(op_ticks[pos - 1] if pos else 0, first)
-        ins.append(_In(size, issue, s.in_before, -1 if wraps else k, copy_ns(size, in_gbps)))
+        ins.append(_In(size, issue, s.in_before, -1 if wraps else k, copy_ns(size, in_gbps), j))
         if wraps:
             off += size
     ins.sort(key=lambda x: (x.issue_tick, x.need_tick))
@@ -197,7 +236,7 @@ def simulate(
     curve = [(0, device)]
     peak = device
     moved_out = moved_in = 0
-    releases: deque[tuple[int, int]] = deque()  # swap-out ends, in time order: (time, size)
+    releases: deque[tuple[int, int, int]] = deque()  # swap-out ends in time order: (time, size, k)
     out_free = 0
     in_free = 0
     head = 0  # the next swap-in to start
@@ -226,7 +265,9 @@ def simulate(
         if t > until or t == _NEVER:
             return None
         if r <= s:
-            off += releases.popleft()[1]
+            _, size, k = releases.popleft()
+            off += size
+            out_tick[k] = tick
             note(r)
             if blocked:
                 blocked, retry = False, r
@@ -238,6 +279,7 @@ def simulate(
         off -= x.size
         moved_in += x.size
         note(s)
+        x.started, x.started_tick = s, tick
         in_free = x.done = s + x.ns
         head += 1
         retry = 0
@@ -250,7 +292,9 @@ def simulate(
     for x in ins:
         issue_at.setdefault(x.issue_tick, []).append(x)
     tick = 0
+    tick_ns: list[int] = []
     while feasible and tick < it.ticks:
+        tick_ns.append(now)
         for x in issue_at.get(tick, ()):
             x.issued = now
         while (releases or head < len(ins)) and step(now) is not None:
@@ -266,10 +310,11 @@ def simulate(
                 break
             start = max([now, *(x.done for x in needs.get(tick, ()))])
             stall += start - now
+            tick_ns[-1] = start
             now = start + durations[tick]
             for k in outs_after.get(tick, ()):
                 out_free = out_done[k] = max(now, out_free) + out_ns[k]
-                releases.append((out_free, out_size[k]))
+                releases.append((out_free, out_size[k], k))
                 moved_out += out_size[k]
         elif rise > 0:  # a malloc: wait for swap-outs to make room
             start = now
@@ -282,7 +327,7 @@ def simulate(
             if not feasible:
                 break
             stall += start - now
-            now = start
+            tick_ns[-1] = now = start
         if rise:
             level = live[tick]
             note(now)
@@ -297,6 +342,14 @@ def simulate(
             feasible = False
         end = max([end, out_free, in_free])
     iteration = int(end)
+    swap_ns = [(_NEVER, _NEVER)] * len(swaps)
+    swap_ticks = [(-1, -1)] * len(swaps)
+    for k, j in enumerate(out_swap):
+        swap_ns[j] = (out_done[k], swap_ns[j][1])
+        swap_ticks[j] = (out_tick[k], swap_ticks[j][1])
+    for x in ins:
+        swap_ns[x.swap] = (swap_ns[x.swap][0], x.started)
+        swap_ticks[x.swap] = (swap_ticks[x.swap][0], x.started_tick)
     return Result(
         iteration_ns=iteration,
         baseline_ns=baseline,
@@ -307,6 +360,9 @@ def simulate(
         stall_ns=int(stall),
         feasible=feasible,
         curve=tuple(curve),
+        tick_ns=tuple(int(t) for t in tick_ns),
+        swap_ns=tuple((int(a), int(b)) for a, b in swap_ns),
+        swap_ticks=tuple(swap_ticks),
     )
 
 

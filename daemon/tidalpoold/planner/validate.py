@@ -18,7 +18,8 @@ from bisect import bisect_left
 
 import numpy as np
 
-from tidalpoold.planner.model import Placement, Problem
+from tidalpoold.planner.model import Iteration, Placement, Problem
+from tidalpoold.planner.simulate import Result, SwapPlan, copy_ns
 
 PAIRWISE_MAX = 4096
 _ROWS = 256  # rows of the pairwise comparison at a time
@@ -131,3 +132,83 @@ def _sweep(problem: Problem, placement: Placement) -> None:
         if p < len(live) and live[p][0] < end:
             raise InvalidPlacement(_overlap_message(problem, placement, k, live[p][1]))
         live.insert(p, key)
+
+
+class InvalidSwapPlan(ValueError):
+    """A swap plan whose simulated timeline breaks a promise; the message names the swap."""
+
+
+def validate_swaps(
+    it: Iteration,
+    plan: SwapPlan,
+    result: Result,
+    limit: int | None,
+    in_gbps: float,
+) -> None:
+    """Check a simulated swap plan from its timeline alone (`result.tick_ns`, `.swap_ns`,
+    `.swap_ticks`), recomputing device bytes without the simulator's code:
+
+    - no block is accessed by an op strictly between its swap's two ops;
+    - every swap-out finished and every swap-in started, after the swap-out finished, and
+      completed (start + its copy time at `in_gbps`) no later than the op that needs it began;
+    - at every tick, the device bytes (persistent bytes and the blocks live at that tick,
+      less the blocks away from it) are at most `limit`.
+    """
+    if not result.feasible:
+        raise InvalidSwapPlan("the simulation did not finish: the plan is infeasible")
+    n = len(plan.swaps)
+    if len(result.tick_ns) != it.ticks or len(result.swap_ns) != n or len(result.swap_ticks) != n:
+        raise InvalidSwapPlan("the result is not the simulation of this plan on this iteration")
+    times = result.tick_ns
+    accessed: dict[int, list[int]] = {}
+    for a in it.accesses:
+        accessed.setdefault(a.block, []).append(a.tick)
+    away: list[tuple[int, int, int, bool]] = []  # (size, gone tick, back tick, crosses)
+    for s, (left, back), (gone_t, back_t) in zip(
+        plan.swaps, result.swap_ns, result.swap_ticks, strict=True
+    ):
+        pid, size = (
+            it.persistent[s.block]
+            if s.persistent
+            else (it.blocks[s.block].id, it.blocks[s.block].size)
+        )
+        crosses = s.in_before <= s.out_after
+        between = [
+            t
+            for t in accessed.get(pid, ())
+            if (s.out_after < t < s.in_before) or (crosses and (t > s.out_after or t < s.in_before))
+        ]
+        if between:
+            raise InvalidSwapPlan(f"{s}: its block is accessed at tick {between[0]} while away")
+        if min(gone_t, back_t) < 0 or max(left, back) >= 1 << 62:
+            raise InvalidSwapPlan(f"{s}: its swap-out or swap-in never happened")
+        if not crosses and (back < left or back_t < gone_t):
+            raise InvalidSwapPlan(f"{s}: swapped in at {back} ns before it left at {left} ns")
+        ready = back + copy_ns(size, in_gbps)
+        if ready > times[s.in_before]:
+            raise InvalidSwapPlan(
+                f"{s}: back at {ready} ns but op {s.in_before} began at {times[s.in_before]} ns"
+            )
+        if back_t > s.in_before:
+            raise InvalidSwapPlan(f"{s}: back only at tick {back_t}, after op {s.in_before}")
+        away.append((size, gone_t, back_t, crosses))
+    if limit is None:
+        return
+    persistent = sum(size for _, size in it.persistent)
+    live = [0] * it.ticks  # transient bytes at each tick, previous instances of crossing blocks too
+    for b in it.blocks:
+        for t in range(b.start, b.end):
+            live[t % it.ticks] += b.size
+    off = [0] * (it.ticks + 1)  # bytes away at each tick (difference array)
+    for nbytes, gone_t, back_t, crosses in away:
+        if crosses:
+            off[0] += nbytes
+            off[back_t] -= nbytes
+        off[gone_t] += nbytes
+        off[it.ticks if crosses else back_t] -= nbytes
+    gone = 0
+    for t in range(it.ticks):
+        gone += off[t]
+        device = persistent + live[t] - gone
+        if device > limit:
+            raise InvalidSwapPlan(f"tick {t} at {times[t]} ns: {device} device bytes > {limit}")

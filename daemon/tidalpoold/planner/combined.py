@@ -1,0 +1,111 @@
+"""The combined plan: a swap schedule first, then a placement of what it leaves on the device.
+
+A swapped block is on the device in pieces: from its alloc until its swap-out's
+copy finishes, and again from the start of its swap-in until its next swap-out
+or its free. Each piece is a block of its own for Planner I, its lifetime in
+ticks read off the simulated timeline:
+
+    tick      a(alloc)   out_after  release            in_at/start of in    end(free)
+    block     ████████████████████████┐                ┌████████████████████┐
+    pieces    [a ..................... release)         [in tick ............ end)
+
+`release` is the first tick that saw the copy finished (a malloc there may
+reuse the bytes), and the in-piece starts at the last tick that happened
+before the copy started: both read off `simulate`'s `swap_ticks`. A persistent
+block that is swapped becomes pieces too; one that is not keeps its own bytes
+outside the placement.
+
+The footprint of the combination is those persistent bytes plus the placement's
+height: what the device must really hold, fragmentation included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tidalpool.units import ALIGNMENT, Bytes, Tick
+
+from tidalpoold.planner.learn import to_problem
+from tidalpoold.planner.model import Iteration, IterBlock, Placement
+from tidalpoold.planner.placement import solve
+from tidalpoold.planner.simulate import Result, SwapPlan
+
+
+@dataclass(frozen=True, slots=True)
+class Combined:
+    pieces: Iteration  # the iteration with swapped blocks split into their device pieces
+    placement: Placement  # of `pieces.blocks`
+    resident_persistent: Bytes  # persistent bytes never swapped
+    footprint: Bytes  # resident_persistent + placement.height
+
+
+def pieces(it: Iteration, plan: SwapPlan, result: Result) -> Iteration:
+    """`it` with every swapped block replaced by its device pieces (ids from max id + 1)."""
+    if not result.feasible:
+        raise ValueError("the swap plan is infeasible under its limit: nothing to place")
+    if len(result.swap_ticks) != len(plan.swaps):
+        raise ValueError("the result is not the simulation of this plan on this iteration")
+    away: dict[tuple[bool, int], list[tuple[int, int]]] = {}  # (release tick, back tick)
+    for s, (gone, back) in zip(plan.swaps, result.swap_ticks, strict=True):
+        # Tick `gone` is the first to see the bytes free; the swap-in started after tick
+        # back - 1 had happened, so the piece is live from there.
+        away.setdefault((s.persistent, s.block), []).append((gone, max(back - 1, 0)))
+    next_id = max([b.id for b in it.blocks] + [p for p, _ in it.persistent] + [0]) + 1
+    blocks: list[IterBlock] = []
+    for i, b in enumerate(it.blocks):
+        gaps = sorted(away.get((False, i), ()))
+        lo = int(b.start)
+        for release, back in gaps:
+            blocks.append(IterBlock(next_id, b.size, Tick(lo), Tick(max(release, lo + 1))))
+            next_id += 1
+            lo = back
+        blocks.append(
+            b if not gaps else IterBlock(next_id, b.size, Tick(lo), b.end, crosses=b.crosses)
+        )
+        next_id += 1 if gaps else 0
+    resident: list[tuple[int, Bytes]] = []
+    for j, (pid, size) in enumerate(it.persistent):
+        gaps = sorted(away.get((True, j), ()))
+        if not gaps:
+            resident.append((pid, size))
+            continue
+        # On the device over the complement of its away intervals within [0, ticks).
+        cuts: list[tuple[int, int]] = []  # away ranges [release, back) inside the iteration
+        for release, back in gaps:
+            if back < release:  # across the boundary: away over [release, T) and [0, back)
+                cuts += [(release, it.ticks), (0, back)]
+            else:
+                cuts.append((release, back))
+        pos = 0
+        for a, c in sorted(cuts):
+            if a > pos:
+                blocks.append(IterBlock(next_id, size, Tick(pos), Tick(a)))
+                next_id += 1
+            pos = max(pos, c)
+        if pos < it.ticks:
+            blocks.append(IterBlock(next_id, size, Tick(pos), Tick(it.ticks)))
+            next_id += 1
+    blocks.sort(key=lambda b: (b.start, b.id))
+    return Iteration(
+        ticks=it.ticks,
+        blocks=tuple(blocks),
+        ops=it.ops,
+        accesses=(),
+        persistent=tuple(resident),
+        index=it.index,
+    )
+
+
+def combine(
+    it: Iteration,
+    plan: SwapPlan,
+    result: Result,
+    alignment: int = ALIGNMENT,
+    time_limit_s: float = 2.0,
+) -> Combined:
+    """Place the pieces the swap plan leaves (Planner I) and report the footprint."""
+    split = pieces(it, plan, result)
+    problem, _ = to_problem(split, alignment)
+    placement = solve(problem, time_limit_s=time_limit_s)
+    resident = Bytes(sum(size for _, size in split.persistent))
+    return Combined(split, placement, resident, Bytes(resident + placement.height))

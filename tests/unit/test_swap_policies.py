@@ -1,0 +1,167 @@
+"""planner/swap, tidalpool_swap, autoswap_bo, combined and validate_swaps: repeated swaps below
+load_min, the op-wise bound, the tuned score, the engine-aware policy against every baseline,
+the combined plan's pieces, and the independent check of simulated timelines."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from tidalpool.units import Tick
+from tidalpoold.planner.autoswap import autoswap, load, load_min, op_bound
+from tidalpoold.planner.autoswap_bo import cost, tune
+from tidalpoold.planner.combined import combine, pieces
+from tidalpoold.planner.learn import extract
+from tidalpoold.planner.model import Iteration
+from tidalpoold.planner.simulate import Swap, SwapPlan, simulate
+from tidalpoold.planner.swap import BASELINE_POLICIES, POLICIES, plan, plans
+from tidalpoold.planner.tidalpool_swap import RULES, construct, gaps, judge
+from tidalpoold.planner.tracecsv import read_trace_csv
+from tidalpoold.planner.validate import InvalidSwapPlan, validate_swaps
+
+from ..conftest import shared_file
+from .iterations import build
+
+# A is used at t1, t5 and t9; X and Y come and go between. Load:
+#   t  0    1    2    3    4    5    6    7    8    9    10
+#      aA   oA   aX   oX   fX   oA   aY   oY   fY   oA   fA
+#      100  100  400  400  100  100  400  400  100  100  0
+# The peak is t2; AutoSwap's only candidate there is A over (1, 5), so load_min is the
+# other peak, t6 (400). Below it A must go again, over (5, 9).
+TWICE = build(
+    ["a A 100", "o 10 A", "a X 300", "o 10 X", "f X", "o 10 A"]
+    + ["a Y 300", "o 10 Y", "f Y", "o 10 A", "f A"]
+)
+
+
+def test_below_load_min_a_block_is_swapped_again() -> None:
+    assert int(load(TWICE).max()) == 400
+    assert load_min(TWICE) == 400
+    got = autoswap(TWICE, 300, 100.0, 100.0)
+    assert [(s.block, s.out_after, s.in_before) for s in got.swaps] == [(0, 1, 5), (0, 5, 9)]
+    r = simulate(TWICE, got, 300, 100.0, 100.0)
+    assert r.feasible and r.peak_bytes == 300 and (r.out_bytes, r.in_bytes) == (200, 200)
+    validate_swaps(TWICE, got, r, 300, 100.0)
+    # Above load_min one swap is enough, and nothing can reach below the op-wise bound.
+    assert len(autoswap(TWICE, 400, 100.0, 100.0).swaps) == 0
+    assert op_bound(TWICE) == 300
+
+
+def test_op_bound_counts_every_distinct_block_an_op_touches() -> None:
+    it = build(["a A 100", "a B 50", "o 10 A >B", "o 10 A A", "f A", "f B"], {"W": 7})
+    assert op_bound(it) == 150
+    it = build(["a A 100", "o 10 A W", "f A"], {"W": 7})
+    assert op_bound(it) == 107
+
+
+def test_gaps_cover_every_pair_of_consecutive_accesses() -> None:
+    it = build(["a A 100", "o 10 A W", "o 10", "o 10 A", "o 10 W", "f A"], {"W": 7})
+    got = [(g.block, g.persistent, g.a, g.c) for g in gaps(it, 1.0, 1.0)]
+    # A: (1, 3); W: (1, 4) inside the iteration and (4, 1) across its boundary.
+    assert got == [(0, False, 1, 3), (0, True, 1, 4), (0, True, 4, 1)]
+
+
+def _resnet() -> Iteration:
+    events = read_trace_csv(shared_file("traces/models/resnet50.b32.trace.csv"))
+    return extract(events, events.marks())
+
+
+def test_bo_is_never_worse_than_the_pure_scores_and_is_seeded() -> None:
+    it = _resnet()
+    limit = int(0.9 * int(load(it).max()))
+    tuned = tune(it, limit, 50.0, 50.0, trials=6)
+    for score in ("aoa", "doa", "wdoa", "swdoa"):
+        r = simulate(it, autoswap(it, limit, 50.0, 50.0, score=score), limit, 50.0, 50.0)
+        assert cost(tuned.result, limit) <= cost(r, limit)
+    again = tune(it, limit, 50.0, 50.0, trials=6)
+    assert again.weights == tuned.weights and again.plan == tuned.plan
+    with pytest.raises(ValueError, match="trials"):
+        tune(it, limit, 50.0, 50.0, trials=0)
+
+
+@pytest.mark.parametrize(
+    ("fraction", "gbps"), [(0.95, 12.0), (0.7, 12.0), (0.9, 50.0), (0.5, 50.0)]
+)
+def test_tidalpool_is_at_least_as_good_as_every_baseline(fraction: float, gbps: float) -> None:
+    it = _resnet()
+    limit = int(fraction * int(load(it).max()))
+    made = plans(it, POLICIES, limit, gbps, gbps)
+    results = {n: simulate(it, p, limit, gbps, gbps) for n, p in made.items()}
+    mine = results["tidalpool"]
+    for name, r in results.items():
+        if r.feasible:
+            validate_swaps(it, made[name], r, limit, gbps)
+            assert mine.feasible and mine.overhead <= r.overhead, name
+    assert mine.feasible
+
+
+def test_engine_aware_plan_hides_what_the_baselines_cannot() -> None:
+    it = _resnet()
+    limit = int(0.95 * int(load(it).max()))
+    best = min(
+        simulate(it, p(it, limit, 50.0, 50.0), limit, 50.0, 50.0).overhead
+        for p in BASELINE_POLICIES.values()
+    )
+    assert best > 0.005
+    for rule in RULES:
+        r = simulate(it, construct(it, limit, 50.0, 50.0, rule), limit, 50.0, 50.0)
+        assert r.feasible and r.overhead <= 0.005, rule
+
+
+def test_judge_prefers_feasible_then_overhead_then_fewer_bytes() -> None:
+    plan_a = SwapPlan((Swap(0, Tick(1), Tick(5)),))
+    both = SwapPlan((Swap(0, Tick(1), Tick(5)), Swap(0, Tick(5), Tick(9))))
+    got, r = judge(TWICE, [SwapPlan(), both, plan_a], 400, 100.0, 100.0)
+    assert got == SwapPlan() and r.feasible  # nothing to move at the peak
+    got, r = judge(TWICE, [SwapPlan(), plan_a, both], 300, 100.0, 100.0)
+    assert got == both and r.feasible
+    with pytest.raises(ValueError):
+        judge(TWICE, [], 300, 1.0, 1.0)
+
+
+def test_policies_by_name() -> None:
+    assert POLICIES[-1] == "tidalpool" and "autoswap-bo" in POLICIES and "vdnn-dyn" in POLICIES
+    with pytest.raises(ValueError, match="unknown swap policy 'lru'"):
+        plan(TWICE, "lru", 300, 1.0, 1.0)
+    assert plan(TWICE, "tidalpool", 300, 100.0, 100.0) == plan(
+        TWICE, "tidalpool", 300, 100.0, 100.0
+    )
+
+
+# As in test_simulate: A (1000 B) away from after t1 until before t7; B lives over t3..t5.
+#   t0 a A   t1 op 100   t2 op 2000   t3 a B   t4 op 3000   t5 f B   t6 op 1500   t7 op 500 A
+# At 1 GB/s A's out ends at 1100 (seen by t3), its in starts at t6 (5100).
+HIDE = build(
+    ["a A 1000", "o 100 A", "o 2000", "a B 1000", "o 3000 B", "f B", "o 1500", "o 500 A", "f A"]
+)
+SWAP_A = SwapPlan((Swap(block=0, out_after=Tick(1), in_before=Tick(7)),))
+
+
+def test_combined_pieces_and_footprint() -> None:
+    r = simulate(HIDE, SWAP_A, None, 1.0, 1.0)
+    assert r.swap_ticks == ((3, 6),) and r.swap_ns == ((1100, 5100),)
+    split = pieces(HIDE, SWAP_A, r)
+    assert sorted((b.size, b.start, b.end) for b in split.blocks) == [
+        (1000, 0, 3),  # A until its bytes are seen gone
+        (1000, 3, 5),  # B
+        (1000, 5, 8),  # A again, from the tick before its swap-in started
+    ]
+    assert (
+        combine(HIDE, SwapPlan(), simulate(HIDE, SwapPlan(), None, 1.0, 1.0), 1).footprint == 2000
+    )
+    assert combine(HIDE, SWAP_A, r, alignment=1).footprint == 1000
+    with pytest.raises(ValueError, match="infeasible"):
+        pieces(HIDE, SwapPlan(), simulate(HIDE, SwapPlan(), 1999, 1.0, 1.0))
+
+
+def test_validate_swaps_catches_a_late_swap_in_and_an_overfull_tick() -> None:
+    r = simulate(HIDE, SWAP_A, None, 1.0, 1.0)
+    validate_swaps(HIDE, SWAP_A, r, 1000, 1.0)
+    with pytest.raises(InvalidSwapPlan, match="tick 3 .* 2000 device bytes > 1000"):
+        validate_swaps(HIDE, SWAP_A, dataclasses.replace(r, swap_ticks=((4, 6),)), 1000, 1.0)
+    with pytest.raises(InvalidSwapPlan, match="back at 6700 ns but op 7 began at 6600 ns"):
+        validate_swaps(HIDE, SWAP_A, dataclasses.replace(r, swap_ns=((1100, 5700),)), None, 1.0)
+    with pytest.raises(InvalidSwapPlan, match="never happened"):
+        validate_swaps(HIDE, SWAP_A, dataclasses.replace(r, swap_ticks=((3, -1),)), None, 1.0)
+    with pytest.raises(InvalidSwapPlan, match="not the simulation"):
+        validate_swaps(HIDE, SWAP_A, simulate(HIDE, SwapPlan(), None, 1.0, 1.0), None, 1.0)
