@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 import operator
 from bisect import bisect_left, insort
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tidalpool.errors import InvalidBlock, LeaseExceeded
@@ -259,16 +259,34 @@ class Executor:
         live = self._blocks.get(block.id)
         if live is None or (live is not block and live != block):
             raise InvalidBlock(f"{_describe(block)} is not live (already freed?)")
-        arena = self._arena
-        if arena is None or not arena.release(block.id):
-            self._fit.release(block.offset)
-        elif not arena.active and not arena.live:
-            self._drop_arena()
+        self._unplace(block.id, block.offset)
         del self._blocks[block.id]
         self._frees += 1
         self._live_bytes -= block.size
         if self._record is not None:
             self._record(EVENT_FREE, block.id, 0)
+
+    def _unplace(self, block_id: int, offset: int) -> None:
+        """The release step, inverse of `_place`: a block's bytes back to the arena or the fit."""
+        arena = self._arena
+        if arena is None or not arena.release(block_id):
+            self._fit.release(offset)
+        elif not arena.active and not arena.live:
+            self._drop_arena()
+
+    # -- ops -------------------------------------------------------------------------------
+    def begin_op(self, blocks: Sequence[Block]) -> list[int]:
+        """An op is about to access `blocks`: their lease offsets (here, where they were put)."""
+        return [b.offset for b in blocks]
+
+    def end_op(self, blocks: Sequence[Block]) -> None:
+        """The op that `begin_op` announced has finished (nothing to do without swapping)."""
+
+    def pin(self, block: Block) -> None:
+        """Keep the block at its offset for good (it always is, without swapping)."""
+
+    def close(self) -> None:
+        """Release what the executor holds besides the lease (nothing, without swapping)."""
 
     # -- planned mode --------------------------------------------------------------------
     def install_plan(self, table: PlanTable) -> None:
