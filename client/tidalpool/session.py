@@ -4,7 +4,9 @@
              ──▶ Session stream (heartbeats, trace chunks, step marks ▲ goodbye, plans)
 
 The hot path (`malloc`, `free`, `op`) never leaves the process: the executor
-allocates inside the mapped lease and the recorder appends an event.
+allocates inside the mapped lease and the recorder appends an event. With a
+`swap_limit`, the executor is the swap engine (swap.py): blocks not in use wait
+in the host lease while the device bytes held stay under the limit.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import queue
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,17 +28,20 @@ import grpc
 
 from tidalpool import __version__
 from tidalpool.devices.sim import SimMapping
-from tidalpool.errors import AttachError, SessionClosed
+from tidalpool.errors import AttachError, InvalidBlock, SessionClosed
 from tidalpool.executor import Block, Executor
 from tidalpool.handles import request_lease
 from tidalpool.planned import PlanRejected, PlanTable
 from tidalpool.recorder import OP, READ, WRITE, Recorder
+from tidalpool.swap import SwappingExecutor, SwapStats
 from tidalpool.units import ALIGNMENT, parse_size
 from tidalpool.v1 import pool_pb2, pool_pb2_grpc
 
 if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
+
+    from tidalpool.numpy import Tensor
 
 log = logging.getLogger("tidalpool")
 
@@ -64,6 +70,7 @@ class SessionStats:
     plan_hits: int  # allocations served by a plan
     plan_misses: int  # allocations a plan could not serve (placed online)
     footprint_bytes: int  # highest lease byte used in the current iteration so far
+    swap: SwapStats | None  # bytes swapped, stall time...; None for a session without swapping
 
 
 def socket_dir_from_env(socket_dir: str | os.PathLike[str] | None) -> Path:
@@ -78,16 +85,24 @@ def attach(
     device_limit: int | str | None = None,
     host_limit: int | str | None = None,
     job_name: str | None = None,
+    swap_limit: int | str | None = None,
+    copy_gbps: float | None = None,
 ) -> Session:
     """Open a session with the daemon of `socket_dir` and map its lease.
 
     `device_limit`/`host_limit` are the lease sizes (bytes or "4GiB"); None asks
-    for the daemon's default. Raises AttachError when there is no daemon or it
-    refuses (wrong uid, pool exhausted).
+    for the daemon's default. `swap_limit` turns swapping on: the device bytes the
+    session holds stay at or under it, blocks not in use waiting in the host
+    lease; `copy_gbps` throttles the swap copies to that bandwidth (sim backend).
+    Raises AttachError when there is no daemon or it refuses (wrong uid, pool
+    exhausted).
     """
     directory = socket_dir_from_env(socket_dir)
     device_bytes = parse_size(device_limit) if device_limit is not None else 0
     host_bytes = parse_size(host_limit) if host_limit is not None else 0
+    swap_bytes = parse_size(swap_limit) if swap_limit is not None else None
+    if copy_gbps is not None and copy_gbps <= 0:
+        raise ValueError(f"copy_gbps must be positive, got {copy_gbps}")
     name = job_name or os.environ.get("TIDALPOOL_JOB_NAME") or Path(sys.argv[0] or "python").name
     grant = request_lease(directory / "handles.sock", device_bytes, host_bytes, name)
     try:
@@ -96,14 +111,29 @@ def attach(
         host = SimMapping(grant.host_fd, lease.host.offset, lease.host.length)
     finally:
         grant.close()
-    return Session(directory, grant.response.session_id, grant.response.token, device, host)
+    return Session(
+        directory,
+        grant.response.session_id,
+        grant.response.token,
+        device,
+        host,
+        swap_limit=swap_bytes,
+        copy_gbps=copy_gbps,
+    )
 
 
 class Session:
     """A lease of device and host memory, and the executor that allocates in it."""
 
     def __init__(
-        self, socket_dir: Path, session_id: str, token: str, device: SimMapping, host: SimMapping
+        self,
+        socket_dir: Path,
+        session_id: str,
+        token: str,
+        device: SimMapping,
+        host: SimMapping,
+        swap_limit: int | None = None,
+        copy_gbps: float | None = None,
     ) -> None:
         self.id = session_id
         self.device = device
@@ -132,7 +162,20 @@ class Session:
         self._outbox: queue.SimpleQueue[pool_pb2.ClientMessage | None] = queue.SimpleQueue()
         self._responses = self._stub.Session(self._outgoing(), metadata=self._metadata)
         self.recorder = Recorder(self._outbox.put, chunk_events=reply.trace_chunk_events or 4096)
-        self.executor = Executor(device.length, record=self.recorder.record)
+        self.executor: Executor
+        if swap_limit is None and copy_gbps is None:
+            self.executor = Executor(device.length, record=self.recorder.record)
+        else:
+            self.executor = SwappingExecutor(
+                device.length,
+                device_address=device.address,
+                host_address=host.address,
+                host_capacity=host.length,
+                limit=swap_limit,
+                gbps=copy_gbps,
+                record=self.recorder.record,
+            )
+        self._dead: deque[Block] = deque()  # blocks of garbage tensors, freed at the next op
         self._heartbeat_s = (reply.heartbeat_interval_ms or 1000) / 1000
         self._stop = threading.Event()
         self._threads = [
@@ -154,45 +197,89 @@ class Session:
         self.executor.free(block)
 
     def address(self, block: Block) -> int:
-        """The block's address in this process (sim: host memory)."""
-        return self.device.address + block.offset
+        """The block's address in this process now (sim: host memory). With swapping it holds
+        until the block's next swap-out: use `op` to access a block that is not pinned."""
+        return self.device.address + self._offset(block)
 
     def buffer(self, block: Block) -> memoryview:
-        """The block's bytes (sim backend)."""
-        return self.device.buffer(block.offset, block.size)
+        """The block's bytes (sim backend), where they are now (see `address`)."""
+        return self.device.buffer(self._offset(block), block.size)
+
+    def _offset(self, block: Block) -> int:
+        ex = self.executor
+        return ex.offset(block) if isinstance(ex, SwappingExecutor) else block.offset
 
     def array(
         self, shape: int | Sequence[int], dtype: npt.DTypeLike = "float32"
     ) -> np.ndarray[Any, Any]:
-        """A NumPy array over lease memory, freed when it (and every view of it) is gone."""
+        """A NumPy array over lease memory, freed when it (and every view of it) is gone.
+        It holds an address, so its block is pinned: never swapped out."""
         from tidalpool.numpy import array
 
         return array(self, shape, dtype)
 
-    def release(self, array: np.ndarray[Any, Any]) -> None:
-        """Free an array's block now instead of when it is garbage."""
+    def tensor(self, shape: int | Sequence[int], dtype: npt.DTypeLike = "float32") -> Tensor:
+        """An array whose bytes may be swapped out between ops: compute on the views `op`
+        yields. Freed by `release` or once it is garbage."""
+        from tidalpool.numpy import Tensor
+
+        if self._dead:
+            self._free_dead()
+        return Tensor(self, shape, dtype)
+
+    def release(self, array: np.ndarray[Any, Any] | Tensor) -> None:
+        """Free an array's or tensor's block now instead of when it is garbage."""
         from tidalpool.numpy import release
 
         release(self, array)
+
+    def bury(self, block: Block) -> None:
+        """A garbage tensor's block, freed at the next `op` or `tensor` (a finalizer may run on
+        any thread and in the middle of the executor's work, so it only queues)."""
+        self._dead.append(block)
+
+    def _free_dead(self) -> None:
+        while self._dead:
+            with suppress(InvalidBlock):  # freed by `free(tensor.block)` meanwhile
+                self.executor.free(self._dead.popleft())
 
     # -- iteration structure ------------------------------------------------------------
     @contextmanager
     def op(
         self, reads: Sequence[Any] = (), writes: Sequence[Any] = (), name: str = "op"
-    ) -> Iterator[None]:
-        """Around one computation: records which blocks it reads and writes, and its time."""
-        from tidalpool.numpy import block_of
+    ) -> Iterator[tuple[Any, ...]]:
+        """Around one computation on session arrays, tensors or blocks: records which it reads
+        and writes and its time. Yields one array per item, reads then writes, to compute on:
+        a session array itself, a view of a tensor's bytes, a uint8 view of a block's bytes.
+        With swapping, they are all on the device and locked there until the op ends; views
+        must not be used after it."""
+        from tidalpool.numpy import BYTE, Tensor, block_of, view
 
+        if self._released:
+            raise SessionClosed(self._why_closed())
+        if self._dead:
+            self._free_dead()
+        items = (*reads, *writes)
+        blocks = [item if isinstance(item, Block) else block_of(item) for item in items]
+        offsets = self.executor.begin_op(blocks)
         record = self.recorder.record
-        for kind, items in ((READ, reads), (WRITE, writes)):
-            for item in items:
-                record(kind, (item if isinstance(item, Block) else block_of(item)).id)
+        base = self.device.address
+        views: list[Any] = []
+        for i, (item, block, offset) in enumerate(zip(items, blocks, offsets, strict=True)):
+            record(READ if i < len(reads) else WRITE, block.id)
+            if item is block:
+                views.append(view(base + offset, (block.size,), BYTE))
+            elif isinstance(item, Tensor):
+                views.append(view(base + offset, item.shape, item.dtype))
+            else:  # a pinned array
+                views.append(item)
         name_id = self.recorder.name_id(name)
         start = time.perf_counter_ns()
         try:
-            yield
+            yield tuple(views)
         finally:
             record(OP, 0, 0, time.perf_counter_ns() - start, name_id)
+            self.executor.end_op(blocks)
 
     def step(self) -> None:
         """An iteration boundary: call it at the start of every training iteration."""
@@ -231,6 +318,7 @@ class Session:
             plan_hits=ex.plan_hits,
             plan_misses=ex.plan_misses,
             footprint_bytes=ex.high_water,
+            swap=ex.swap_stats() if isinstance(ex, SwappingExecutor) else None,
         )
 
     @property
@@ -255,6 +343,7 @@ class Session:
     def _finish(self) -> None:
         self._closed = True
         self._released = True
+        self.executor.close()  # copies in flight end before the mappings go
         self._stop.set()
         self._outbox.put(None)
         for t in self._threads:

@@ -1,0 +1,123 @@
+"""Sessions with a swap limit against a real daemon: tensors, op views, stats, shutdown."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import numpy as np
+import pytest
+import tidalpool
+from tidalpool.local import LocalDaemon
+from tidalpool.numpy import Tensor
+
+KiB = 1024
+
+
+def swap_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("tidalpool-swap")]
+
+
+def test_tensors_swap_under_the_limit_and_keep_their_values(daemon: LocalDaemon) -> None:
+    with tidalpool.attach(
+        daemon.socket_dir, device_limit="1MiB", host_limit="1MiB", swap_limit=16 * KiB
+    ) as s:
+        assert sorted(swap_threads()) == ["tidalpool-swap-in", "tidalpool-swap-out"]
+        tensors = [s.tensor((1024,), "float32") for _ in range(8)]  # 4 KiB each, 32 KiB in all
+        for i, t in enumerate(tensors):
+            with s.op(writes=[t], name="fill") as (v,):
+                v[:] = np.arange(1024, dtype=np.float32) * i
+        for i, t in enumerate(tensors):
+            with s.op(reads=[t], name="check") as (v,):
+                assert np.array_equal(v, np.arange(1024, dtype=np.float32) * i)
+        stats = s.stats()
+        assert stats.swap is not None
+        assert stats.swap.limit == 16 * KiB
+        assert stats.swap.peak_resident_bytes <= 16 * KiB
+        assert stats.swap.swap_outs >= 4 and stats.swap.swapped_out_bytes >= 16 * KiB
+        assert stats.swap.swapped_in_bytes == stats.swap.swap_ins * 4 * KiB
+        assert stats.live_blocks == 8
+    assert swap_threads() == []
+
+
+def test_op_yields_arrays_for_arrays_tensors_and_blocks(daemon: LocalDaemon) -> None:
+    with tidalpool.attach(daemon.socket_dir, swap_limit="64KiB") as s:
+        pinned = s.array((4,), "int64")
+        tensor = s.tensor((2, 3), "float64")
+        block = s.malloc(10)
+        with s.op(reads=[pinned], writes=[tensor, block]) as (p, t, b):
+            assert p is pinned
+            assert (t.shape, t.dtype, b.shape, b.dtype) == ((2, 3), np.float64, (10,), np.uint8)
+            t[:] = 1.5
+            b[:] = 7
+        with s.op(reads=[tensor, block]) as (t, b):
+            assert t.sum() == 9.0 and bytes(b) == b"\x07" * 10
+        assert isinstance(tensor, Tensor) and tensor.nbytes == 48 and tensor.ndim == 2
+
+
+def test_pinned_arrays_stay_while_tensors_swap(daemon: LocalDaemon) -> None:
+    with tidalpool.attach(daemon.socket_dir, swap_limit=8 * KiB) as s:
+        pinned = s.array(KiB, "uint8")
+        pinned[:] = 42
+        tensors = [s.tensor(3 * KiB, "uint8") for _ in range(4)]  # 12 KiB: some must go out
+        for t in tensors:
+            with s.op(writes=[t]) as (v,):
+                v[:] = 1
+        assert (pinned == 42).all()
+        assert s.address(tidalpool_block(pinned)) == pinned.ctypes.data
+        stats = s.stats()
+        assert stats.swap is not None and stats.swap.swap_outs >= 2
+
+
+def tidalpool_block(arr: np.ndarray) -> tidalpool.Block:
+    from tidalpool.numpy import block_of
+
+    return block_of(arr)
+
+
+def test_garbage_tensors_are_freed_at_the_next_op(daemon: LocalDaemon) -> None:
+    with tidalpool.attach(daemon.socket_dir, swap_limit="64KiB") as s:
+        t = s.tensor(100, "uint8")
+        del t
+        gc.collect()
+        assert s.stats().live_blocks == 1  # queued by the finalizer, not freed under it
+        with s.op():
+            pass
+        assert s.stats().live_blocks == 0
+
+
+def test_released_tensor_cannot_be_released_again(daemon: LocalDaemon) -> None:
+    with tidalpool.attach(daemon.socket_dir) as s:
+        t = s.tensor(16, "uint8")
+        s.release(t)
+        with pytest.raises(tidalpool.InvalidBlock, match="not live"):
+            s.release(t)
+        assert s.stats().live_blocks == 0
+
+
+def test_an_op_beyond_the_limit_is_lease_exceeded(daemon: LocalDaemon) -> None:
+    with tidalpool.attach(daemon.socket_dir, swap_limit=8 * KiB) as s:
+        a, b, c = (s.tensor(3 * KiB, "uint8") for _ in range(3))
+        with (
+            pytest.raises(tidalpool.LeaseExceeded, match="even with every unlocked block"),
+            s.op(reads=[a, b, c]),
+        ):
+            pass
+        with s.op(reads=[a, b]):  # nothing stayed locked
+            pass
+
+
+def test_without_a_swap_limit_there_are_no_swap_threads_or_stats(daemon: LocalDaemon) -> None:
+    with tidalpool.attach(daemon.socket_dir) as s:
+        assert swap_threads() == []
+        t = s.tensor(8, "float32")
+        with s.op(writes=[t]) as (v,):
+            v[:] = 2
+        with s.op(reads=[t]) as (v,):
+            assert v.sum() == 16
+        assert s.stats().swap is None
+
+
+def test_copy_bandwidth_must_be_positive(daemon: LocalDaemon) -> None:
+    with pytest.raises(ValueError, match="copy_gbps must be positive, got 0"):
+        tidalpool.attach(daemon.socket_dir, swap_limit="1MiB", copy_gbps=0)
