@@ -36,6 +36,7 @@ bench: $(STAMP)
 	$(PY) bench/session.py
 	$(PY) bench/executor.py
 	$(PY) bench/placement.py
+	$(PY) bench/swap.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info client/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -122,9 +122,15 @@ def _checked(it: Iteration, plan: SwapPlan) -> list[tuple[int, Swap]]:
     """(size, swap) for every swap of the plan; ValueError names the first bad one."""
     op_ticks = [op.tick for op in it.ops]
     op_index = {t: k for k, t in enumerate(op_ticks)}
+    swapped = {
+        it.persistent[s.block][0] if s.persistent else it.blocks[s.block].id
+        for s in plan.swaps
+        if 0 <= s.block < len(it.persistent if s.persistent else it.blocks)
+    }
     touched: dict[int, list[int]] = {}
     for a in it.accesses if plan.swaps else ():
-        touched.setdefault(a.block, []).append(a.tick)
+        if a.block in swapped:
+            touched.setdefault(a.block, []).append(a.tick)
     per_block: dict[tuple[bool, int], list[Swap]] = {}
     out: list[tuple[int, Swap]] = []
     for s in plan.swaps:
@@ -297,8 +303,11 @@ def simulate(
         tick_ns.append(now)
         for x in issue_at.get(tick, ()):
             x.issued = now
-        while (releases or head < len(ins)) and step(now) is not None:
-            pass
+        while (releases and releases[0][0] <= now) or (
+            head < len(ins) and not blocked and ins[head].issued <= now
+        ):  # a copy event may be due: let `step` decide
+            if step(now) is None:
+                break
         rise = live[tick] - level
         if tick in durations:  # an op: wait for its swap-ins, run, then queue its swap-outs
             waiting = [x for x in needs.get(tick, ()) if x.done == _NEVER]
@@ -360,7 +369,7 @@ def simulate(
         stall_ns=int(stall),
         feasible=feasible,
         curve=tuple(curve),
-        tick_ns=tuple(int(t) for t in tick_ns),
+        tick_ns=tuple(tick_ns),
         swap_ns=tuple((int(a), int(b)) for a, b in swap_ns),
         swap_ticks=tuple(swap_ticks),
     )
