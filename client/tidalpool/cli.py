@@ -29,6 +29,20 @@ def main(argv: list[str] | None = None) -> int:
         "demo", help="train a NumPy network in a session (starts a sim daemon if none runs)"
     )
     demo.add_argument("--iterations", type=int, default=20)
+    demo.add_argument(
+        "--limit",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="swap to stay under this fraction of the network's peak live bytes (e.g. 0.5)",
+    )
+    demo.add_argument(
+        "--copy-gbps",
+        type=float,
+        default=None,
+        metavar="GBPS",
+        help="throttle swap copies to this bandwidth in GB/s (default: as fast as memmove)",
+    )
     status = commands.add_parser("status", help="pool usage and sessions of a running daemon")
     status.add_argument("--json", action="store_true", help="print JSON instead of tables")
     from tidalpoold.planner import plan_cli
@@ -45,7 +59,12 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.iterations < 1:
             parser.error("--iterations must be at least 1")
-        return 0 if run(socket_dir, args.iterations, console) else 1
+        if args.limit is not None and not 0 < args.limit <= 1:
+            parser.error("--limit must be a fraction in (0, 1]")
+        if args.copy_gbps is not None and args.copy_gbps <= 0:
+            parser.error("--copy-gbps must be positive")
+        ok = run(socket_dir, args.iterations, console, args.limit, args.copy_gbps)
+        return 0 if ok else 1
 
     from tidalpool import status as status_view
 

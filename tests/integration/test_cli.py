@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -44,6 +45,47 @@ def test_demo_uses_a_running_daemon(daemon: LocalDaemon) -> None:
     assert out.returncode == 0, out.stderr
     assert f"using the daemon at {daemon.socket_dir}" in out.stdout.replace("\n", "")
     assert "session.ended" in daemon.log_path.read_text()
+
+
+def test_demo_under_half_its_peak_swaps_and_matches_plain_numpy(daemon: LocalDaemon) -> None:
+    out = run_cli(
+        "--socket-dir",
+        str(daemon.socket_dir),
+        "demo",
+        "--iterations",
+        "4",
+        "--limit",
+        "0.5",
+        env={"COLUMNS": "250"},
+    )
+    assert out.returncode == 0, out.stderr
+    assert "losses bit-identical to plain NumPy over 4 iterations" in out.stdout
+    # The network's peak is 1,138,768 live bytes (test_net); half of it is 569,384 bytes.
+    assert "network peak 1.1 MiB live, swap limit 556 KiB (0.5)" in out.stdout
+    header = next(line for line in out.stdout.splitlines() if line.startswith("┃"))
+    assert [c.strip() for c in header.split("┃")[-5:-1]] == [
+        "resident",
+        "swapped out",
+        "swapped in",
+        "stall",
+    ]
+    summary = re.search(
+        r"swapping under 556 KiB \(0.5 of the peak 1.1 MiB\): at most ([\d.]+) KiB on the device; "
+        r"([\d.]+) MiB out in ([\d,]+) copies, ([\d.]+) MiB in in ([\d,]+); "
+        r"ops waited ([\d.]+) ms for copies",
+        out.stdout.replace("\n", " "),
+    )
+    assert summary is not None, out.stdout
+    peak_kib, out_mib, _, in_mib, _, _ = summary.groups()
+    assert float(peak_kib) <= 569_384 / 1024
+    # The parameters alone (664 KiB) exceed the limit: every iteration swaps some of them.
+    assert float(out_mib) > 1 and float(in_mib) > 1
+
+
+def test_demo_refuses_a_limit_that_is_not_a_fraction() -> None:
+    out = run_cli("demo", "--limit", "1.5")
+    assert out.returncode == 2
+    assert "--limit must be a fraction in (0, 1]" in out.stderr
 
 
 def test_status_lists_pool_and_sessions(daemon: LocalDaemon) -> None:

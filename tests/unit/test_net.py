@@ -74,7 +74,9 @@ class RecordingMemory(PlainMemory):
         self.released_in[id(arr)] = self.iteration
 
     @contextlib.contextmanager
-    def _op(self, name: str, reads: Sequence[Array], writes: Sequence[Array]) -> Iterator[None]:
+    def _op(
+        self, name: str, reads: Sequence[Array], writes: Sequence[Array]
+    ) -> Iterator[tuple[Array, ...]]:
         assert not self.in_op, f"{name}: nested op"
         for arr in reads:
             self._check_live(arr, f"{name} reads")
@@ -82,14 +84,14 @@ class RecordingMemory(PlainMemory):
         for arr in writes:
             self._check_live(arr, f"{name} writes")
         self.in_op = True
-        yield
+        yield (*reads, *writes)
         self.in_op = False
         self.written.update(id(arr) for arr in writes)
         self.ops += 1
 
     def op(
         self, name: str, reads: Sequence[Array], writes: Sequence[Array]
-    ) -> contextlib.AbstractContextManager[None]:
+    ) -> contextlib.AbstractContextManager[tuple[Array, ...]]:
         return self._op(name, reads, writes)
 
     def step(self) -> None:
@@ -128,6 +130,46 @@ def test_arena_is_bit_identical_to_plain(plain_losses: list[float], skew: int) -
     arena = ArenaMemory(skew=skew)
     assert train(arena) == plain_losses
     assert arena.top > 0
+
+
+class MovingMemory(PlainMemory):
+    """Handles that are not arrays; every op computes on fresh copies at new addresses, and only
+    what it writes is copied back. A kernel that touched a handle, or wrote to an array it did not
+    declare as written, would fail or change the losses."""
+
+    class Handle:
+        def __init__(self, shape: tuple[int, ...], dtype: DType) -> None:
+            self.stored = np.empty(shape, dtype=dtype)
+            self.shape = shape
+            self.nbytes = self.stored.nbytes
+
+    def __init__(self) -> None:
+        self.ops = 0
+
+    def array(self, shape: tuple[int, ...], dtype: DType) -> Handle:  # type: ignore[override]
+        return MovingMemory.Handle(shape, dtype)
+
+    def release(self, arr: Handle) -> None:  # type: ignore[override]
+        arr.stored = None  # type: ignore[assignment]
+
+    @contextlib.contextmanager
+    def _op(self, reads: Sequence[Handle], writes: Sequence[Handle]) -> Iterator[tuple[Array, ...]]:
+        views = tuple(h.stored.copy() for h in (*reads, *writes))
+        yield views
+        for h, v in zip(writes, views[len(reads) :], strict=True):
+            h.stored[...] = v
+        self.ops += 1
+
+    def op(  # type: ignore[override]
+        self, name: str, reads: Sequence[Handle], writes: Sequence[Handle]
+    ) -> contextlib.AbstractContextManager[tuple[Array, ...]]:
+        return self._op(reads, writes)
+
+
+def test_kernels_compute_only_on_the_arrays_op_yields(plain_losses: list[float]) -> None:
+    mem = MovingMemory()
+    assert train(mem) == plain_losses
+    assert mem.ops == 3 + 20 * 24
 
 
 def test_loss_does_not_depend_on_thread_count(plain_losses: list[float]) -> None:

@@ -3,7 +3,8 @@
 The network (64 -> width -> width -> 10, ReLU, softmax cross-entropy, plain SGD, float32) is
 written out kernel by kernel so that the memory holding it sees the tide of training: weights and
 gradients live for the whole run, activations from forward until their use in backward,
-temporaries for one or two kernels.
+temporaries for one or two kernels. What `Memory.array` returns is a handle: kernels compute only
+on the arrays `Memory.op` yields for it, so that a memory may move its bytes between ops (swapping).
 
 Determinism: every result depends only on the values and shapes of the inputs, never on where the
 arrays lie nor on the thread count. Every kernel is one of NumPy's own single-threaded loops, which
@@ -26,6 +27,9 @@ import numpy.typing as npt
 
 Array: TypeAlias = npt.NDArray[Any]
 DType: TypeAlias = np.dtype[Any] | type[Any]
+Handle: TypeAlias = Any
+"""What `Memory.array` returns: an array (PlainMemory) or a handle of a memory that may move its
+bytes (a session's Tensor). It has `.shape` and `.nbytes`; its data is reached only in an op."""
 
 FEATURES = 64
 CLASSES = 10
@@ -37,18 +41,19 @@ NOISE = 2.0  # std of the blobs around their centres (N(0, 1) per feature), befo
 class Memory(Protocol):
     """Where the training code gets every array, and what it tells about their use."""
 
-    def array(self, shape: tuple[int, ...], dtype: DType) -> Array:
-        """An uninitialized C-contiguous array (like `np.empty`)."""
+    def array(self, shape: tuple[int, ...], dtype: DType) -> Handle:
+        """An uninitialized C-contiguous array (like `np.empty`), or a handle of one."""
         ...
 
-    def release(self, arr: Array) -> None:
-        """`arr` (an array this memory returned) is no longer needed."""
+    def release(self, arr: Handle) -> None:
+        """`arr` (what this memory returned) is no longer needed."""
         ...
 
     def op(
-        self, name: str, reads: Sequence[Array], writes: Sequence[Array]
-    ) -> contextlib.AbstractContextManager[None]:
-        """Wraps one computation (a kernel) that reads and writes these arrays."""
+        self, name: str, reads: Sequence[Handle], writes: Sequence[Handle]
+    ) -> contextlib.AbstractContextManager[tuple[Array, ...]]:
+        """Wraps one computation (a kernel) that reads and writes these; yields the arrays to
+        compute on, one per handle, reads then writes, valid until the op ends."""
         ...
 
     def step(self) -> None:
@@ -67,8 +72,8 @@ class PlainMemory:
 
     def op(
         self, name: str, reads: Sequence[Array], writes: Sequence[Array]
-    ) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
+    ) -> contextlib.AbstractContextManager[tuple[Array, ...]]:
+        return contextlib.nullcontext((*reads, *writes))
 
     def step(self) -> None:
         pass
@@ -99,10 +104,10 @@ class Linear:
     """A fully connected layer: weight (fan_in, fan_out), bias and their gradients."""
 
     name: str
-    weight: Array
-    bias: Array
-    grad_weight: Array
-    grad_bias: Array
+    weight: Handle
+    bias: Handle
+    grad_weight: Handle
+    grad_bias: Handle
 
 
 def _linear_create(
@@ -116,10 +121,10 @@ def _linear_create(
         mem.array((fan_in, fan_out), np.float32),
         mem.array((fan_out,), np.float32),
     )
-    with mem.op(f"{name}.init", reads=[], writes=[layer.weight, layer.bias]):
-        rng.standard_normal(dtype=np.float32, out=layer.weight)
-        np.multiply(layer.weight, np.float32(np.sqrt(gain / fan_in)), out=layer.weight)
-        layer.bias.fill(0)
+    with mem.op(f"{name}.init", reads=[], writes=[layer.weight, layer.bias]) as (w, b):
+        rng.standard_normal(dtype=np.float32, out=w)
+        np.multiply(w, np.float32(np.sqrt(gain / fan_in)), out=w)
+        b.fill(0)
     return layer
 
 
@@ -132,89 +137,108 @@ def _matmul(a: Array, b: Array, out: Array) -> None:
     np.einsum("ik,kj->ij", a, b, out=out)
 
 
-def _linear_forward(mem: Memory, layer: Linear, x: Array) -> Array:
+def _linear_forward(mem: Memory, layer: Linear, x: Handle) -> Handle:
     z = mem.array((x.shape[0], layer.weight.shape[1]), np.float32)
-    with mem.op(f"{layer.name}.forward", reads=[x, layer.weight, layer.bias], writes=[z]):
-        _matmul(x, layer.weight, out=z)
-        np.add(z, layer.bias, out=z)
+    with mem.op(f"{layer.name}.forward", reads=[x, layer.weight, layer.bias], writes=[z]) as (
+        x_,
+        w,
+        b,
+        z_,
+    ):
+        _matmul(x_, w, out=z_)
+        np.add(z_, b, out=z_)
     return z
 
 
-def _linear_backward_weight(mem: Memory, layer: Linear, x: Array, dz: Array) -> None:
+def _linear_backward_weight(mem: Memory, layer: Linear, x: Handle, dz: Handle) -> None:
     """Fills the layer's gradients from its input x and the gradient dz of its output."""
     grads = [layer.grad_weight, layer.grad_bias]
-    with mem.op(f"{layer.name}.backward_weight", reads=[x, dz], writes=grads):
-        _matmul(x.T, dz, out=layer.grad_weight)
-        np.sum(dz, axis=0, out=layer.grad_bias)
+    with mem.op(f"{layer.name}.backward_weight", reads=[x, dz], writes=grads) as (x_, dz_, gw, gb):
+        _matmul(x_.T, dz_, out=gw)
+        np.sum(dz_, axis=0, out=gb)
 
 
-def _linear_backward_data(mem: Memory, layer: Linear, dz: Array) -> Array:
+def _linear_backward_data(mem: Memory, layer: Linear, dz: Handle) -> Handle:
     """The gradient of the layer's input."""
     dx = mem.array((dz.shape[0], layer.weight.shape[0]), np.float32)
-    with mem.op(f"{layer.name}.backward_data", reads=[dz, layer.weight], writes=[dx]):
-        _matmul(dz, layer.weight.T, out=dx)
+    with mem.op(f"{layer.name}.backward_data", reads=[dz, layer.weight], writes=[dx]) as (
+        dz_,
+        w,
+        dx_,
+    ):
+        _matmul(dz_, w.T, out=dx_)
     return dx
 
 
-def _relu_forward(mem: Memory, name: str, z: Array) -> Array:
+def _relu_forward(mem: Memory, name: str, z: Handle) -> Handle:
     """h = max(z, 0); z dies here (backward uses h > 0 as the mask)."""
     h = mem.array(z.shape, np.float32)
-    with mem.op(f"{name}.forward", reads=[z], writes=[h]):
-        np.maximum(z, np.float32(0), out=h)
+    with mem.op(f"{name}.forward", reads=[z], writes=[h]) as (z_, h_):
+        np.maximum(z_, np.float32(0), out=h_)
     mem.release(z)
     return h
 
 
-def _relu_backward(mem: Memory, name: str, h: Array, dh: Array) -> Array:
+def _relu_backward(mem: Memory, name: str, h: Handle, dh: Handle) -> Handle:
     """dz = dh * (h > 0); h and dh die here."""
     mask = mem.array(h.shape, np.bool_)
-    with mem.op(f"{name}.mask", reads=[h], writes=[mask]):
-        np.greater(h, np.float32(0), out=mask)
+    with mem.op(f"{name}.mask", reads=[h], writes=[mask]) as (h_, mask_):
+        np.greater(h_, np.float32(0), out=mask_)
     mem.release(h)
     dz = mem.array(h.shape, np.float32)
-    with mem.op(f"{name}.backward", reads=[dh, mask], writes=[dz]):
-        np.multiply(dh, mask, out=dz)
+    with mem.op(f"{name}.backward", reads=[dh, mask], writes=[dz]) as (dh_, mask_, dz_):
+        np.multiply(dh_, mask_, out=dz_)
     mem.release(mask)
     mem.release(dh)
     return dz
 
 
-def _softmax(mem: Memory, logits: Array) -> Array:
+def _softmax(mem: Memory, logits: Handle) -> Handle:
     """Row-wise softmax with the max subtracted; logits die here."""
     rows = (logits.shape[0], 1)
     peak = mem.array(rows, np.float32)
-    with mem.op("softmax.max", reads=[logits], writes=[peak]):
-        np.max(logits, axis=1, keepdims=True, out=peak)
+    with mem.op("softmax.max", reads=[logits], writes=[peak]) as (logits_, peak_):
+        np.max(logits_, axis=1, keepdims=True, out=peak_)
     exps = mem.array(logits.shape, np.float32)
-    with mem.op("softmax.exp", reads=[logits, peak], writes=[exps]):
-        np.subtract(logits, peak, out=exps)
-        np.exp(exps, out=exps)
+    with mem.op("softmax.exp", reads=[logits, peak], writes=[exps]) as (logits_, peak_, exps_):
+        np.subtract(logits_, peak_, out=exps_)
+        np.exp(exps_, out=exps_)
     mem.release(peak)
     mem.release(logits)
     total = mem.array(rows, np.float32)
-    with mem.op("softmax.sum", reads=[exps], writes=[total]):
-        np.sum(exps, axis=1, keepdims=True, out=total)
+    with mem.op("softmax.sum", reads=[exps], writes=[total]) as (exps_, total_):
+        np.sum(exps_, axis=1, keepdims=True, out=total_)
     probs = mem.array(logits.shape, np.float32)
-    with mem.op("softmax.normalize", reads=[exps, total], writes=[probs]):
-        np.divide(exps, total, out=probs)
+    with mem.op("softmax.normalize", reads=[exps, total], writes=[probs]) as (
+        exps_,
+        total_,
+        probs_,
+    ):
+        np.divide(exps_, total_, out=probs_)
     mem.release(exps)
     mem.release(total)
     return probs
 
 
-def _cross_entropy(mem: Memory, probs: Array, targets: Array) -> float:
+def _cross_entropy(mem: Memory, probs: Handle, targets: Handle) -> float:
     """Mean negative log-likelihood, in float64 from the float32 probabilities."""
     batch: int = probs.shape[0]
     picked = mem.array(probs.shape, np.float64)
     nll = mem.array((batch,), np.float64)
     total = mem.array((), np.float64)
-    with mem.op("loss", reads=[probs, targets], writes=[picked, nll, total]):
-        np.multiply(probs, targets, out=picked)  # exact: targets are 0 or 1
-        np.sum(picked, axis=1, out=nll)  # exact: one non-zero per row
-        np.maximum(nll, np.finfo(np.float64).tiny, out=nll)  # a probability of 0 costs 708
-        np.log(nll, out=nll)
-        np.sum(nll, out=total)
-    loss = -float(total[()]) / batch
+    with mem.op("loss", reads=[probs, targets], writes=[picked, nll, total]) as (
+        probs_,
+        targets_,
+        picked_,
+        nll_,
+        total_,
+    ):
+        np.multiply(probs_, targets_, out=picked_)  # exact: targets are 0 or 1
+        np.sum(picked_, axis=1, out=nll_)  # exact: one non-zero per row
+        np.maximum(nll_, np.finfo(np.float64).tiny, out=nll_)  # a probability of 0 costs 708
+        np.log(nll_, out=nll_)
+        np.sum(nll_, out=total_)
+        loss = -float(total_[()]) / batch
     for arr in (picked, nll, total):
         mem.release(arr)
     return loss
@@ -238,9 +262,9 @@ class MLP:
         fc1, fc2, fc3 = self.layers
         x = mem.array(inputs.shape, np.float32)
         t = mem.array(targets.shape, np.float32)
-        with mem.op("load_batch", reads=[], writes=[x, t]):
-            np.copyto(x, inputs)
-            np.copyto(t, targets)
+        with mem.op("load_batch", reads=[], writes=[x, t]) as (x_, t_):
+            np.copyto(x_, inputs)
+            np.copyto(t_, targets)
 
         h1 = _relu_forward(mem, "relu1", _linear_forward(mem, fc1, x))
         h2 = _relu_forward(mem, "relu2", _linear_forward(mem, fc2, h1))
@@ -248,9 +272,13 @@ class MLP:
         loss = _cross_entropy(mem, probs, t)
 
         dlogits = mem.array(probs.shape, np.float32)
-        with mem.op("softmax_xent.backward", reads=[probs, t], writes=[dlogits]):
-            np.subtract(probs, t, out=dlogits)
-            np.multiply(dlogits, np.float32(1.0 / probs.shape[0]), out=dlogits)
+        with mem.op("softmax_xent.backward", reads=[probs, t], writes=[dlogits]) as (
+            probs_,
+            t_,
+            dlogits_,
+        ):
+            np.subtract(probs_, t_, out=dlogits_)
+            np.multiply(dlogits_, np.float32(1.0 / probs.shape[0]), out=dlogits_)
         mem.release(probs)
         mem.release(t)
 
@@ -269,11 +297,9 @@ class MLP:
         lr = np.float32(LEARNING_RATE)
         for layer in self.layers:
             params = [layer.weight, layer.bias, layer.grad_weight, layer.grad_bias]
-            with mem.op(f"{layer.name}.sgd", reads=params, writes=params):
-                for param, grad in (
-                    (layer.weight, layer.grad_weight),
-                    (layer.bias, layer.grad_bias),
-                ):
+            with mem.op(f"{layer.name}.sgd", reads=params, writes=params) as views:
+                w, b, gw, gb = views[4:]  # the writes (the reads are the same four)
+                for param, grad in ((w, gw), (b, gb)):
                     np.multiply(grad, lr, out=grad)
                     np.subtract(param, grad, out=param)
         return loss

@@ -2,7 +2,9 @@
 
 Starts a sim daemon in a temporary directory unless one answers in the socket
 directory, trains 20 iterations with a live table, then trains the same
-network with plain NumPy and compares the losses bit for bit.
+network with plain NumPy and compares the losses bit for bit. With a limit
+(a fraction of the network's peak live bytes), the session swaps: the table
+shows the bytes swapped out and in and the time ops waited for copies.
 """
 
 from __future__ import annotations
@@ -22,38 +24,49 @@ from rich.table import Table
 import tidalpool
 from tidalpool.demo.net import PlainMemory, peak_live_bytes, train
 from tidalpool.local import LocalDaemon, is_serving
+from tidalpool.numpy import Tensor
 from tidalpool.session import Session, SessionStats
 from tidalpool.units import align_up, format_size
 
 
 class SessionMemory:
-    """The demo network's Memory, backed by a tidalpool session."""
+    """The demo network's Memory, backed by a tidalpool session: every array a Tensor."""
 
     def __init__(self, session: Session) -> None:
         self.session = session
 
-    def array(self, shape: tuple[int, ...], dtype: npt.DTypeLike) -> np.ndarray[Any, Any]:
-        return self.session.array(shape, dtype)
+    def array(self, shape: tuple[int, ...], dtype: npt.DTypeLike) -> Tensor:
+        return self.session.tensor(shape, dtype)
 
-    def release(self, arr: np.ndarray[Any, Any]) -> None:
+    def release(self, arr: Tensor) -> None:
         self.session.release(arr)
 
     @contextmanager
     def op(
-        self,
-        name: str,
-        reads: Sequence[np.ndarray[Any, Any]],
-        writes: Sequence[np.ndarray[Any, Any]],
-    ) -> Iterator[None]:
-        with self.session.op(reads=reads, writes=writes, name=name):
-            yield
+        self, name: str, reads: Sequence[Tensor], writes: Sequence[Tensor]
+    ) -> Iterator[tuple[np.ndarray[Any, Any], ...]]:
+        with self.session.op(reads=reads, writes=writes, name=name) as views:
+            yield views
 
     def step(self) -> None:
         self.session.step()
 
 
-def run(socket_dir: Path, iterations: int = 20, console: Console | None = None) -> bool:
-    """Run the demo; True when the losses are bit-identical to plain NumPy."""
+def _ms(ns: int) -> str:
+    return f"{ns / 1e6:.1f} ms"
+
+
+def run(
+    socket_dir: Path,
+    iterations: int = 20,
+    console: Console | None = None,
+    limit: float | None = None,
+    copy_gbps: float | None = None,
+) -> bool:
+    """Run the demo; True when the losses are bit-identical to plain NumPy.
+
+    `limit`: swap to keep the device bytes held at or under this fraction of the network's peak
+    live bytes; `copy_gbps` throttles the swap copies."""
     console = console or Console()
     with ExitStack() as stack:
         if is_serving(socket_dir):
@@ -68,31 +81,34 @@ def run(socket_dir: Path, iterations: int = 20, console: Console | None = None) 
 
         peak = peak_live_bytes()
         lease = align_up(2 * peak, 1 << 20)  # room for best-fit's fragmentation while learning
+        swap_limit = None if limit is None else int(limit * peak)
         session = stack.enter_context(
-            tidalpool.attach(socket_dir, device_limit=lease, job_name="demo")
+            tidalpool.attach(
+                socket_dir,
+                device_limit=lease,
+                host_limit=lease if swap_limit is not None else None,
+                job_name="demo",
+                swap_limit=swap_limit,
+                copy_gbps=copy_gbps,
+            )
         )
         console.print(
             f"session {session.id}: device lease {format_size(session.device.length)}, "
             f"network peak {format_size(peak)} live"
+            + ("" if swap_limit is None else f", swap limit {format_size(swap_limit)} ({limit:g})")
         )
         table = Table(title="training with tidalpool (sim backend)")
-        for column in (
-            "iter",
-            "loss",
-            "mode",
-            "live",
-            "footprint",
-            "plan hits",
-            "misses",
-            "events",
-        ):
+        columns = ["iter", "loss", "mode", "live", "footprint", "plan hits", "misses", "events"]
+        if swap_limit is not None:
+            columns += ["resident", "swapped out", "swapped in", "stall"]
+        for column in columns:
             table.add_column(column, justify="left" if column == "mode" else "right")
         rows: list[SessionStats] = []
 
         def row(i: int, loss: float) -> None:
             s = session.stats()  # sends what is recorded, asks the daemon what it has
             rows.append(s)
-            table.add_row(
+            cells = [
                 str(i),
                 f"{loss:.6f}",
                 s.mode,
@@ -101,7 +117,15 @@ def run(socket_dir: Path, iterations: int = 20, console: Console | None = None) 
                 f"{s.plan_hits:,}",
                 f"{s.plan_misses:,}",
                 f"{s.events_received:,}/{s.events_sent:,}",
-            )
+            ]
+            if s.swap is not None:
+                cells += [
+                    format_size(s.swap.resident_bytes),
+                    format_size(s.swap.swapped_out_bytes),
+                    format_size(s.swap.swapped_in_bytes),
+                    _ms(s.swap.stall_ns),
+                ]
+            table.add_row(*cells)
 
         with Live(table, console=console, refresh_per_second=8):
             pooled = train(SessionMemory(session), iterations=iterations, on_iteration=row)
@@ -110,12 +134,26 @@ def run(socket_dir: Path, iterations: int = 20, console: Console | None = None) 
 
     learning = [r.footprint_bytes for r in rows if r.mode == "learning"]
     planned = [r.footprint_bytes for r in rows if r.mode == "planned"]
+    swap = rows[-1].swap
+    if swap is not None:
+        console.print(
+            f"swapping under {format_size(swap.limit)} ({limit:g} of the peak "
+            f"{format_size(peak)}): at most {format_size(swap.peak_resident_bytes)} on the device; "
+            f"{format_size(swap.swapped_out_bytes)} out in {swap.swap_outs:,} copies, "
+            f"{format_size(swap.swapped_in_bytes)} in in {swap.swap_ins:,}; "
+            f"ops waited {_ms(swap.stall_ns)} for copies"
+        )
     if planned:
         console.print(
             f"switched to the daemon's plan after {len(learning)} iterations: footprint "
             f"{format_size(max(learning))} while learning, {format_size(max(planned))} planned; "
             f"{rows[-1].plan_misses} plan misses in {rows[-1].plan_hits + rows[-1].plan_misses:,} "
             "allocations"
+        )
+    elif rows[-1].plans_received and swap is not None:
+        console.print(
+            "the daemon's placement plan does not fit under the swap limit: the session kept "
+            "learning, swapping by its LRU cache"
         )
     else:
         console.print(f"no plan arrived in {len(rows)} iterations: the session kept learning")
