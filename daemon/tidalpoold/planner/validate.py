@@ -14,12 +14,17 @@ two neighbours there, which suffices because the live buffers never overlap.
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left
+from fractions import Fraction
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tidalpoold.planner.model import Iteration, Placement, Problem
-from tidalpoold.planner.simulate import Result, SwapPlan, copy_ns
+
+if TYPE_CHECKING:  # types only: the checks share no code with the simulator
+    from tidalpoold.planner.simulate import Result, SwapPlan
 
 PAIRWISE_MAX = 4096
 _ROWS = 256  # rows of the pairwise comparison at a time
@@ -184,7 +189,7 @@ def validate_swaps(
             raise InvalidSwapPlan(f"{s}: its swap-out or swap-in never happened")
         if not crosses and (back < left or back_t < gone_t):
             raise InvalidSwapPlan(f"{s}: swapped in at {back} ns before it left at {left} ns")
-        ready = back + copy_ns(size, in_gbps)
+        ready = back + math.ceil(Fraction(size) / Fraction(in_gbps))  # bytes / (bytes per ns)
         if ready > times[s.in_before]:
             raise InvalidSwapPlan(
                 f"{s}: back at {ready} ns but op {s.in_before} began at {times[s.in_before]} ns"
