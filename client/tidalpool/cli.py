@@ -1,4 +1,4 @@
-"""`tidalpool`: the command line of the client side (demo, status)."""
+"""`tidalpool`: the command line (demo, status, and the planner's plan and simulate)."""
 
 from __future__ import annotations
 
@@ -45,12 +45,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     status = commands.add_parser("status", help="pool usage and sessions of a running daemon")
     status.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    from tidalpoold.planner import plan_cli
+    from tidalpoold.planner import plan_cli, simulate_cli
 
     plan_cli.add_parser(commands)
+    simulate_cli.add_parser(commands)
     args = parser.parse_args(argv)
     if args.command == "plan":
         return plan_cli.run(args)
+    if args.command == "simulate":
+        return simulate_cli.run(args)
     socket_dir = socket_dir_from_env(args.socket_dir)
     console = Console()
 
