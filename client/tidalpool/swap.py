@@ -246,6 +246,7 @@ class SwappingExecutor(Executor):
         """Lock `blocks` on the device for one op, bringing in and waiting for those that are
         not; their current offsets. Issues the schedule's swap-ins for this op too."""
         entries = [self._entry(b) for b in blocks]
+        self._reap()  # bytes of finished copies go back as soon as the training thread looks
         schedule = self._schedule
         if schedule is None:
             self._acquire(entries)

@@ -14,10 +14,15 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 
 def test_readme_example_runs(start_daemon: StartDaemon, capsys: pytest.CaptureFixture[str]) -> None:
     daemon = start_daemon(device_pool="2GiB")  # the example leases 1 GiB (sparse: costs nothing)
-    (code,) = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
-    code = code.replace('"/tmp/tidalpool"', repr(str(daemon.socket_dir)))
-    exec(compile(code, str(README), "exec"), {})
+    first, swapping = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    for code in (first, swapping):
+        code = code.replace('"/tmp/tidalpool"', repr(str(daemon.socket_dir)))
+        exec(compile(code, str(README), "exec"), {})
     out = capsys.readouterr().out
     assert "SessionStats(" in out
     # x is released explicitly; each y is freed when the next iteration rebinds the name
     assert "live_blocks=1, mallocs=6, frees=5" in out
+    # Three 4 MiB layers under a 6 MiB limit: each matmul brings its layer back in
+    swap = re.search(r"SwapStats\(limit=6291456, .*swap_outs=(\d+), swap_ins=(\d+),", out)
+    assert swap is not None, out
+    assert int(swap[1]) >= 3 and int(swap[2]) >= 2
