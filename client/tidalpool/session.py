@@ -33,7 +33,7 @@ from tidalpool.executor import Block, Executor
 from tidalpool.handles import request_lease
 from tidalpool.planned import PlanRejected, PlanTable
 from tidalpool.recorder import OP, READ, WRITE, Recorder
-from tidalpool.swap import SwappingExecutor, SwapStats
+from tidalpool.swap import ScheduledSwap, SwappingExecutor, SwapStats
 from tidalpool.units import ALIGNMENT, parse_size
 from tidalpool.v1 import pool_pb2, pool_pb2_grpc
 
@@ -150,7 +150,12 @@ class Session:
         self._iteration = 0
         try:
             reply = self._stub.Attach(
-                pool_pb2.AttachRequest(client_version=__version__, pid=os.getpid()),
+                pool_pb2.AttachRequest(
+                    client_version=__version__,
+                    pid=os.getpid(),
+                    swap_limit_bytes=swap_limit or 0,
+                    copy_gbps=copy_gbps or 0.0,
+                ),
                 metadata=self._metadata,
                 timeout=10,
             )
@@ -408,6 +413,22 @@ class Session:
             return
         self.plans_received += 1
         self.executor.install_plan(table)
+        if plan.swap_blocks and isinstance(self.executor, SwappingExecutor):
+            columns = (
+                plan.swap_blocks,
+                plan.swap_persistent,
+                plan.swap_out_after,
+                plan.swap_in_at,
+                plan.swap_in_before,
+            )
+            try:  # ValueError: columns of unequal lengths, or a malformed swap
+                swaps = [
+                    ScheduledSwap(block, out_after, in_before, in_at, persistent)
+                    for block, persistent, out_after, in_at, in_before in zip(*columns, strict=True)
+                ]
+                self.executor.install_schedule(swaps)
+            except ValueError as e:
+                log.warning("tidalpool: ignoring the swap schedule of plan %d: %s", plan.plan_id, e)
 
     def _beat(self) -> None:
         while not self._stop.wait(self._heartbeat_s):

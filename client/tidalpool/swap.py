@@ -38,7 +38,7 @@ from tidalpool.units import ALIGNMENT, align_up
 
 DEVICE, LEAVING, HOST, ARRIVING = "device", "leaving", "host", "arriving"
 
-_Ref = tuple[bool, int]  # (persistent, index) of a scheduled block
+_Ref = tuple[bool, int]  # a scheduled block: (False, allocation index) or (True, block id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,8 +46,8 @@ class ScheduledSwap:
     """Swap one block out after an op of every iteration and back before a later op.
 
     `block` is the index of the allocation within the iteration (0: the first malloc after
-    `step()`), or, with `persistent`, the index among the blocks allocated before the first
-    `step()` (in malloc order). Ops are numbered from 0 within the iteration. The swap-out is
+    `step()`), or, with `persistent`, the id of a block that lives across iterations (ids never
+    change). Ops are numbered from 0 within the iteration. The swap-out is
     issued when op `out_after` has ended; the swap-in when op `in_at` begins (default: the op
     before `in_before`, but not before `out_after`'s successor); op `in_before` begins only once
     the block is back. A persistent block may cross the boundary (`in_before <= out_after`): it
@@ -117,6 +117,7 @@ class SwapStats:
     swap_outs: int
     swap_ins: int
     stall_ns: int  # time ops and mallocs waited for copies
+    scheduled_swaps: int  # swaps in the schedule in use (0: none, LRU only)
     schedule_skips: int  # scheduled swaps that did not apply (block gone, locked or pinned)
 
 
@@ -144,7 +145,6 @@ class SwappingExecutor(Executor):
         "_out",
         "_outs",
         "_pending_schedule",
-        "_persistent_ids",
         "_schedule",
         "peak_resident_bytes",
         "plans_deferred",
@@ -185,7 +185,6 @@ class SwappingExecutor(Executor):
         self._iterations = 0
         self._op_index = 0
         self._iter_ids: list[int] = []  # block ids by allocation index in this iteration
-        self._persistent_ids: list[int] = []  # block ids allocated before the first iteration
         self.peak_resident_bytes = 0
         self.swapped_out_bytes = 0
         self.swapped_in_bytes = 0
@@ -207,7 +206,7 @@ class SwappingExecutor(Executor):
         else:
             self._lru[block.id] = entry
         self._entries[block.id] = entry
-        (self._iter_ids if self._iterations else self._persistent_ids).append(block.id)
+        self._iter_ids.append(block.id)
         return block
 
     def _place(self, nbytes: int) -> int:
@@ -308,7 +307,8 @@ class SwappingExecutor(Executor):
 
     # -- planned mode ---------------------------------------------------------------------------
     def install_schedule(self, swaps: Sequence[ScheduledSwap]) -> None:
-        """Swap by this schedule from the next `begin_iteration()` on (ValueError if malformed)."""
+        """Swap by this schedule from the next `begin_iteration()` on (ValueError if malformed).
+        Thread-safe against the training thread: it only replaces the pending schedule."""
         self._pending_schedule = _Schedule.build(swaps)
 
     def begin_iteration(self) -> None:
@@ -344,6 +344,7 @@ class SwappingExecutor(Executor):
             swap_outs=self.swap_outs,
             swap_ins=self.swap_ins,
             stall_ns=self.stall_ns,
+            scheduled_swaps=self._schedule.swaps if self._schedule is not None else 0,
             schedule_skips=self.schedule_skips,
         )
 
@@ -356,7 +357,9 @@ class SwappingExecutor(Executor):
 
     def _resolve(self, ref: _Ref) -> _Entry | None:
         persistent, index = ref
-        ids = self._persistent_ids if persistent else self._iter_ids
+        if persistent:
+            return self._entries.get(index)
+        ids = self._iter_ids
         return self._entries.get(ids[index]) if index < len(ids) else None
 
     def _scheduled(self, refs: Sequence[_Ref]) -> list[_Entry]:
@@ -524,6 +527,7 @@ class _Schedule:
     outs_after: dict[int, tuple[_Ref, ...]]
     ins_at: dict[int, tuple[_Ref, ...]]
     needed_before: dict[int, tuple[_Ref, ...]]
+    swaps: int
 
     @classmethod
     def build(cls, swaps: Sequence[ScheduledSwap]) -> _Schedule:
@@ -534,4 +538,4 @@ class _Schedule:
             for table, k in zip(by_op, (s.out_after, s.issue_at(), s.in_before), strict=True):
                 table.setdefault(k, []).append(ref)
         outs, ins, needed = ({k: tuple(v) for k, v in t.items()} for t in by_op)
-        return cls(outs, ins, needed)
+        return cls(outs, ins, needed, len(swaps))

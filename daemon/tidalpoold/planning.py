@@ -5,6 +5,11 @@ that marks `plan_after_iterations` iterations is queued once; the worker
 extracts its steady iteration, looks its signature up in the plan cache,
 solves and validates the placement when it is not there, and puts the plan on
 the session's stream. The client switches to it at its next step().
+
+A session that swaps (AttachRequest.swap_limit_bytes) also gets the swap
+schedule of the `tidalpool` policy for its limit, as columns of the PlanUpdate
+against the iteration's structure (allocation index, op index); the cache keeps
+placements only, since the schedule depends on the session's limit.
 """
 
 from __future__ import annotations
@@ -14,17 +19,41 @@ import os
 import tempfile
 import threading
 import time
+from bisect import bisect_left
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tidalpool.units import ALIGNMENT, Bytes, Offset
 from tidalpool.v1 import pool_pb2
 
-from tidalpoold.planner.model import Placement, Problem
+from tidalpoold.planner.model import Iteration, Placement, Problem
+from tidalpoold.planner.simulate import SwapPlan
 from tidalpoold.sessions import Session
 from tidalpoold.settings import Settings
 
 log = logging.getLogger("tidalpoold.planning")
+
+DEFAULT_COPY_GBPS = 12.0
+"""Bandwidth the swap planner assumes for a session whose copies are not throttled (PCIe 3 x16)."""
+
+
+def add_swaps(plan: pool_pb2.PlanUpdate, it: Iteration, swaps: SwapPlan) -> None:
+    """Append `swaps` to `plan` as the client executes them: ticks become op indices (in_at: the
+    first op at or after it), blocks allocation indices or, when persistent, trace block ids."""
+    ticks = [op.tick for op in it.ops]
+    index = {tick: k for k, tick in enumerate(ticks)}
+    for s in swaps.swaps:
+        in_before = index[s.in_before]
+        if s.in_at is not None:
+            in_at = min(bisect_left(ticks, s.in_at), in_before)
+        else:  # the planner's default: the op before in_before, not before out_after's next
+            earliest = 0 if s.in_before <= s.out_after else index[s.out_after] + 1
+            in_at = max(in_before - 1, earliest)
+        plan.swap_blocks.append(it.persistent[s.block][0] if s.persistent else s.block)
+        plan.swap_persistent.append(s.persistent)
+        plan.swap_out_after.append(index[s.out_after])
+        plan.swap_in_at.append(in_at)
+        plan.swap_in_before.append(in_before)
 
 
 class PlanCache:
@@ -141,6 +170,13 @@ class Planner:
         else:
             self.cache.put(plan)
             self.plans_made += 1
+        if session.swap_limit:
+            from tidalpoold.planner import swap
+
+            gbps = session.copy_gbps or DEFAULT_COPY_GBPS
+            add_swaps(
+                plan, iteration, swap.plan(iteration, "tidalpool", session.swap_limit, gbps, gbps)
+            )
         bound = lower_bound(problem)
         with self._lock:
             plan.plan_id = self._next_plan_id
@@ -156,6 +192,7 @@ class Planner:
                 "allocations": len(plan.sizes),
                 "height": plan.height_bytes,
                 "lower_bound": bound,
+                "swaps": len(plan.swap_blocks),
                 "seconds": round(seconds, 3),
             },
         )

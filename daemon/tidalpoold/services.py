@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -55,7 +56,10 @@ class PoolService:
         self, request: pool_pb2.AttachRequest, context: grpc.ServicerContext
     ) -> pool_pb2.AttachResponse:
         session = self._session_of(context)
-        self.registry.attach(session)
+        gbps = request.copy_gbps
+        if not math.isfinite(gbps) or gbps < 0:
+            raise InvalidArgument(f"copy_gbps must be a finite bandwidth >= 0, got {gbps}")
+        self.registry.attach(session, request.swap_limit_bytes, gbps)
         s = self.registry.settings
         return pool_pb2.AttachResponse(
             session_id=session.id,

@@ -56,6 +56,8 @@ class Session:
     device_used: int = 0
     device_peak: int = 0
     host_used: int = 0
+    swap_limit: int = 0  # device bytes the client keeps itself under by swapping; 0: no swapping
+    copy_gbps: float = 0.0  # the client's swap copy bandwidth; 0: not throttled
     # What the Session stream sends to the client; None closes the stream.
     outbox: queue.SimpleQueue[pool_pb2.ServerMessage | None] = field(
         default_factory=queue.SimpleQueue
@@ -153,11 +155,13 @@ class Registry:
         with self._lock:
             return self._by_token.get(token)
 
-    def attach(self, session: Session) -> None:
+    def attach(self, session: Session, swap_limit: int = 0, copy_gbps: float = 0.0) -> None:
         with self._lock:
             if session.state != "pending":
                 raise FailedPrecondition(f"session {session.id} is already attached")
             session.state = "attached"
+            session.swap_limit = swap_limit
+            session.copy_gbps = copy_gbps
             session.attached_unix_ns = time.time_ns()
             session.last_seen = self.clock()
             self.attached_total += 1

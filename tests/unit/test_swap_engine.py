@@ -281,14 +281,14 @@ def test_placement_plan_above_the_limit_is_deferred(rig: Rig) -> None:
 def test_schedule_swaps_out_after_and_in_before_the_named_ops(rigs: list[Rig]) -> None:
     r = Rig(limit=None)  # the lease is the limit: only the schedule moves blocks
     rigs.append(r)
-    w = r.filled(KiB, 0xAA)  # persistent block 0
+    w = r.filled(KiB, 0xAA)  # persistent: named by its id
     # Per iteration: a = alloc 0, op 0 writes a, op 1 and op 2 other work, op 3 reads a.
     # a out after op 0, in issued at op 2, needed before op 3. w crosses the boundary:
     # out after op 3, back before op 1 of the next iteration (issued at op 0).
     r.ex.install_schedule(
         [
             ScheduledSwap(block=0, out_after=0, in_before=3),
-            ScheduledSwap(block=0, out_after=3, in_before=1, persistent=True),
+            ScheduledSwap(block=w.id, out_after=3, in_before=1, persistent=True),
         ]
     )
     for it in range(3):
@@ -309,7 +309,7 @@ def test_schedule_swaps_out_after_and_in_before_the_named_ops(rigs: list[Rig]) -
         assert r.where(w) == [HOST]
         r.ex.free(a)
     s = r.ex.swap_stats()
-    assert (s.swap_outs, s.swap_ins, s.schedule_skips) == (6, 5, 0)
+    assert (s.swap_outs, s.swap_ins, s.scheduled_swaps, s.schedule_skips) == (6, 5, 2, 0)
 
 
 def test_schedule_skips_blocks_that_are_gone_or_locked(rigs: list[Rig]) -> None:

@@ -26,12 +26,16 @@ EVENT_KIND_OP: EventKind
 EVENT_KIND_ITER: EventKind
 
 class AttachRequest(_message.Message):
-    __slots__ = ("client_version", "pid")
+    __slots__ = ("client_version", "pid", "swap_limit_bytes", "copy_gbps")
     CLIENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    SWAP_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COPY_GBPS_FIELD_NUMBER: _ClassVar[int]
     client_version: str
     pid: int
-    def __init__(self, client_version: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+    swap_limit_bytes: int
+    copy_gbps: float
+    def __init__(self, client_version: _Optional[str] = ..., pid: _Optional[int] = ..., swap_limit_bytes: _Optional[int] = ..., copy_gbps: _Optional[float] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
     __slots__ = ("session_id", "lease", "heartbeat_interval_ms", "trace_chunk_events")
@@ -111,18 +115,28 @@ class ServerMessage(_message.Message):
     def __init__(self, plan: _Optional[_Union[PlanUpdate, _Mapping]] = ..., quota: _Optional[_Union[QuotaChange, _Mapping]] = ..., error: _Optional[_Union[SessionError, _Mapping]] = ..., goodbye: _Optional[_Union[Goodbye, _Mapping]] = ...) -> None: ...
 
 class PlanUpdate(_message.Message):
-    __slots__ = ("plan_id", "signature", "sizes", "offsets", "height_bytes")
+    __slots__ = ("plan_id", "signature", "sizes", "offsets", "height_bytes", "swap_blocks", "swap_persistent", "swap_out_after", "swap_in_at", "swap_in_before")
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SWAP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SWAP_PERSISTENT_FIELD_NUMBER: _ClassVar[int]
+    SWAP_OUT_AFTER_FIELD_NUMBER: _ClassVar[int]
+    SWAP_IN_AT_FIELD_NUMBER: _ClassVar[int]
+    SWAP_IN_BEFORE_FIELD_NUMBER: _ClassVar[int]
     plan_id: int
     signature: bytes
     sizes: _containers.RepeatedScalarFieldContainer[int]
     offsets: _containers.RepeatedScalarFieldContainer[int]
     height_bytes: int
-    def __init__(self, plan_id: _Optional[int] = ..., signature: _Optional[bytes] = ..., sizes: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., height_bytes: _Optional[int] = ...) -> None: ...
+    swap_blocks: _containers.RepeatedScalarFieldContainer[int]
+    swap_persistent: _containers.RepeatedScalarFieldContainer[bool]
+    swap_out_after: _containers.RepeatedScalarFieldContainer[int]
+    swap_in_at: _containers.RepeatedScalarFieldContainer[int]
+    swap_in_before: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, plan_id: _Optional[int] = ..., signature: _Optional[bytes] = ..., sizes: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., height_bytes: _Optional[int] = ..., swap_blocks: _Optional[_Iterable[int]] = ..., swap_persistent: _Optional[_Iterable[bool]] = ..., swap_out_after: _Optional[_Iterable[int]] = ..., swap_in_at: _Optional[_Iterable[int]] = ..., swap_in_before: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class QuotaChange(_message.Message):
     __slots__ = ("device_limit_bytes", "host_limit_bytes", "reason")

@@ -1,0 +1,66 @@
+"""A swapping session gets the daemon's swap schedule for its limit and runs by it."""
+
+from __future__ import annotations
+
+import time
+
+import tidalpool
+from tidalpool.local import LocalDaemon
+from tidalpool.swap import DEVICE, HOST, LEAVING, SwappingExecutor
+
+KiB = 1024
+
+
+def op(s: tidalpool.Session, name: str, reads: list[object], writes: list[object]) -> None:
+    """An op that fills what it writes and lasts 2 ms (long enough to hide a 64 KiB copy)."""
+    with s.op(reads=reads, writes=writes, name=name) as views:
+        for view in views[len(reads) :]:
+            view[...] = 1
+        time.sleep(0.002)
+
+
+def iteration(s: tidalpool.Session) -> str:
+    """a, b, c of 64 KiB: all three live in fwd3, over a 160 KiB limit. a is idle from fwd1 to
+    bwd1, so the plan swaps it out there. Returns where a is right after fwd1."""
+    s.step()
+    a = s.tensor(64 * KiB, "uint8")
+    op(s, "fwd1", [], [a])
+    ex = s.executor
+    assert isinstance(ex, SwappingExecutor)
+    after_fwd1 = ex.where(a.block)
+    b = s.tensor(64 * KiB, "uint8")
+    op(s, "fwd2", [], [b])
+    c = s.tensor(64 * KiB, "uint8")
+    op(s, "fwd3", [b], [c])
+    s.release(b)
+    op(s, "bwd3", [c], [])
+    s.release(c)
+    with s.op(reads=[a], name="bwd1") as (a_,):
+        assert (a_ == 1).all()
+    s.release(a)
+    return after_fwd1
+
+
+def test_schedule_from_the_daemon_swaps_out_after_the_planned_op(daemon: LocalDaemon) -> None:
+    with tidalpool.attach(
+        daemon.socket_dir, device_limit="1MiB", host_limit="1MiB", swap_limit=160 * KiB
+    ) as s:
+        deadline = time.monotonic() + 30
+        while True:  # a schedule takes over at a step(): judge each iteration by the one it ran
+            where = iteration(s)
+            swap = s.stats().swap
+            assert swap is not None
+            if swap.scheduled_swaps:
+                break
+            assert where == DEVICE  # the LRU cache waits until c needs the room
+            assert time.monotonic() < deadline, "no swap schedule arrived"
+        assert swap.scheduled_swaps == 1
+        skips = swap.schedule_skips
+        for _ in range(3):
+            assert iteration(s) in (LEAVING, HOST)  # out right after fwd1, as planned
+        swap = s.stats().swap
+        assert swap is not None and swap.schedule_skips == skips
+        assert swap.peak_resident_bytes <= 160 * KiB
+        # The placement plan (192 KiB of arena) does not fit under the limit: still learning.
+        assert s.stats().mode == "learning"
+    assert "swaps=1" in daemon.log_path.read_text()
