@@ -153,7 +153,8 @@ def run(
     elif rows[-1].plans_received and swap is not None:
         console.print(
             "the daemon's placement plan does not fit under the swap limit: the session kept "
-            "learning, swapping by its LRU cache"
+            f"learning; its swap schedule has {swap.scheduled_swaps} swaps, the LRU cache "
+            "swaps the rest"
         )
     else:
         console.print(f"no plan arrived in {len(rows)} iterations: the session kept learning")
