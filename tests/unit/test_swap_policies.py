@@ -28,10 +28,8 @@ from .iterations import build
 #      100  100  400  400  100  100  400  400  100  100  0
 # The peak is t2; AutoSwap's only candidate there is A over (1, 5), so load_min is the
 # other peak, t6 (400). Below it A must go again, over (5, 9).
-TWICE = build(
-    ["a A 100", "o 10 A", "a X 300", "o 10 X", "f X", "o 10 A"]
-    + ["a Y 300", "o 10 Y", "f Y", "o 10 A", "f A"]
-)
+TWICE_STEPS = ["a A 100", "o 10 A", "a X 300", "o 10 X", "f X", "o 10 A"]
+TWICE = build([*TWICE_STEPS, "a Y 300", "o 10 Y", "f Y", "o 10 A", "f A"])
 
 
 def test_below_load_min_a_block_is_swapped_again() -> None:
@@ -157,7 +155,7 @@ def test_combined_pieces_and_footprint() -> None:
 def test_validate_swaps_catches_a_late_swap_in_and_an_overfull_tick() -> None:
     r = simulate(HIDE, SWAP_A, None, 1.0, 1.0)
     validate_swaps(HIDE, SWAP_A, r, 1000, 1.0)
-    with pytest.raises(InvalidSwapPlan, match="tick 3 .* 2000 device bytes > 1000"):
+    with pytest.raises(InvalidSwapPlan, match=r"tick 3 .* 2000 device bytes > 1000"):
         validate_swaps(HIDE, SWAP_A, dataclasses.replace(r, swap_ticks=((4, 6),)), 1000, 1.0)
     with pytest.raises(InvalidSwapPlan, match="back at 6700 ns but op 7 began at 6600 ns"):
         validate_swaps(HIDE, SWAP_A, dataclasses.replace(r, swap_ns=((1100, 5700),)), None, 1.0)

@@ -27,7 +27,8 @@ This policy schedules the copies itself, on the no-stall timeline of the trace:
    without uncovering an earlier tick, keep the best by one of three `RULES`. When no gap can
    be added without a stall, the rest is covered by the most promising gaps
    regardless of the engines (`simulate` then charges the stalls).
-3. The three rules' plans are judged by `simulate` together with the `seeds` (the other
+3. The three rules' plans, each also with its swap-ins issued as late as possible (at the op
+   that needs the block), are judged by `simulate` together with the `seeds` (the other
    policies' plans for the same limit), and the best is returned: least
    overhead among the feasible, then fewest bytes moved. So the policy is never
    worse in simulation than any plan it is seeded with.
@@ -37,7 +38,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
@@ -105,7 +106,7 @@ def gaps(it: Iteration, out_gbps: float, in_gbps: float) -> list[Gap]:
 
 
 class _Timeline:
-    """The trace's no-stall timeline and the covering state of a plan being built."""
+    """The trace's no-stall timeline, and the bytes that must be away at each tick."""
 
     def __init__(self, it: Iteration, limit: int) -> None:
         dur = durations(it)
@@ -136,7 +137,7 @@ def _schedule(tl: _Timeline, chosen: list[Gap]) -> list[_Scheduled] | None:
     cannot make its deadline (or ends after the iteration)."""
     out_free = 0
     done: dict[int, int] = {}
-    for k in sorted(range(len(chosen)), key=lambda k: (chosen[k].a, _in_before(chosen[k]))):
+    for k in sorted(range(len(chosen)), key=lambda k: (chosen[k].a, chosen[k].c)):
         g = chosen[k]
         out_free = max(int(tl.end_of[g.a]), out_free) + g.out_ns
         if out_free > tl.total:
@@ -158,10 +159,6 @@ def _schedule(tl: _Timeline, chosen: list[Gap]) -> list[_Scheduled] | None:
             return None
         out.append(_Scheduled(g, done[k], in_start[k], at))
     return out
-
-
-def _in_before(g: Gap) -> int:
-    return int(g.c)
 
 
 def _away(tl: _Timeline, plan: Iterable[_Scheduled]) -> npt.NDArray[np.int64]:
@@ -304,6 +301,9 @@ def tidalpool(
     in_gbps: float,
     seeds: Iterable[SwapPlan] = (),
 ) -> SwapPlan:
-    """Step 3: the best in simulation of no swaps, the greedy plan under each rule, and `seeds`."""
+    """Step 3: the best in simulation of no swaps, the greedy plan under each rule (also with
+    every swap-in issued only at the op that needs it: the most frugal timing, for limits where
+    early swap-ins would take the room a malloc needs), and `seeds`."""
     mine = [construct(it, limit, out_gbps, in_gbps, rule) for rule in RULES]
-    return judge(it, [SwapPlan(), *mine, *seeds], limit, out_gbps, in_gbps)[0]
+    late = [SwapPlan(tuple(replace(s, in_at=s.in_before) for s in p.swaps)) for p in mine]
+    return judge(it, [SwapPlan(), *mine, *late, *seeds], limit, out_gbps, in_gbps)[0]
