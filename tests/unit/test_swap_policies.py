@@ -163,3 +163,25 @@ def test_validate_swaps_catches_a_late_swap_in_and_an_overfull_tick() -> None:
         validate_swaps(HIDE, SWAP_A, dataclasses.replace(r, swap_ticks=((3, -1),)), None, 1.0)
     with pytest.raises(InvalidSwapPlan, match="not the simulation"):
         validate_swaps(HIDE, SWAP_A, simulate(HIDE, SwapPlan(), None, 1.0, 1.0), None, 1.0)
+
+
+# W (300 B, persistent) is read at t0 and updated at t5; A (200 B) lives over t1..t4. The
+# peak (500) can only come down by taking W away over (0, 5): the baselines swap transient
+# blocks only (and A is needed throughout), so only tidalpool reaches the op-wise bound.
+WEIGHTS = build(["o 10 W", "a A 200", "o 10 A", "o 10 A", "f A", "o 10 W"], {"W": 300})
+
+
+def test_only_tidalpool_swaps_persistent_blocks_down_to_the_op_wise_bound() -> None:
+    assert (int(load(WEIGHTS).max()), op_bound(WEIGHTS)) == (500, 300)
+    made = plans(WEIGHTS, POLICIES, 300, 100.0, 100.0)
+    for name, p in made.items():
+        r = simulate(WEIGHTS, p, 300, 100.0, 100.0)
+        assert r.feasible == (name == "tidalpool"), name
+    mine = made["tidalpool"]
+    assert [(s.block, s.persistent, s.out_after, s.in_before) for s in mine.swaps] == [
+        (0, True, 0, 5)
+    ]
+    r = simulate(WEIGHTS, mine, 300, 100.0, 100.0)
+    validate_swaps(WEIGHTS, mine, r, 300, 100.0)
+    assert r.peak_bytes == 300
+    assert not simulate(WEIGHTS, plan(WEIGHTS, "tidalpool", 299, 1.0, 1.0), 299, 1.0, 1.0).feasible
