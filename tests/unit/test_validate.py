@@ -162,6 +162,7 @@ def test_shares_no_code_with_the_solver() -> None:
         "__future__",
         "bisect",
         "fractions",
+        "itertools",
         "math",
         "typing",
         "numpy",

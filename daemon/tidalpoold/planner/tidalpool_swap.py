@@ -124,57 +124,89 @@ class _Timeline:
         return int(np.searchsorted(self.start, ns, side="right")) - 1
 
 
-@dataclass(slots=True)
-class _Scheduled:
-    gap: Gap
-    out_done: int
-    in_start: int
-    in_at: int  # tick at which the swap-in is issued
+@dataclass(frozen=True, slots=True)
+class _Gaps:
+    """Every gap as arrays (index k is `gaps(...)[k]`)."""
+
+    a: npt.NDArray[np.int64]
+    c: npt.NDArray[np.int64]
+    size: npt.NDArray[np.int64]
+    out_ns: npt.NDArray[np.int64]
+    in_ns: npt.NDArray[np.int64]
+    wraps: npt.NDArray[np.bool_]
+
+    @classmethod
+    def of(cls, every: list[Gap]) -> _Gaps:
+        def column(name: str) -> npt.NDArray[np.int64]:
+            return np.array([getattr(g, name) for g in every], np.int64)
+
+        a, c = column("a"), column("c")
+        return cls(a, c, column("size"), column("out_ns"), column("in_ns"), c <= a)
 
 
-def _schedule(tl: _Timeline, chosen: list[Gap]) -> list[_Scheduled] | None:
-    """Copy times of `chosen` as `simulate` runs them with no compute stall; None if some copy
-    cannot make its deadline (or ends after the iteration)."""
-    out_free = 0
-    done: dict[int, int] = {}
-    for k in sorted(range(len(chosen)), key=lambda k: (chosen[k].a, chosen[k].c)):
-        g = chosen[k]
-        out_free = max(int(tl.end_of[g.a]), out_free) + g.out_ns
-        if out_free > tl.total:
-            return None
-        done[k] = out_free
-    in_start: dict[int, int] = {}
-    nxt = 1 << 62
-    for k in sorted(range(len(chosen)), key=lambda k: -int(tl.start[chosen[k].c])):
-        g = chosen[k]
-        s = min(int(tl.start[g.c]), nxt) - g.in_ns
-        if s < (0 if g.wraps else done[k]):
-            return None
-        in_start[k] = nxt = s
-    out: list[_Scheduled] = []
-    for k, g in enumerate(chosen):
-        first = 0 if g.wraps else g.a + 1
-        at = max(tl.issue_tick(in_start[k]), first)
-        if at > g.c:
-            return None
-        out.append(_Scheduled(g, done[k], in_start[k], at))
-    return out
+@dataclass(frozen=True, slots=True)
+class _Schedule:
+    """Per chosen gap: when its swap-out ends, when its swap-in starts, the tick issuing it."""
+
+    out_done: npt.NDArray[np.int64]
+    in_start: npt.NDArray[np.int64]
+    in_at: npt.NDArray[np.int64]
 
 
-def _away(tl: _Timeline, plan: Iterable[_Scheduled]) -> npt.NDArray[np.int64]:
-    """Bytes away from the device at each tick under the scheduled plan."""
-    diff = np.zeros(tl.ticks + 1, np.int64)
-    for s in plan:
-        lo = tl.first_at_or_after(s.out_done)
-        hi = s.in_at  # the in may start during tick `in_at`: not covered there
-        if s.gap.wraps:
-            diff[0] += s.gap.size
-            diff[hi] -= s.gap.size
-            diff[lo] += s.gap.size
-        elif lo < hi:
-            diff[lo] += s.gap.size
-            diff[hi] -= s.gap.size
-    return np.cumsum(diff[:-1])
+def _schedule(tl: _Timeline, g: _Gaps, chosen: npt.NDArray[np.int64]) -> _Schedule | None:
+    """Copy times of the `chosen` gaps as `simulate` runs them with no compute stall; None if
+    some copy cannot make its deadline (or a swap-out ends after the iteration).
+
+    Swap-outs run FIFO in (a, c) order: done_k = max(end_k, done_k-1) + o_k, which unrolls to
+    S_k + max_j<=k (end_j - S_j-1) over the prefix sums S of the copy times. Swap-ins run as
+    late as possible, back to back, latest deadline first: start_k = min(d_k, start_k-1) - i_k,
+    likewise min_j<=k (d_j + T_j-1) - T_k."""
+    a, c = g.a[chosen], g.c[chosen]
+    order = np.lexsort((c, a))
+    o = g.out_ns[chosen][order]
+    prefix = np.cumsum(o)
+    done_sorted = prefix + np.maximum.accumulate(tl.end_of[a[order]] - (prefix - o))
+    if int(done_sorted[-1]) > tl.total:
+        return None
+    out_done = np.empty_like(done_sorted)
+    out_done[order] = done_sorted
+    deadline = tl.start[c]
+    order = np.argsort(-deadline, kind="stable")
+    i = g.in_ns[chosen][order]
+    prefix = np.cumsum(i)
+    start_sorted = np.minimum.accumulate(deadline[order] + (prefix - i)) - prefix
+    in_start = np.empty_like(start_sorted)
+    in_start[order] = start_sorted
+    wraps = g.wraps[chosen]
+    if (in_start < np.where(wraps, 0, out_done)).any():
+        return None
+    issue = np.searchsorted(tl.start, in_start, side="right") - 1
+    in_at = np.maximum(issue, np.where(wraps, 0, a + 1))
+    if (in_at > c).any():
+        return None
+    return _Schedule(out_done, in_start, in_at)
+
+
+def _away(
+    tl: _Timeline, g: _Gaps, chosen: npt.NDArray[np.int64], sched: _Schedule
+) -> npt.NDArray[np.int64]:
+    """Bytes away from the device at each tick under the scheduled plan: from the first tick
+    at or after its swap-out ends until the tick issuing its swap-in (which may start during
+    that tick, so it is not covered there)."""
+    lo = np.searchsorted(tl.start, sched.out_done, side="left")
+    hi = sched.in_at
+    size = g.size[chosen].astype(np.float64)  # bincount weights; sums stay exact below 2**53
+    wraps = g.wraps[chosen]
+    inside = ~wraps & (lo < hi)
+    n = tl.ticks + 1
+    diff = (
+        np.bincount(lo[inside], size[inside], n)
+        - np.bincount(hi[inside], size[inside], n)
+        + np.bincount(lo[wraps], size[wraps], n)
+        - np.bincount(hi[wraps], size[wraps], n)
+    )
+    diff[0] += size[wraps].sum()
+    return np.cumsum(diff[:-1]).round().astype(np.int64)
 
 
 def _ideal_span(tl: _Timeline, g: Gap) -> tuple[int, int]:
@@ -183,15 +215,6 @@ def _ideal_span(tl: _Timeline, g: Gap) -> tuple[int, int]:
     lo = tl.first_at_or_after(int(tl.end_of[g.a]) + g.out_ns)
     hi = tl.issue_tick(int(tl.start[g.c]) - g.in_ns)
     return lo, hi
-
-
-def _to_swaps(plan: Iterable[_Scheduled]) -> SwapPlan:
-    return SwapPlan(
-        tuple(
-            Swap(s.gap.block, s.gap.a, s.gap.c, Tick(s.in_at), s.gap.persistent)
-            for s in sorted(plan, key=lambda s: (s.gap.a, s.gap.c, s.gap.block))
-        )
-    )
 
 
 def construct(
@@ -208,17 +231,16 @@ def construct(
     every = gaps(it, out_gbps, in_gbps)
     if not every:
         return SwapPlan()
-    a = np.array([g.a for g in every], np.int64)
-    c = np.array([g.c for g in every], np.int64)
-    size = np.array([g.size for g in every], np.int64)
-    wraps = c <= a
-    spans = [_ideal_span(tl, g) for g in every]
+    g = _Gaps.of(every)
+    a, c, size, wraps = g.a, g.c, g.size, g.wraps
+    spans = [_ideal_span(tl, x) for x in every]
     lo = np.array([sp[0] for sp in spans], np.int64)
     hi = np.array([sp[1] for sp in spans], np.int64)
     free = np.ones(len(every), bool)
-    chosen: list[Gap] = []
-    scheduled: list[_Scheduled] = []
+    chosen = np.zeros(0, np.int64)
+    sched = _Schedule(chosen, chosen, chosen)
     away = np.zeros(tl.ticks, np.int64)
+    late: list[Swap] = []  # picked once no stall-free pick is left
     strict = True
     while True:
         excess = tl.need - away
@@ -238,44 +260,51 @@ def construct(
         ranked = spanning[np.lexsort((spanning, -promise))].tolist()
         pick: int | None = None
         if strict:
-            best: tuple[int, int] | None = None
+            best: tuple[int, int, _Schedule, npt.NDArray[np.int64]] | None = None
             before = int(np.maximum(excess, 0).sum())
             for k in ranked[:_BEAM]:
-                trial = _schedule(tl, [*chosen, every[k]])
+                trial_chosen = np.append(chosen, k)
+                trial = _schedule(tl, g, trial_chosen)
                 if trial is None:
                     continue
-                left = tl.need - _away(tl, trial)
+                trial_away = _away(tl, g, trial_chosen, trial)
+                left = tl.need - trial_away
                 if left[t] >= excess[t] or (t and int(left[:t].max()) > 0):
                     continue  # does not lower tick t, or uncovers an earlier one
                 removed = before - int(np.maximum(left, 0).sum())
                 if rule == "gain":
                     gain = removed
                 elif rule == "gain-per-byte":
-                    gain = removed * 1024 // every[k].size
+                    gain = removed * 1024 // int(size[k])
                 else:  # "engine-first": the swap-outs all done soonest
-                    gain = -max(x.out_done for x in trial)
+                    gain = -int(trial.out_done.max())
                 if best is None or gain > best[0]:
-                    best = (gain, k)
+                    best = (gain, k, trial, trial_away)
             if best is not None:
                 pick = best[1]
+                chosen = np.append(chosen, pick)
+                sched, away = best[2], best[3]
             else:
                 strict = False  # no stall-free way on: cover the rest, simulate charges stalls
-        if pick is None:
+        if pick is None:  # away over its whole gap; the swap-in issued as late as the copy allows
             pick = ranked[0]
-        g = every[pick]
-        chosen.append(g)
+            x = every[pick]
+            first = 0 if x.wraps else x.a + 1
+            late.append(
+                Swap(x.block, x.a, x.c, Tick(max(min(int(hi[pick]), x.c), first)), x.persistent)
+            )
+            whole = _Schedule(
+                np.array([tl.end_of[x.a]], np.int64), np.zeros(1, np.int64), np.array([x.c])
+            )
+            away = away + _away(tl, g, np.array([pick]), whole)
         free[pick] = False
-        if strict:
-            got = _schedule(tl, chosen)
-            assert got is not None
-            scheduled = got
-            away = _away(tl, scheduled)
-        else:  # away over its whole gap; the swap-in issued as late as the copy allows
-            first = 0 if g.wraps else g.a + 1
-            s = _Scheduled(g, int(tl.end_of[g.a]), 0, max(min(int(hi[pick]), g.c), first))
-            scheduled.append(s)
-            away += _away(tl, [_Scheduled(g, s.out_done, 0, g.c)])
-    return _to_swaps(scheduled)
+    swaps = [
+        Swap(every[k].block, every[k].a, every[k].c, Tick(int(at)), every[k].persistent)
+        for k, at in zip(chosen.tolist(), sched.in_at.tolist(), strict=True)
+    ]
+    return SwapPlan(
+        tuple(sorted([*swaps, *late], key=lambda s: (s.out_after, s.in_before, s.block)))
+    )
 
 
 def judge(

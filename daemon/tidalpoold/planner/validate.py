@@ -14,6 +14,7 @@ two neighbours there, which suffices because the live buffers never overlap.
 
 from __future__ import annotations
 
+import itertools
 import math
 from bisect import bisect_left
 from fractions import Fraction
@@ -200,10 +201,23 @@ def validate_swaps(
     if limit is None:
         return
     persistent = sum(size for _, size in it.persistent)
-    live = [0] * it.ticks  # transient bytes at each tick, previous instances of crossing blocks too
+    # Transient bytes at each tick (previous instances of crossing blocks too), from a
+    # difference array over the periodic tick axis.
+    n = it.ticks
+    steps = [0] * (n + 1)
+    always = 0
     for b in it.blocks:
-        for t in range(b.start, b.end):
-            live[t % it.ticks] += b.size
+        whole, rest = divmod(b.end - b.start, n)
+        always += whole * b.size
+        first = b.start % n
+        if first + rest <= n:
+            steps[first] += b.size
+            steps[first + rest] -= b.size
+        else:
+            steps[first] += b.size
+            steps[0] += b.size
+            steps[first + rest - n] -= b.size
+    live = list(itertools.accumulate(steps[:n], initial=always))[1:]
     off = [0] * (it.ticks + 1)  # bytes away at each tick (difference array)
     for nbytes, gone_t, back_t, crosses in away:
         if crosses:
