@@ -28,7 +28,12 @@ def main(argv: list[str] | None = None) -> int:
     demo = commands.add_parser(
         "demo", help="train a NumPy network in a session (starts a sim daemon if none runs)"
     )
-    demo.add_argument("--iterations", type=int, default=20)
+    demo.add_argument(
+        "--iterations",
+        type=int,
+        default=None,
+        help="training iterations (default 20; 40 with --limit, whose swap plan takes longer)",
+    )
     demo.add_argument(
         "--limit",
         type=float,
@@ -60,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from tidalpool.demo.run import run
 
+        if args.iterations is None:
+            args.iterations = 20 if args.limit is None else 40
         if args.iterations < 1:
             parser.error("--iterations must be at least 1")
         if args.limit is not None and not 0 < args.limit <= 1:
