@@ -19,6 +19,7 @@ Then the speed: one `simulate` of the densenet121 iteration tiled to 10,000+ ops
 50 ms) under a `tidalpool` plan, and `autoswap-bo`'s 40 trials on the untiled iteration.
 
     PYTHONPATH=client:daemon python bench/swap.py [--json] [--traces NAME ...] [--jobs N]
+        [--compute-scale X] [--no-speed]
 """
 
 from __future__ import annotations
@@ -84,10 +85,16 @@ class Case:
         return best
 
 
-def run_case(path: Path, gbps: float) -> Case:
+def slower(it: Iteration, scale: float) -> Iteration:
+    """`it` on a GPU `scale` times slower: every op's duration multiplied."""
+    ops = tuple(Op(o.tick, o.name, round(o.duration_ns * scale)) for o in it.ops)
+    return Iteration(it.ticks, it.blocks, ops, it.accesses, it.persistent, it.index)
+
+
+def run_case(path: Path, gbps: float, scale: float = 1.0) -> Case:
     started = time.perf_counter()
     events = read_trace_csv(path)
-    it = extract(events, events.marks())
+    it = slower(extract(events, events.marks()), scale)
     peak = int(load(it).max())
     base = no_limit(it)
     case = Case(
@@ -178,6 +185,13 @@ def main() -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--traces", nargs="*", help="trace names (default: all)")
     parser.add_argument("--jobs", type=int, default=2, help="worker processes (default 2)")
+    parser.add_argument(
+        "--compute-scale",
+        type=float,
+        default=1.0,
+        help="multiply op times (a slower GPU; default 1: the traces as recorded)",
+    )
+    parser.add_argument("--no-speed", action="store_true", help="skip the speed measurements")
     args = parser.parse_args()
     if not MODELS.is_dir():
         print(f"no traces at {MODELS}", file=sys.stderr)
@@ -187,13 +201,13 @@ def main() -> int:
         paths = [p for p in paths if any(n in p.name for n in args.traces)]
     jobs = [(p, g) for g in BANDWIDTHS for p in paths]
     with ProcessPoolExecutor(max_workers=max(args.jobs, 1)) as pool:
-        futures = [pool.submit(run_case, p, g) for p, g in jobs]
+        futures = [pool.submit(run_case, p, g, args.compute_scale) for p, g in jobs]
         cases = []
         for f in futures:
             c = f.result()
             cases.append(c)
             print(f"  {c.trace} at {c.gbps:g} GB/s: {c.seconds:.0f} s", file=sys.stderr)
-    fast = speed()
+    fast = {} if args.no_speed else speed()
     if args.json:
         print(json.dumps({"cases": [asdict(c) for c in cases], "speed": fast}))
         return 0
@@ -217,6 +231,8 @@ def main() -> int:
             )
             if c.worse_at:
                 print(f"    worse at: {', '.join(c.worse_at[:5])}")
+    if not fast:
+        return 0
     print(
         f"\nsimulate, densenet121 tiled to {fast['ops']:.0f} ops ({fast['ticks']:.0f} ticks,"
         f" {fast['swaps']:.0f} swaps): median {fast['simulate_median_ms']:.1f} ms, max"
