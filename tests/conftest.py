@@ -26,11 +26,17 @@ def shared_file(relative: str) -> Path:
 
 @pytest.fixture
 def start_daemon() -> Iterator[StartDaemon]:
-    """Start sim daemons (256 MiB pools, 64 MiB default leases, extra CLI args allowed);
-    every one is stopped and its directory removed at the end of the test."""
+    """Start sim daemons (256 MiB pools of 2 MiB chunks, 64 MiB default leases, extra CLI args
+    allowed); every one is stopped and its directory removed at the end of the test."""
     started: list[LocalDaemon] = []
 
-    def start(*extra: str, device_pool: str = "256MiB", host_pool: str = "256MiB") -> LocalDaemon:
+    def start(
+        *extra: str,
+        device_pool: str = "256MiB",
+        host_pool: str = "256MiB",
+        chunk_size: str = "2MiB",
+        backend: str = "sim",
+    ) -> LocalDaemon:
         # Unix socket paths are limited to 107 bytes: keep the directory short.
         directory = Path(tempfile.mkdtemp(prefix="tp-", dir="/tmp"))
         d = LocalDaemon.start(
@@ -39,6 +45,8 @@ def start_daemon() -> Iterator[StartDaemon]:
             host_pool=host_pool,
             default_lease="64MiB",
             extra=extra,
+            backend=backend,
+            chunk_size=chunk_size,
         )
         started.append(d)
         return d

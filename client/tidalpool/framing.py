@@ -2,7 +2,9 @@
 
     | u32 little-endian length | message bytes |   (+ SCM_RIGHTS fds on the first send)
 
-Shared by the daemon and the client: the framing is part of the protocol.
+A message carries at most MAX_FDS fds; more travel as FdBatch messages of up to MAX_FDS each
+(`send_fds`, `receive_fds`). Shared by the daemon and the client: the framing is part of the
+protocol.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ from typing import TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
+from tidalpool.v1 import handles_pb2
+
 MAX_MESSAGE = 64 * 1024
-MAX_FDS = 16
+MAX_FDS = 253  # SCM_MAX_FD: the most fds the kernel passes in one message
 _LEN = struct.Struct("<I")
 
 M = TypeVar("M", bound=Message)
@@ -26,6 +30,8 @@ class FramingError(Exception):
 
 
 def send(sock: socket.socket, msg: Message, fds: list[int] | tuple[int, ...] = ()) -> None:
+    if len(fds) > MAX_FDS:
+        raise ValueError(f"{len(fds)} fds in one message: the kernel passes at most {MAX_FDS}")
     data = msg.SerializeToString()
     payload = _LEN.pack(len(data)) + data
     sent = socket.send_fds(sock, [payload], list(fds)) if fds else sock.send(payload)
@@ -55,8 +61,14 @@ def _recv_exact(sock: socket.socket, n: int, with_fds: bool) -> tuple[bytes, lis
     data, fds = b"", list[int]()
     while len(data) < n:
         if with_fds and not fds:
-            chunk, got, _, _ = socket.recv_fds(sock, n - len(data), MAX_FDS)
+            chunk, got, flags, _ = socket.recv_fds(sock, n - len(data), MAX_FDS)
             fds.extend(got)
+            if flags & socket.MSG_CTRUNC:
+                _close_all(fds)
+                raise FramingError(
+                    f"file descriptors were lost in transit (got {len(got)}; is the open-files"
+                    " limit, ulimit -n, reached?)"
+                )
         else:
             chunk = sock.recv(n - len(data))
         if not chunk:
@@ -64,6 +76,33 @@ def _recv_exact(sock: socket.socket, n: int, with_fds: bool) -> tuple[bytes, lis
             raise FramingError(f"connection closed after {len(data)} of {n} bytes")
         data += chunk
     return data, fds
+
+
+def send_fds(sock: socket.socket, fds: list[int] | tuple[int, ...]) -> None:
+    """Send `fds` as FdBatch messages of at most MAX_FDS each (none for no fds)."""
+    for first in range(0, len(fds), MAX_FDS):
+        batch = fds[first : first + MAX_FDS]
+        send(sock, handles_pb2.FdBatch(first=first, count=len(batch)), batch)
+
+
+def receive_fds(sock: socket.socket, count: int) -> list[int]:
+    """Receive the `count` fds that `send_fds` sent; FramingError if they do not add up."""
+    fds: list[int] = []
+    try:
+        while len(fds) < count:
+            batch, got = receive(sock, handles_pb2.FdBatch)
+            fds.extend(got)
+            if batch.first != len(fds) - len(got) or batch.count != len(got) or not got:
+                raise FramingError(
+                    f"fd batch at {batch.first} says {batch.count} fds and brought {len(got)};"
+                    f" expected a batch at {len(fds) - len(got)}"
+                )
+        if len(fds) != count:
+            raise FramingError(f"received {len(fds)} file descriptors, expected {count}")
+    except BaseException:
+        _close_all(fds)
+        raise
+    return fds
 
 
 def _close_all(fds: list[int]) -> None:

@@ -48,7 +48,11 @@ class LocalDaemon:
         default_lease: str = "256MiB",
         extra: tuple[str, ...] = (),
         timeout: float = 30.0,
+        backend: str = "sim",
+        chunk_size: str | None = None,
     ) -> LocalDaemon:
+        """Start `tidalpoold serve` and wait until it answers; `chunk_size` None keeps the
+        daemon's default."""
         socket_dir.mkdir(parents=True, exist_ok=True)
         log_path = socket_dir / "tidalpoold.log"
         args = [
@@ -57,7 +61,7 @@ class LocalDaemon:
             "tidalpoold",
             "serve",
             "--backend",
-            "sim",
+            backend,
             "--socket-dir",
             str(socket_dir),
             "--device-pool",
@@ -72,6 +76,7 @@ class LocalDaemon:
             "",
             "--plan-cache-dir",
             str(socket_dir / "plans"),
+            *(("--chunk-size", chunk_size) if chunk_size is not None else ()),
             *extra,
         ]
         env = {k: v for k, v in os.environ.items() if not k.startswith("TIDALPOOLD_")}

@@ -1,6 +1,6 @@
 """`tidalpool.attach()` and the Session a training job holds.
 
-    attach() ──handles socket──▶ token + lease fds ──map──▶ Attach (gRPC)
+    attach() ──handles socket──▶ token + its chunks' fds ──map──▶ Attach (gRPC)
              ──▶ Session stream (heartbeats, trace chunks, step marks ▲ goodbye, plans)
 
 The hot path (`malloc`, `free`, `op`) never leaves the process: the executor
@@ -30,7 +30,7 @@ from tidalpool import __version__
 from tidalpool.devices.sim import SimMapping
 from tidalpool.errors import AttachError, InvalidBlock, SessionClosed
 from tidalpool.executor import Block, Executor
-from tidalpool.handles import request_lease
+from tidalpool.handles import Grant, request_lease
 from tidalpool.planned import PlanRejected, PlanTable
 from tidalpool.recorder import OP, READ, WRITE, Recorder
 from tidalpool.swap import ScheduledSwap, SwappingExecutor, SwapStats
@@ -106,11 +106,9 @@ def attach(
     name = job_name or os.environ.get("TIDALPOOL_JOB_NAME") or Path(sys.argv[0] or "python").name
     grant = request_lease(directory / "handles.sock", device_bytes, host_bytes, name)
     try:
-        lease = grant.response.lease
-        device = SimMapping(grant.device_fd, lease.device.offset, lease.device.length)
-        host = SimMapping(grant.host_fd, lease.host.offset, lease.host.length)
+        device, host = map_lease(grant)
     finally:
-        grant.close()
+        grant.close()  # the mappings keep the chunks; the fds are no longer needed
     return Session(
         directory,
         grant.response.session_id,
@@ -120,6 +118,23 @@ def attach(
         swap_limit=swap_bytes,
         copy_gbps=copy_gbps,
     )
+
+
+def map_lease(grant: Grant) -> tuple[SimMapping, SimMapping]:
+    """Map the granted chunks of both pools, each pool into one contiguous range."""
+    lease = grant.response.lease
+    if lease.backend != "sim":
+        raise AttachError(
+            f"the daemon serves the {lease.backend!r} backend (mode {lease.mode!r}); this client"
+            " maps sim leases only"
+        )
+    device = SimMapping(grant.device_fds, lease.device.chunk_bytes)
+    try:
+        host = SimMapping(grant.host_fds, lease.host.chunk_bytes)
+    except OSError:
+        device.retire()
+        raise
+    return device, host
 
 
 class Session:

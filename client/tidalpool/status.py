@@ -29,7 +29,10 @@ def render(
     pool: admin_pb2.PoolStatusResponse, sessions: admin_pb2.ListSessionsResponse, console: Console
 ) -> None:
     uptime = (time.time_ns() - pool.started_unix_ns) / 1e9
-    usage = Table(title=f"tidalpoold {pool.version} · backend {pool.backend} · up {uptime:.0f} s")
+    usage = Table(
+        title=f"tidalpoold {pool.version} · backend {pool.backend} ({pool.mode}) · chunks of"
+        f" {format_size(pool.chunk_bytes)} · up {uptime:.0f} s"
+    )
     for column in ("pool", "total", "leased", "used", "free"):
         usage.add_column(column, justify="right" if column != "pool" else "left")
     for name, u in (("device", pool.device), ("host", pool.host)):
@@ -38,6 +41,8 @@ def render(
             *(format_size(x) for x in (u.total_bytes, u.leased_bytes, u.used_bytes, u.free_bytes)),
         )
     console.print(usage)
+    if pool.facts:
+        console.print("  ".join(f"{key}: {value}" for key, value in sorted(pool.facts.items())))
 
     table = Table(title=f"{len(sessions.sessions)} session(s)")
     for column in (
@@ -61,7 +66,7 @@ def render(
             s.job_name,
             str(s.pid),
             s.state,
-            format_size(s.lease.device.length),
+            f"{format_size(s.lease.device.length)} ({len(s.lease.device.chunks)} chunks)",
             format_size(s.device_used_bytes),
             format_size(s.device_peak_bytes),
             format_size(s.lease.host.length),

@@ -3,8 +3,9 @@
 One short exchange per connection: the peer's credentials are read with
 SO_PEERCRED (a peer of another uid is admitted only if one of its groups is
 allowed), one HandlesRequest is read, a session is opened, and the reply
-carries the session token and the pool fds (SCM_RIGHTS). The lease itself is a
-range of those segments; the Attach RPC confirms it.
+carries the session token and its lease (chunk indices), followed by the fds of
+exactly those chunks (SCM_RIGHTS, in batches of at most 253): a client never
+holds a handle to another session's memory. The Attach RPC confirms the lease.
 """
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ from pathlib import Path
 from tidalpool import framing
 from tidalpool.v1 import handles_pb2
 
+from tidalpoold.backends.base import Backend
 from tidalpoold.errors import Failure, InvalidArgument, PermissionDenied, status_of
 from tidalpoold.sessions import Registry, lease_message
 
 log = logging.getLogger("tidalpoold.handles")
 
 _PEERCRED = struct.Struct("3i")
+VERSION = 2  # of the handles protocol (handles.proto)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,9 +118,9 @@ class HandlesServer:
             for fd in fds:  # a client has no business sending fds
                 os.close(fd)
             admit(peer, self.own_uid, self.allowed_gids)
-            if request.version != 1:
+            if request.version != VERSION:
                 raise InvalidArgument(
-                    f"handles protocol version {request.version} is not supported (1)"
+                    f"handles protocol version {request.version} is not supported ({VERSION})"
                 )
             session = self.registry.open(
                 request.device_bytes, request.host_bytes, request.job_name, peer.pid, peer.uid
@@ -130,11 +133,20 @@ class HandlesServer:
             )
             return
         backend = self.registry.backend
+        fds = lease_fds(backend, session.device.chunks, session.host.chunks)
         reply = handles_pb2.HandlesResponse(
             session_id=session.id,
             token=session.token,
-            lease=lease_message(session, backend.name),
-            device_segment_bytes=backend.device.size,
-            host_segment_bytes=backend.host.size,
+            lease=lease_message(session, backend),
+            fd_count=len(fds),
+            ipc_handle=backend.device.ipc_handle if backend.mode == "ipc" else b"",
         )
-        framing.send(conn, reply, [backend.device.fd, backend.host.fd])
+        framing.send(conn, reply)
+        framing.send_fds(conn, fds)
+
+
+def lease_fds(backend: Backend, device: tuple[int, ...], host: tuple[int, ...]) -> list[int]:
+    """The fds a session receives: its device chunks' (none in "ipc" mode), then its host
+    chunks', each in lease order. Only these; never another chunk's."""
+    fds = [] if backend.mode == "ipc" else [backend.device.chunks[i].fd for i in device]
+    return fds + [backend.host.chunks[i].fd for i in host]

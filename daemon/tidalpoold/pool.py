@@ -1,11 +1,11 @@
-"""Accounting of one preallocated pool: which ranges are leased to which session.
+"""Accounting of one preallocated pool: which chunks are leased to which session.
 
-A pool is one segment of `total` bytes. A lease is an aligned range of it,
-chosen first-fit (leases are few and large; first-fit keeps them packed at the
-low end). Released ranges merge with free neighbours.
+A pool is `count` chunks of `chunk_bytes`. A lease of n bytes takes ceil(n / chunk_bytes)
+chunks, the lowest-numbered free ones; they need not be adjacent, since the client maps them
+side by side into one range of its own. Returned chunks are free again at once.
 
-    0                                                         total
-    |== lease a ==|..... free .....|==== lease b ====|.. free ..|
+    chunk   0    1    2    3    4    5
+           |a   |b   |a   |    |b   |    |     lease a = (0, 2), lease b = (1, 4)
 
 Pure bookkeeping: no memory is touched here, no locks are taken (the session
 registry serializes calls).
@@ -16,72 +16,79 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from tidalpool.units import Bytes, Offset, align_up
+from tidalpool.units import Bytes, format_size
 
 
 class PoolExhausted(Exception):
-    """No free range of the pool is large enough for a lease."""
+    """Not enough free chunks in the pool for a lease."""
 
 
 @dataclass(frozen=True, slots=True)
-class LeaseRange:
-    offset: Offset
-    length: Bytes
+class Lease:
+    """The chunks of one pool that a session holds, in the order the client maps them."""
+
+    chunks: tuple[int, ...]
+    chunk_bytes: int
+
+    @property
+    def length(self) -> Bytes:
+        return Bytes(len(self.chunks) * self.chunk_bytes)
 
 
 class PoolAccount:
-    """Free and leased ranges of one pool segment."""
+    """Free and leased chunks of one pool."""
 
-    def __init__(self, name: str, total: int, alignment: int) -> None:
-        if alignment <= 0 or alignment & (alignment - 1):
-            raise ValueError(f"pool alignment must be a power of two, got {alignment}")
+    def __init__(self, name: str, chunk_bytes: int, count: int) -> None:
+        if chunk_bytes <= 0 or count < 0:
+            raise ValueError(f"{name} pool of {count} chunks of {chunk_bytes} bytes is not a pool")
         self.name = name
-        self.total = Bytes(total - total % alignment)
-        self.alignment = alignment
-        self._free: list[tuple[int, int]] = [(0, self.total)] if self.total else []
-        self._leased: dict[int, int] = {}
+        self.chunk_bytes = chunk_bytes
+        self.count = count
+        self._free: list[int] = list(range(count))  # sorted
+        self._leased: set[int] = set()
+
+    @property
+    def total(self) -> Bytes:
+        return Bytes(self.count * self.chunk_bytes)
 
     @property
     def leased_bytes(self) -> Bytes:
-        return Bytes(sum(self._leased.values()))
+        return Bytes(len(self._leased) * self.chunk_bytes)
 
     @property
     def free_bytes(self) -> Bytes:
-        return Bytes(self.total - self.leased_bytes)
+        return Bytes(len(self._free) * self.chunk_bytes)
 
     @property
-    def largest_free(self) -> Bytes:
-        return Bytes(max((size for _, size in self._free), default=0))
+    def free_chunks(self) -> int:
+        return len(self._free)
 
-    def lease(self, nbytes: int) -> LeaseRange:
-        """Take an aligned range of at least `nbytes` (first fit)."""
+    def chunks_for(self, nbytes: int) -> int:
+        """Chunks a lease of `nbytes` takes."""
+        return -(-nbytes // self.chunk_bytes)
+
+    def lease(self, nbytes: int) -> Lease:
+        """Take the lowest free chunks that hold `nbytes`."""
         if nbytes <= 0:
             raise ValueError(f"{self.name} lease of {nbytes} bytes: size must be positive")
-        length = align_up(nbytes, self.alignment)
-        for i, (start, size) in enumerate(self._free):
-            if size >= length:
-                if size == length:
-                    del self._free[i]
-                else:
-                    self._free[i] = (start + length, size - length)
-                self._leased[start] = length
-                return LeaseRange(Offset(start), Bytes(length))
-        raise PoolExhausted(
-            f"{self.name} pool cannot lease {length} bytes: {self.free_bytes} of "
-            f"{self.total} bytes free, largest free range {self.largest_free} bytes"
-        )
+        n = self.chunks_for(nbytes)
+        if n > len(self._free):
+            raise PoolExhausted(
+                f"{self.name} pool cannot lease {n} chunks ({format_size(n * self.chunk_bytes)})"
+                f" for {nbytes} bytes: {len(self._free)} of {self.count} chunks of "
+                f"{format_size(self.chunk_bytes)} free"
+            )
+        taken = tuple(self._free[:n])
+        del self._free[:n]
+        self._leased.update(taken)
+        return Lease(taken, self.chunk_bytes)
 
-    def release(self, lease: LeaseRange) -> None:
-        """Return a range taken by lease(); merges it with free neighbours."""
-        if self._leased.get(lease.offset) != lease.length:
-            raise KeyError(f"{self.name} pool has no lease at {lease.offset}+{lease.length}")
-        del self._leased[lease.offset]
-        start, size = int(lease.offset), int(lease.length)
-        i = bisect.bisect_left(self._free, (start, 0))
-        if i < len(self._free) and self._free[i][0] == start + size:
-            size += self._free.pop(i)[1]
-        if i > 0 and sum(self._free[i - 1]) == start:
-            start, prev = self._free.pop(i - 1)
-            size += prev
-            i -= 1
-        self._free.insert(i, (start, size))
+    def release(self, lease: Lease) -> None:
+        """Return the chunks taken by lease()."""
+        if lease.chunk_bytes != self.chunk_bytes or not self._leased.issuperset(lease.chunks):
+            raise KeyError(f"{self.name} pool has not leased chunks {list(lease.chunks)}")
+        if len(set(lease.chunks)) != len(lease.chunks):
+            raise KeyError(f"{self.name} lease names a chunk twice: {list(lease.chunks)}")
+        self._leased.difference_update(lease.chunks)
+        for index in lease.chunks:
+            bisect.insort(self._free, index)

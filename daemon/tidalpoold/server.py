@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 import threading
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -73,7 +74,27 @@ def build_daemon(settings: Settings) -> Daemon:
     for path in (settings.grpc_socket, settings.handles_socket):
         _remove_stale_socket(path)
 
-    backend = open_backend(settings.backend, settings.device_pool, settings.host_pool)
+    chunk = settings.chunk_size
+    open_files = ensure_fd_room(settings.device_chunks + settings.host_chunks, settings)
+    for setting, size in (
+        ("device_pool", settings.device_pool),
+        ("host_pool", settings.host_pool),
+    ):
+        if size % chunk:
+            log.warning(
+                "pool.rounded",
+                extra={
+                    "why": f"{setting} ({size} bytes) is not a multiple of chunk_size ({chunk}):"
+                    f" using {size // chunk} chunks ({size // chunk * chunk} bytes)"
+                },
+            )
+    backend = open_backend(
+        settings.backend,
+        settings.device_chunks * chunk,
+        settings.host_chunks * chunk,
+        chunk,
+        gpu=settings.gpu,
+    )
     registry = Registry(settings, backend)
     planner = Planner(settings)
     pool, admin = PoolService(registry, planner), AdminService(registry)
@@ -107,6 +128,14 @@ def build_daemon(settings: Settings) -> Daemon:
     log.info(
         "daemon.ready",
         extra={
+            "backend": backend.name,
+            "mode": backend.mode,
+            "mode_reason": backend.mode_reason,
+            "device_chunks": len(backend.device.chunks),
+            "host_chunks": len(backend.host.chunks),
+            "chunk_bytes": chunk,
+            "facts": backend.facts(),
+            "open_files": open_files,
             "grpc": str(settings.grpc_socket),
             "handles": str(settings.handles_socket),
             "settings": describe(settings),
@@ -125,6 +154,30 @@ def build_daemon(settings: Settings) -> Daemon:
         _stop=stop,
         _reaper=reaper,
     )
+
+
+FD_HEADROOM = 256  # fds beside the chunks': sockets, log files, gRPC, libraries
+FD_PER_SESSION = 4  # a session's connections and their wakeup fds
+
+
+def ensure_fd_room(chunks: int, settings: Settings) -> dict[str, int]:
+    """Every chunk is an open fd: raise RLIMIT_NOFILE's soft limit up to the hard limit if the
+    chunks and some headroom need it; refuse to start if even the hard limit is too low.
+    Returns the open-files limit in effect and what is needed, for the start-up log."""
+    need = chunks + FD_HEADROOM + FD_PER_SESSION * settings.max_sessions
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return {"limit": soft, "needed": need}
+    if hard != resource.RLIM_INFINITY and hard < need:
+        raise SystemExit(
+            f"the pools are {chunks} chunks of chunk_size {settings.chunk_size} bytes, one open"
+            f" file each, and with headroom the daemon needs {need} open files, but the hard"
+            f" limit (ulimit -Hn) is {hard}: raise it (LimitNOFILE= in the systemd unit), or"
+            " use a larger chunk_size or smaller pools"
+        )
+    new_soft = hard if hard != resource.RLIM_INFINITY else need
+    resource.setrlimit(resource.RLIMIT_NOFILE, (new_soft, hard))
+    return {"limit": new_soft, "raised_from": soft, "needed": need}
 
 
 def _reap(registry: Registry, stop: threading.Event) -> None:

@@ -63,7 +63,7 @@ class PoolService:
         s = self.registry.settings
         return pool_pb2.AttachResponse(
             session_id=session.id,
-            lease=lease_message(session, self.registry.backend.name),
+            lease=lease_message(session, self.registry.backend),
             heartbeat_interval_ms=int(s.heartbeat_interval_s * 1000),
             trace_chunk_events=s.trace_chunk_events,
         )
@@ -133,13 +133,13 @@ class PoolService:
     ) -> pool_pb2.DetachResponse:
         session = self._session_of(context)
         ended = self.registry.end(session.id, Reason.REASON_DETACHED, "detached by the client")
-        return pool_pb2.DetachResponse(session=ended.info(self.registry.backend.name))
+        return pool_pb2.DetachResponse(session=ended.info(self.registry.backend))
 
     def stats(
         self, request: pool_pb2.StatsRequest, context: grpc.ServicerContext
     ) -> pool_pb2.StatsResponse:
         session = self._session_of(context)
-        return pool_pb2.StatsResponse(session=session.info(self.registry.backend.name))
+        return pool_pb2.StatsResponse(session=session.info(self.registry.backend))
 
 
 class AdminService:
@@ -166,7 +166,7 @@ class AdminService:
     def list_sessions(
         self, request: admin_pb2.ListSessionsRequest, context: grpc.ServicerContext
     ) -> admin_pb2.ListSessionsResponse:
-        backend = self.registry.backend.name
+        backend = self.registry.backend
         return admin_pb2.ListSessionsResponse(
             sessions=[s.info(backend) for s in self.registry.sessions()]
         )
@@ -178,14 +178,18 @@ class AdminService:
             raise InvalidArgument("EvictSession needs a session_id")
         why = request.reason or "evicted by an operator"
         ended = self.registry.end(request.session_id, Reason.REASON_EVICTED, why)
-        return admin_pb2.EvictSessionResponse(session=ended.info(self.registry.backend.name))
+        return admin_pb2.EvictSessionResponse(session=ended.info(self.registry.backend))
 
     def pool_status(
         self, request: admin_pb2.PoolStatusRequest, context: grpc.ServicerContext
     ) -> admin_pb2.PoolStatusResponse:
         device, host = self.registry.usage()
+        backend = self.registry.backend
         return admin_pb2.PoolStatusResponse(
-            backend=self.registry.backend.name,
+            backend=backend.name,
+            mode=backend.mode,
+            chunk_bytes=backend.device.chunk_bytes,
+            facts={key: str(value) for key, value in backend.facts().items()},
             device=device,
             host=host,
             sessions=len(self.registry.sessions()),

@@ -4,8 +4,8 @@ A session is born *pending* on the handles socket (lease carved, token issued,
 fds passed), becomes *attached* by the `Attach` RPC, lives while its `Session`
 stream is open, and *ends* exactly once, for whatever reason: Detach, stream
 closed or broken (process exit, SIGKILL), eviction, missed heartbeats, an
-Attach that never came, or daemon shutdown. Ending returns both ranges to
-their pools and scrubs them, then tells the session's stream (if any) goodbye.
+Attach that never came, or daemon shutdown. Ending returns the session's
+chunks to their pools and scrubs them, then tells its stream (if any) goodbye.
 
     handles socket ──open()──▶ pending ──attach()──▶ attached ──end()──▶ (gone)
                                   └──────── reap(): attach timeout ─────▲
@@ -25,9 +25,9 @@ from typing import TypeAlias
 
 from tidalpool.v1 import common_pb2, pool_pb2
 
-from tidalpoold.backends.base import Backend
+from tidalpoold.backends.base import Backend, Pool
 from tidalpoold.errors import FailedPrecondition, NotFound, ResourceExhausted
-from tidalpoold.pool import LeaseRange, PoolAccount, PoolExhausted
+from tidalpoold.pool import Lease, PoolAccount, PoolExhausted
 from tidalpoold.settings import Settings
 from tidalpoold.trace import TraceStore
 
@@ -45,8 +45,8 @@ class Session:
     job_name: str
     pid: int
     uid: int
-    device: LeaseRange
-    host: LeaseRange
+    device: Lease
+    host: Lease
     trace: TraceStore
     created: float  # monotonic seconds
     state: str = "pending"
@@ -63,7 +63,7 @@ class Session:
         default_factory=queue.SimpleQueue
     )
 
-    def info(self, backend: str) -> common_pb2.SessionInfo:
+    def info(self, backend: Backend) -> common_pb2.SessionInfo:
         return common_pb2.SessionInfo(
             session_id=self.id,
             job_name=self.job_name,
@@ -80,11 +80,18 @@ class Session:
         )
 
 
-def lease_message(session: Session, backend: str) -> common_pb2.Lease:
+def lease_message(session: Session, backend: Backend) -> common_pb2.Lease:
     return common_pb2.Lease(
-        device=common_pb2.Range(offset=session.device.offset, length=session.device.length),
-        host=common_pb2.Range(offset=session.host.offset, length=session.host.length),
-        backend=backend,
+        device=_pool_lease(session.device),
+        host=_pool_lease(session.host),
+        backend=backend.name,
+        mode=backend.mode,
+    )
+
+
+def _pool_lease(lease: Lease) -> common_pb2.PoolLease:
+    return common_pb2.PoolLease(
+        length=lease.length, chunks=lease.chunks, chunk_bytes=lease.chunk_bytes
     )
 
 
@@ -97,8 +104,8 @@ class Registry:
         self.settings = settings
         self.backend = backend
         self.clock = clock
-        self.device = PoolAccount("device", backend.device.size, settings.lease_alignment)
-        self.host = PoolAccount("host", backend.host.size, settings.lease_alignment)
+        self.device = PoolAccount("device", backend.device.chunk_bytes, len(backend.device.chunks))
+        self.host = PoolAccount("host", backend.host.chunk_bytes, len(backend.host.chunks))
         self._lock = threading.Lock()
         self._by_id: dict[str, Session] = {}
         self._by_token: dict[str, Session] = {}
@@ -109,7 +116,7 @@ class Registry:
     def open(
         self, device_bytes: int, host_bytes: int, job_name: str, pid: int, uid: int
     ) -> Session:
-        """Carve a pending session's lease (from the handles socket)."""
+        """Take a pending session's chunks (from the handles socket)."""
         s = self.settings
         device_bytes = device_bytes or s.default_device_lease
         host_bytes = host_bytes or s.default_host_lease
@@ -147,6 +154,8 @@ class Registry:
                 "uid": uid,
                 "device_bytes": device.length,
                 "host_bytes": host.length,
+                "device_chunks": len(device.chunks),
+                "host_chunks": len(host.chunks),
             },
         )
         return session
@@ -186,18 +195,21 @@ class Registry:
 
     # -- death ------------------------------------------------------------------
     def end(self, session_id: str, reason: Reason, message: str) -> Session:
-        """End a session (once): its lease returns to the pools, its stream says goodbye."""
+        """End a session (once): its chunks are scrubbed and return to the pools, its stream
+        says goodbye. Scrubbing runs outside the lock (other sessions' opens never wait on it)
+        but before the chunks are free: a chunk is never leased while it holds old bytes."""
         with self._lock:
             session = self._by_id.pop(session_id, None)
             if session is None:
                 raise NotFound(f"no session {session_id!r}")
             del self._by_token[session.token]
-            self.device.release(session.device)
-            self.host.release(session.host)
             name = Reason.Name(reason).removeprefix("REASON_").lower()
             self.ended_total[name] = self.ended_total.get(name, 0) + 1
-        self.backend.scrub(self.backend.device, session.device.offset, session.device.length)
-        self.backend.scrub(self.backend.host, session.host.offset, session.host.length)
+        device = self._scrubbed(self.backend.device, session.device)
+        host = self._scrubbed(self.backend.host, session.host)
+        with self._lock:
+            self.device.release(device)
+            self.host.release(host)
         session.outbox.put(
             pool_pb2.ServerMessage(goodbye=pool_pb2.Goodbye(reason=reason, message=message))
         )
@@ -212,6 +224,21 @@ class Registry:
             },
         )
         return session
+
+    def _scrubbed(self, pool: Pool, lease: Lease) -> Lease:
+        """The chunks of `lease` that were scrubbed; one that could not be stays out of the
+        pool for good (its bytes might reach the next holder), and the log says so."""
+        clean = []
+        for index in lease.chunks:
+            try:
+                self.backend.scrub(pool, pool.chunks[index])
+            except OSError as e:
+                log.error(
+                    "chunk.quarantined", extra={"pool": pool.name, "chunk": index, "why": str(e)}
+                )
+            else:
+                clean.append(index)
+        return Lease(tuple(clean), lease.chunk_bytes)
 
     def end_quietly(self, session_id: str, reason: Reason, message: str) -> None:
         """end(), for callers racing others to it (stream callbacks, the reaper)."""

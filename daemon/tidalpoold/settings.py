@@ -233,6 +233,14 @@ class Settings:
     lease_alignment: Bytes = field(
         default=Bytes(2 * _MiB), metadata=_about(_SIZE, "alignment of every lease (a power of two)")
     )
+    chunk_size: Bytes = field(
+        default=Bytes(64 * _MiB),
+        metadata=_about(
+            _SIZE,
+            "size of one chunk of either pool (a multiple of lease_alignment): a lease is whole"
+            " chunks, and each chunk is one fd; pool sizes are rounded down to whole chunks",
+        ),
+    )
     attach_timeout_s: float = field(
         default=5.0,
         metadata=_about(
@@ -294,6 +302,16 @@ class Settings:
             raise SettingsError(name, DIRECT_SOURCE, getattr(self, name), text, related=related)
 
     @property
+    def device_chunks(self) -> int:
+        """Chunks of the device pool: device_pool rounded down to whole chunks."""
+        return self.device_pool // self.chunk_size
+
+    @property
+    def host_chunks(self) -> int:
+        """Chunks of the host pool: host_pool rounded down to whole chunks."""
+        return self.host_pool // self.chunk_size
+
+    @property
     def grpc_socket(self) -> Path:
         """The gRPC (Attach, Session stream, Admin) Unix socket."""
         return self.socket_dir / "tidalpool.sock"
@@ -335,9 +353,19 @@ def _problems(s: Settings) -> Iterator[tuple[str, str, str | None]]:
             return
         if kind.choices and value not in kind.choices:
             yield f.name, f"must be one of {', '.join(kind.choices)}", None
+    alignment_ok = s.lease_alignment > 0 and not s.lease_alignment & (s.lease_alignment - 1)
+    chunk_ok = s.chunk_size > 0 and (not alignment_ok or s.chunk_size % s.lease_alignment == 0)
+    if not chunk_ok:
+        yield (
+            "chunk_size",
+            "chunk_size must be a positive multiple of lease_alignment",
+            "lease_alignment",
+        )
     for pool in ("device_pool", "host_pool"):
         if getattr(s, pool) <= 0:
             yield pool, "must be greater than 0", None
+        elif chunk_ok and getattr(s, pool) < s.chunk_size:
+            yield pool, f"{pool} must hold at least one chunk of chunk_size", "chunk_size"
     for lease, pool in (
         ("default_device_lease", "device_pool"),
         ("default_host_lease", "host_pool"),
@@ -346,6 +374,8 @@ def _problems(s: Settings) -> Iterator[tuple[str, str, str | None]]:
             yield lease, "must be greater than 0", None
         elif getattr(s, lease) > getattr(s, pool):
             yield lease, f"{lease} must not exceed {pool}", pool
+        elif chunk_ok and -(-getattr(s, lease) // s.chunk_size) > getattr(s, pool) // s.chunk_size:
+            yield lease, f"{lease} in whole chunks must not exceed {pool} in whole chunks", pool
     if not 0 <= s.socket_mode <= 0o777:
         yield "socket_mode", 'must be a mode from 0000 to 0777 (write it as a string: "0660")', None
     if any(gid < 0 for gid in s.allowed_gids):

@@ -111,8 +111,14 @@ def test_daemon_json_logs_one_object_per_line(start_daemon: StartDaemon) -> None
     with tidalpool.attach(d.socket_dir):
         pass
     d.stop()
-    events = [json.loads(line)["event"] for line in d.log_path.read_text().splitlines()]
+    lines = [json.loads(line) for line in d.log_path.read_text().splitlines()]
+    events = [line["event"] for line in lines]
     assert events[0] == "daemon.ready"
+    ready = lines[0]
+    assert (ready["backend"], ready["mode"], ready["chunk_bytes"]) == ("sim", "memfd", 2 << 20)
+    assert (ready["device_chunks"], ready["host_chunks"]) == (128, 128)
+    assert "memfd" in ready["mode_reason"]
+    assert ready["open_files"]["limit"] >= ready["open_files"]["needed"]
     assert events[-1] == "daemon.stopped"
     assert {"session.opened", "session.attached", "session.ended", "daemon.stopping"} <= set(events)
 

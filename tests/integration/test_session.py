@@ -76,10 +76,10 @@ def test_lease_bytes_are_zeroed_between_sessions(daemon: LocalDaemon) -> None:
     with tidalpool.attach(daemon.socket_dir, device_limit="2MiB") as s:
         block = s.malloc(4096)
         s.buffer(block)[:] = b"\xab" * 4096
-        first = status.fetch(daemon.socket_dir)[1].sessions[0].lease.device.offset
+        first = list(status.fetch(daemon.socket_dir)[1].sessions[0].lease.device.chunks)
     with tidalpool.attach(daemon.socket_dir, device_limit="2MiB") as s2:
-        again = status.fetch(daemon.socket_dir)[1].sessions[0].lease.device.offset
-        assert again == first  # first-fit hands the same pool range out again
+        again = list(status.fetch(daemon.socket_dir)[1].sessions[0].lease.device.chunks)
+        assert again == first == [0]  # the lowest free chunk is handed out again
         block = s2.malloc(4096)
         assert bytes(s2.buffer(block)) == bytes(4096)
 

@@ -8,9 +8,17 @@ import struct
 from collections.abc import Iterator
 
 import pytest
-from tidalpool.framing import MAX_MESSAGE, FramingError, receive, send
-from tidalpool.v1.common_pb2 import Lease, Range
-from tidalpool.v1.handles_pb2 import HandlesRequest, HandlesResponse
+from tidalpool.framing import (
+    MAX_FDS,
+    MAX_MESSAGE,
+    FramingError,
+    receive,
+    receive_fds,
+    send,
+    send_fds,
+)
+from tidalpool.v1.common_pb2 import Lease, PoolLease
+from tidalpool.v1.handles_pb2 import FdBatch, HandlesRequest, HandlesResponse
 
 
 def open_fds() -> int:
@@ -55,12 +63,12 @@ def response() -> HandlesResponse:
         session_id="s-1",
         token="t0k3n",
         lease=Lease(
-            device=Range(offset=2 * 1024**2, length=64 * 1024**2),
-            host=Range(offset=0, length=128 * 1024**2),
+            device=PoolLease(length=4 * 1024**2, chunks=[5, 2], chunk_bytes=2 * 1024**2),
+            host=PoolLease(length=2 * 1024**2, chunks=[0], chunk_bytes=2 * 1024**2),
             backend="sim",
+            mode="memfd",
         ),
-        device_segment_bytes=4096,
-        host_segment_bytes=8192,
+        fd_count=3,
     )
 
 
@@ -73,7 +81,7 @@ def test_round_trip_with_two_fds(
     msg, fds = receive(b, HandlesResponse)
     try:
         assert msg == response()
-        assert msg.lease.device.offset == 2 * 1024**2
+        assert list(msg.lease.device.chunks) == [5, 2]
         assert len(fds) == 2
         assert set(fds).isdisjoint({device, host})  # new descriptors of the same files
         got_device, got_host = fds
@@ -94,7 +102,7 @@ def test_round_trip_with_two_fds(
 
 def test_round_trip_without_fds(pair: tuple[socket.socket, socket.socket]) -> None:
     a, b = pair
-    request = HandlesRequest(version=1, device_bytes=1 << 30, host_bytes=0, job_name="bert")
+    request = HandlesRequest(version=2, device_bytes=1 << 30, host_bytes=0, job_name="bert")
     send(a, request)
     assert receive(b, HandlesRequest) == (request, [])
 
@@ -103,11 +111,11 @@ def test_wire_format_is_little_endian_length_then_body(
     pair: tuple[socket.socket, socket.socket],
 ) -> None:
     a, b = pair
-    request = HandlesRequest(version=1, job_name="x")
+    request = HandlesRequest(version=2, job_name="x")
     send(a, request)
     body = request.SerializeToString()
     assert b.recv(1024) == struct.pack("<I", len(body)) + body
-    assert body == b"\x08\x01\x22\x01x"
+    assert body == b"\x08\x02\x22\x01x"
 
 
 def test_empty_message_round_trips(pair: tuple[socket.socket, socket.socket]) -> None:
@@ -118,8 +126,8 @@ def test_empty_message_round_trips(pair: tuple[socket.socket, socket.socket]) ->
 
 def test_messages_arrive_one_at_a_time(pair: tuple[socket.socket, socket.socket]) -> None:
     a, b = pair
-    first = HandlesRequest(version=1, job_name="first")
-    second = HandlesRequest(version=1, job_name="second")
+    first = HandlesRequest(version=2, job_name="first")
+    second = HandlesRequest(version=2, job_name="second")
     send(a, first)
     send(a, second)
     assert receive(b, HandlesRequest) == (first, [])
@@ -225,3 +233,104 @@ def test_send_and_receive_leak_no_fds(
         for fd in fds:
             os.close(fd)
     assert open_fds() == before
+
+
+# -- fds in batches --------------------------------------------------------------------------------
+
+
+def many_fds(n: int) -> list[int]:
+    """`n` new descriptors of one memfd (the caller closes them)."""
+    fd = os.memfd_create("tp-test-many")
+    try:
+        return [os.dup(fd) for _ in range(n)]
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("n", [0, 1, MAX_FDS, MAX_FDS + 1, 2 * MAX_FDS + 94])
+def test_fds_travel_in_batches_of_at_most_max_fds(
+    pair: tuple[socket.socket, socket.socket], n: int
+) -> None:
+    a, b = pair
+    sent = many_fds(n)
+    try:
+        before = open_fds()
+        send_fds(a, sent)
+        got = receive_fds(b, n)
+        assert len(got) == n
+        assert [os.fstat(fd).st_ino for fd in got] == [os.fstat(fd).st_ino for fd in sent]
+        for fd in got:
+            os.close(fd)
+        assert open_fds() == before
+        a.sendall(b"!")  # nothing else was left on the socket
+        assert b.recv(16) == b"!"
+    finally:
+        for fd in sent:
+            os.close(fd)
+
+
+def test_batch_sizes_are_the_kernel_limit(pair: tuple[socket.socket, socket.socket]) -> None:
+    a, b = pair
+    sent = many_fds(2 * MAX_FDS + 1)
+    try:
+        send_fds(a, sent)
+        batches = []
+        for _ in range(3):
+            batch, fds = receive(b, FdBatch)
+            batches.append((batch.first, batch.count, len(fds)))
+            for fd in fds:
+                os.close(fd)
+        assert MAX_FDS == 253
+        assert batches == [(0, 253, 253), (253, 253, 253), (506, 1, 1)]
+    finally:
+        for fd in sent:
+            os.close(fd)
+
+
+def test_more_than_max_fds_in_one_message_is_refused(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    a, _ = pair
+    sent = many_fds(MAX_FDS + 1)
+    try:
+        with pytest.raises(ValueError) as e:
+            send(a, FdBatch(), sent)
+        assert str(e.value) == "254 fds in one message: the kernel passes at most 253"
+    finally:
+        for fd in sent:
+            os.close(fd)
+
+
+def test_a_batch_that_does_not_add_up_is_refused_and_its_fds_closed(
+    pair: tuple[socket.socket, socket.socket], segments: tuple[int, int]
+) -> None:
+    a, b = pair
+    before = open_fds()
+    send(a, FdBatch(first=0, count=1), [segments[0]])
+    send(a, FdBatch(first=0, count=1), [segments[1]])  # should say first=1
+    with pytest.raises(FramingError) as e:
+        receive_fds(b, 2)
+    assert str(e.value) == "fd batch at 0 says 1 fds and brought 1; expected a batch at 1"
+    assert open_fds() == before
+
+
+def test_fds_lost_to_the_open_files_limit_are_an_error(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    import resource
+
+    a, b = pair
+    sent = many_fds(300)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        send_fds(a, sent)
+        before = open_fds()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (before + 10, hard))
+        with pytest.raises(FramingError) as e:
+            receive_fds(b, 300)
+        assert "file descriptors were lost in transit" in str(e.value)
+        assert open_fds() == before
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        for fd in sent:
+            os.close(fd)

@@ -1,77 +1,70 @@
-"""PoolAccount: first-fit offsets, alignment, merging on release, counters, every error's text."""
+"""PoolAccount: leases as sets of chunks, lowest free first, counters, every error's text."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
-from tidalpool.units import Bytes, Offset
-from tidalpoold.pool import LeaseRange, PoolAccount, PoolExhausted
+from tidalpoold.pool import Lease, PoolAccount, PoolExhausted
 
 KiB = 1024
 
 
-def rng(offset: int, length: int) -> LeaseRange:
-    return LeaseRange(Offset(offset), Bytes(length))
+def pool(count: int = 8, chunk: int = KiB) -> PoolAccount:
+    return PoolAccount("device", chunk, count)
 
 
-def pool(total: int = 16 * KiB, alignment: int = KiB) -> PoolAccount:
-    return PoolAccount("device", total, alignment)
+def lease(*chunks: int, chunk: int = KiB) -> Lease:
+    return Lease(tuple(chunks), chunk)
 
 
 # -- construction ----------------------------------------------------------------------------------
 
 
-def test_total_is_rounded_down_to_alignment() -> None:
-    p = PoolAccount("device", 10_000, 1024)
-    assert p.total == 9216
-    assert p.alignment == 1024
-    assert p.name == "device"
-    assert p.free_bytes == 9216
-    assert p.largest_free == 9216
-    assert p.leased_bytes == 0
+def test_a_new_pool_is_all_free() -> None:
+    p = PoolAccount("host", 4096, 3)
+    assert (p.name, p.chunk_bytes, p.count) == ("host", 4096, 3)
+    assert (p.total, p.free_bytes, p.leased_bytes, p.free_chunks) == (12288, 12288, 0, 3)
 
 
-def test_total_already_aligned_is_kept() -> None:
-    assert PoolAccount("host", 8192, 4096).total == 8192
-
-
-def test_total_below_alignment_is_an_empty_pool() -> None:
-    p = PoolAccount("host", 1000, 1024)
+def test_an_empty_pool_leases_nothing() -> None:
+    p = PoolAccount("host", 4096, 0)
     assert p.total == 0
-    assert p.free_bytes == 0
-    assert p.largest_free == 0
     with pytest.raises(PoolExhausted) as e:
         p.lease(1)
     assert str(e.value) == (
-        "host pool cannot lease 1024 bytes: 0 of 0 bytes free, largest free range 0 bytes"
+        "host pool cannot lease 1 chunks (4 KiB) for 1 bytes: 0 of 0 chunks of 4 KiB free"
     )
 
 
-@pytest.mark.parametrize("alignment", [0, -4, 3, 6, 1000])
-def test_alignment_must_be_a_power_of_two(alignment: int) -> None:
+@pytest.mark.parametrize(("chunk", "count"), [(0, 4), (-1, 4), (1024, -1)])
+def test_a_pool_needs_positive_chunks(chunk: int, count: int) -> None:
     with pytest.raises(ValueError) as e:
-        PoolAccount("device", 4096, alignment)
-    assert str(e.value) == f"pool alignment must be a power of two, got {alignment}"
-
-
-def test_alignment_of_one_is_accepted() -> None:
-    p = PoolAccount("device", 7, 1)
-    assert p.total == 7
-    assert p.lease(3) == rng(0, 3)
-    assert p.lease(4) == rng(3, 4)
+        PoolAccount("device", chunk, count)
+    assert str(e.value) == f"device pool of {count} chunks of {chunk} bytes is not a pool"
 
 
 # -- lease -----------------------------------------------------------------------------------------
 
 
-def test_first_fit_offsets_with_alignment_rounding() -> None:
+def test_a_lease_takes_whole_chunks() -> None:
     p = pool()
-    assert p.lease(1) == rng(0, 1024)
-    assert p.lease(1024) == rng(1024, 1024)
-    assert p.lease(1025) == rng(2048, 2048)
-    assert p.lease(3000) == rng(4096, 3072)
-    assert p.leased_bytes == 7168
-    assert p.free_bytes == 16 * KiB - 7168
-    assert p.largest_free == 16 * KiB - 7168
+    assert p.lease(1) == lease(0)
+    assert p.lease(KiB) == lease(1)
+    assert p.lease(KiB + 1) == lease(2, 3)
+    assert p.lease(3 * KiB - 1) == lease(4, 5, 6)
+    assert p.lease(KiB) == lease(7)
+    with pytest.raises(PoolExhausted):
+        p.lease(1)
+
+
+def test_lengths_and_counters() -> None:
+    p = pool()
+    a = p.lease(KiB + 1)
+    assert (a.chunks, a.length, a.chunk_bytes) == ((0, 1), 2 * KiB, KiB)
+    assert (p.leased_bytes, p.free_bytes, p.free_chunks) == (2 * KiB, 6 * KiB, 6)
+    p.release(a)
+    assert (p.leased_bytes, p.free_bytes, p.free_chunks) == (0, 8 * KiB, 8)
 
 
 @pytest.mark.parametrize("nbytes", [0, -1, -4096])
@@ -81,178 +74,118 @@ def test_lease_of_non_positive_size_is_refused(nbytes: int) -> None:
         p.lease(nbytes)
     assert str(e.value) == f"device lease of {nbytes} bytes: size must be positive"
     assert p.leased_bytes == 0
-    assert p.lease(1) == rng(0, 1024)
 
 
-def test_lease_of_exactly_the_whole_pool() -> None:
-    p = pool(total=4 * KiB)
-    assert p.lease(4 * KiB) == rng(0, 4 * KiB)
+def test_lease_of_the_whole_pool() -> None:
+    p = pool(count=4)
+    assert p.lease(4 * KiB) == lease(0, 1, 2, 3)
     assert p.free_bytes == 0
-    assert p.largest_free == 0
-    assert p.leased_bytes == 4 * KiB
 
 
-def test_first_fit_takes_the_lowest_hole_that_fits() -> None:
-    p = pool()
-    a = p.lease(KiB)  # 0
-    b = p.lease(3 * KiB)  # 1 KiB
-    c = p.lease(KiB)  # 4 KiB
-    d = p.lease(2 * KiB)  # 5 KiB
-    assert (a.offset, b.offset, c.offset, d.offset) == (0, 1024, 4096, 5120)
-    p.release(a)  # hole [0, 1 KiB)
-    p.release(c)  # hole [4 KiB, 5 KiB)
-    # 2 KiB fits in neither small hole: it goes to the tail at 7 KiB.
-    assert p.lease(2 * KiB) == rng(7168, 2048)
-    # 1 KiB fits in the lowest hole.
-    assert p.lease(KiB) == rng(0, 1024)
-    assert p.lease(KiB) == rng(4096, 1024)
-    assert p.lease(KiB) == rng(9216, 1024)
+def test_chunks_need_not_be_adjacent() -> None:
+    p = pool(count=6)
+    a, b, c = p.lease(KiB), p.lease(KiB), p.lease(KiB)
+    p.release(a)
+    p.release(c)
+    # Free: 0, 2, 3, 4, 5. The lowest three, across the hole that b leaves.
+    assert b == lease(1)
+    assert p.lease(3 * KiB) == lease(0, 2, 3)
+    assert p.lease(2 * KiB) == lease(4, 5)
 
 
 def test_exhausted_message_names_the_numbers() -> None:
-    p = pool(total=8 * KiB)
-    leases = [p.lease(KiB) for _ in range(8)]
-    p.release(leases[1])
-    p.release(leases[5])
-    assert p.free_bytes == 2048
-    assert p.largest_free == 1024
+    p = pool(count=4)
+    p.lease(3 * KiB)
     with pytest.raises(PoolExhausted) as e:
-        p.lease(1500)
+        p.lease(KiB + 1)
     assert str(e.value) == (
-        "device pool cannot lease 2048 bytes: 2048 of 8192 bytes free, "
-        "largest free range 1024 bytes"
+        "device pool cannot lease 2 chunks (2 KiB) for 1025 bytes: 1 of 4 chunks of 1 KiB free"
     )
     # The failed lease changed nothing.
-    assert p.free_bytes == 2048
-    assert p.leased_bytes == 6144
-    assert p.lease(KiB) == rng(1024, 1024)
+    assert (p.free_chunks, p.leased_bytes) == (1, 3 * KiB)
+    assert p.lease(KiB) == lease(3)
 
 
-def test_exhausted_when_full() -> None:
-    p = pool(total=2 * KiB)
-    p.lease(2 * KiB)
-    with pytest.raises(PoolExhausted) as e:
-        p.lease(1)
-    assert str(e.value) == (
-        "device pool cannot lease 1024 bytes: 0 of 2048 bytes free, largest free range 0 bytes"
-    )
+def test_fragmentation_never_refuses_a_lease_that_fits_in_free_chunks() -> None:
+    """Unlike ranges, chunks never fragment: any set of free chunks serves any lease."""
+    rng = random.Random(7)
+    p = pool(count=64)
+    held: list[Lease] = []
+    for _ in range(2000):
+        if held and (rng.random() < 0.5 or p.free_chunks == 0):
+            p.release(held.pop(rng.randrange(len(held))))
+        else:
+            n = rng.randint(1, 8)
+            if n <= p.free_chunks:
+                held.append(p.lease(n * KiB))
+            else:
+                with pytest.raises(PoolExhausted):
+                    p.lease(n * KiB)
+        taken = [c for h in held for c in h.chunks]
+        assert len(taken) == len(set(taken))  # no chunk in two leases
+        assert p.free_chunks + len(taken) == 64
 
 
-# -- release and merging ---------------------------------------------------------------------------
+# -- release ---------------------------------------------------------------------------------------
 
 
-def five_leases(p: PoolAccount) -> list[LeaseRange]:
-    """Five 2 KiB leases at 0, 2, 4, 6, 8 KiB of a 16 KiB pool; the tail [10, 16) KiB is free."""
-    leases = [p.lease(2 * KiB) for _ in range(5)]
-    assert [r.offset for r in leases] == [0, 2048, 4096, 6144, 8192]
-    return leases
-
-
-def test_release_merges_with_left_neighbour() -> None:
-    p = pool()
-    r = five_leases(p)
-    p.release(r[1])  # free [2, 4)
-    p.release(r[2])  # free [4, 6): merges left into [2, 6)
-    assert p.largest_free == 6 * KiB  # the tail is still the largest
-    assert p.free_bytes == 10 * KiB
-    assert p.lease(4 * KiB) == rng(2048, 4096)
-    assert p.free_bytes == 6 * KiB
-
-
-def test_release_merges_with_right_neighbour() -> None:
-    p = pool()
-    r = five_leases(p)
-    p.release(r[2])  # free [4, 6)
-    p.release(r[1])  # free [2, 4): merges right into [2, 6)
-    assert p.lease(4 * KiB) == rng(2048, 4096)
-
-
-def test_release_merges_with_both_neighbours() -> None:
-    p = pool()
-    r = five_leases(p)
-    p.release(r[1])  # free [2, 4)
-    p.release(r[3])  # free [6, 8)
-    assert p.largest_free == 6 * KiB
-    p.release(r[2])  # free [4, 6): merges both sides into [2, 8)
-    assert p.free_bytes == 12 * KiB
-    assert p.lease(6 * KiB) == rng(2048, 6144)
-    assert p.largest_free == 6 * KiB  # the tail [10, 16)
-
-
-def test_release_next_to_the_free_tail_merges_into_it() -> None:
-    p = pool()
-    r = five_leases(p)
-    p.release(r[4])  # [8, 10) joins the tail [10, 16)
-    assert p.largest_free == 8 * KiB
-    assert p.lease(8 * KiB) == rng(8192, 8192)
-    assert p.free_bytes == 0
-
-
-def test_release_everything_restores_one_range() -> None:
-    p = pool()
-    r = five_leases(p)
-    for i in (3, 0, 4, 2, 1):
-        p.release(r[i])
-    assert p.leased_bytes == 0
-    assert p.free_bytes == 16 * KiB
-    assert p.largest_free == 16 * KiB
-    assert p.lease(16 * KiB) == rng(0, 16 * KiB)
-
-
-def test_release_without_neighbours_does_not_merge() -> None:
-    p = pool()
-    r = five_leases(p)
-    p.release(r[1])  # [2, 4) between leases 0 and 2
-    assert p.largest_free == 6 * KiB
-    with pytest.raises(PoolExhausted):
-        p.lease(7 * KiB)
-    assert p.lease(3 * KiB) == rng(10240, 3072)  # does not fit [2, 4)
-    assert p.lease(2 * KiB) == rng(2048, 2048)
-
-
-def test_counters_follow_leases_and_releases() -> None:
-    p = pool()
-    a = p.lease(1)
-    b = p.lease(5000)
-    assert b == rng(1024, 5120)
-    assert (p.leased_bytes, p.free_bytes, p.largest_free) == (6144, 10240, 10240)
-    p.release(a)
-    assert (p.leased_bytes, p.free_bytes, p.largest_free) == (5120, 11264, 10240)
+def test_released_chunks_are_leased_again_lowest_first() -> None:
+    p = pool(count=4)
+    a, b = p.lease(2 * KiB), p.lease(2 * KiB)
     p.release(b)
-    assert (p.leased_bytes, p.free_bytes, p.largest_free) == (0, 16384, 16384)
+    p.release(a)
+    assert p.lease(3 * KiB) == lease(0, 1, 2)
 
 
-def test_release_of_unknown_range_is_a_key_error() -> None:
+def test_release_of_chunks_not_leased_is_a_key_error() -> None:
     p = pool()
     p.lease(2 * KiB)
     with pytest.raises(KeyError) as e:
-        p.release(rng(4096, 1024))
-    assert e.value.args == ("device pool has no lease at 4096+1024",)
+        p.release(lease(1, 2))
+    assert e.value.args == ("device pool has not leased chunks [1, 2]",)
+    assert p.leased_bytes == 2 * KiB
 
 
-def test_release_with_wrong_length_is_a_key_error() -> None:
+def test_release_with_another_chunk_size_is_a_key_error() -> None:
     p = pool()
-    r = p.lease(2 * KiB)
+    p.lease(KiB)
     with pytest.raises(KeyError) as e:
-        p.release(rng(r.offset, 1024))
-    assert e.value.args == ("device pool has no lease at 0+1024",)
-    assert p.leased_bytes == 2048
+        p.release(lease(0, chunk=2 * KiB))
+    assert e.value.args == ("device pool has not leased chunks [0]",)
 
 
 def test_double_release_is_a_key_error() -> None:
     p = pool()
-    r = p.lease(KiB)
-    p.release(r)
+    a = p.lease(KiB)
+    p.release(a)
     with pytest.raises(KeyError) as e:
-        p.release(r)
-    assert e.value.args == ("device pool has no lease at 0+1024",)
-    assert p.free_bytes == 16 * KiB
-    assert p.largest_free == 16 * KiB
+        p.release(a)
+    assert e.value.args == ("device pool has not leased chunks [0]",)
+    assert p.free_chunks == 8
 
 
-def test_lease_range_is_a_frozen_value() -> None:
-    r = rng(0, 1024)
-    assert r == rng(0, 1024)
-    assert hash(r) == hash(rng(0, 1024))
+def test_a_lease_naming_a_chunk_twice_is_a_key_error() -> None:
+    p = pool()
+    p.lease(2 * KiB)
+    with pytest.raises(KeyError) as e:
+        p.release(lease(0, 0))
+    assert e.value.args == ("device lease names a chunk twice: [0, 0]",)
+    assert p.free_chunks == 6
+
+
+def test_part_of_a_lease_may_be_released() -> None:
+    """The registry keeps a chunk that could not be scrubbed out of the pool."""
+    p = pool(count=4)
+    p.lease(3 * KiB)
+    p.release(lease(0, 2))
+    assert (p.free_chunks, p.lease(2 * KiB)) == (3, lease(0, 2))
+    with pytest.raises(KeyError):
+        p.release(lease(3))
+
+
+def test_lease_is_a_frozen_value() -> None:
+    a = lease(3, 1)
+    assert a == lease(3, 1) != lease(1, 3)
+    assert hash(a) == hash(lease(3, 1))
     with pytest.raises(AttributeError):
-        r.offset = Offset(5)  # type: ignore[misc]
+        a.chunks = (0,)  # type: ignore[misc]

@@ -53,6 +53,8 @@ def test_defaults() -> None:
     assert s.allowed_gids == ()
     assert s.max_sessions == 64
     assert s.lease_alignment == 2 * MiB
+    assert s.chunk_size == 64 * MiB
+    assert (s.device_chunks, s.host_chunks) == (64, 128)
     assert s.attach_timeout_s == 5.0
     assert s.heartbeat_interval_s == 1.0
     assert s.heartbeat_timeout_s == 15.0
@@ -80,6 +82,7 @@ def test_describe_is_json_friendly() -> None:
         "allowed_gids": [0, 5],
         "max_sessions": 64,
         "lease_alignment": 2 * MiB,
+        "chunk_size": 64 * MiB,
         "attach_timeout_s": 5.0,
         "heartbeat_interval_s": 1.0,
         "heartbeat_timeout_s": 15.0,
@@ -247,7 +250,7 @@ def test_precedence_mixes_fields(tmp_path: Path) -> None:
         ("512MB", 512_000_000),
         ("512 MiB", 512 * MiB),
         ("1.5GiB", 3 * GiB // 2),
-        ("1048576", 1048576),
+        ("67108864", 64 * MiB),
     ],
 )
 def test_human_sizes(text: str, nbytes: int) -> None:
@@ -338,6 +341,30 @@ INVALID = [
     ("max_sessions", "many", "expected a whole number", ""),
     ("lease_alignment", "3MiB", "must be a power of two", ""),
     ("lease_alignment", "0", "must be a power of two", ""),
+    (
+        "chunk_size",
+        "3MiB",
+        "chunk_size must be a positive multiple of lease_alignment",
+        "; lease_alignment is 2097152 from default",
+    ),
+    (
+        "chunk_size",
+        "0",
+        "chunk_size must be a positive multiple of lease_alignment",
+        "; lease_alignment is 2097152 from default",
+    ),
+    (
+        "device_pool",
+        "32MiB",
+        "device_pool must hold at least one chunk of chunk_size",
+        "; chunk_size is 67108864 from default",
+    ),
+    (
+        "chunk_size",
+        "16GiB",
+        "device_pool must hold at least one chunk of chunk_size",
+        "; device_pool is 4294967296 from default",
+    ),
     ("attach_timeout_s", "0", "must be a finite number of seconds greater than 0", ""),
     ("attach_timeout_s", "nan", "must be a finite number of seconds greater than 0", ""),
     ("attach_timeout_s", "soon", "expected a number of seconds", ""),

@@ -26,7 +26,7 @@ def mapping(nbytes: int) -> SimMapping:
     fd = os.memfd_create("tidalpool-test")
     try:
         os.ftruncate(fd, nbytes)
-        return SimMapping(fd, 0, nbytes)
+        return SimMapping([fd], nbytes)
     finally:
         os.close(fd)
 

@@ -1,9 +1,16 @@
-"""Mapping a sim lease: a range of a memfd segment, mapped shared into this process.
+"""Mapping a sim lease: its chunks' memfds, side by side in one range this process reserves.
 
-Arrays point into the mapping by address. When the session ends while arrays
-still exist, `retire()` swaps the range for private anonymous memory at the
-same address: stale arrays then read zeros and can never reach memory the pool
-has since leased to another session, and nothing crashes.
+    reserve   base ─▶ |.............. PROT_NONE ..............|   (anonymous, lease length)
+    map       base ─▶ | chunk fd 0 | chunk fd 1 | chunk fd 2 |   (MAP_SHARED | MAP_FIXED)
+
+Chunk k of the lease lands at base + k * chunk_bytes, so the executor sees one contiguous
+lease although the chunks are scattered in the pool. The process holds no fd of any other
+chunk: it can reach no other session's memory.
+
+Arrays point into the mapping by address. When the session ends while arrays still exist,
+`retire()` swaps the range for private anonymous memory at the same address: stale arrays
+then read zeros and can never reach a chunk the pool has since leased to another session,
+and nothing crashes.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+from collections.abc import Sequence
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _LIBC.mmap.restype = ctypes.c_void_p
@@ -22,36 +30,53 @@ _LIBC.mmap.argtypes = [
     ctypes.c_int,
     ctypes.c_long,
 ]
+_LIBC.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_PROT_NONE = 0
 _MAP_FIXED = 0x10
+_MAP_NORESERVE = 0x4000
 _MAP_FAILED = ctypes.c_void_p(-1).value
+_RW = mmap.PROT_READ | mmap.PROT_WRITE
+
+
+def _mmap(address: int | None, length: int, prot: int, flags: int, fd: int, what: str) -> int:
+    got = _LIBC.mmap(address, length, prot, flags, fd, 0)
+    if got is None or got == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"cannot {what}: {os.strerror(err)}")
+    return int(got)
 
 
 class SimMapping:
-    """`length` bytes of segment `fd` from `offset`, at `address` in this process."""
+    """The chunks `fds` (each `chunk_bytes`), mapped in order from `address` in this process.
+    The fds stay the caller's: close them after mapping (the mapping keeps the memory)."""
 
-    def __init__(self, fd: int, offset: int, length: int) -> None:
-        self.length = length
-        self._mm = mmap.mmap(
-            fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=offset
-        )
-        anchor = ctypes.c_char.from_buffer(self._mm)
-        self.address = ctypes.addressof(anchor)
-        del anchor  # no buffer export outlives this line
+    def __init__(self, fds: Sequence[int], chunk_bytes: int) -> None:
+        if not fds or chunk_bytes <= 0:
+            raise ValueError(f"a lease of {len(fds)} chunks of {chunk_bytes} bytes maps nothing")
+        self.length = len(fds) * chunk_bytes
+        self.chunk_bytes = chunk_bytes
+        anonymous = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
+        self.address = _mmap(None, self.length, _PROT_NONE, anonymous, -1, "reserve the lease")
+        try:
+            for k, fd in enumerate(fds):
+                at = self.address + k * chunk_bytes
+                _mmap(at, chunk_bytes, _RW, mmap.MAP_SHARED | _MAP_FIXED, fd, f"map chunk {k}")
+        except OSError:
+            _LIBC.munmap(self.address, self.length)
+            raise
+        self._view = memoryview((ctypes.c_char * self.length).from_address(self.address)).cast("B")
         self.retired = False
 
     def buffer(self, offset: int, nbytes: int) -> memoryview:
         """The bytes [offset, offset+nbytes) of the lease (tests and copies)."""
         if offset < 0 or nbytes < 0 or offset + nbytes > self.length:
             raise ValueError(f"range {offset}+{nbytes} is outside the lease of {self.length} bytes")
-        return memoryview(self._mm)[offset : offset + nbytes]
+        return self._view[offset : offset + nbytes]
 
     def retire(self) -> None:
-        """Replace the shared pages with private zero pages at the same address."""
+        """Replace the shared chunks with private zero pages at the same address."""
         if self.retired:
             return
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED
-        got = _LIBC.mmap(self.address, self.length, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
-        if got == _MAP_FAILED:
-            err = ctypes.get_errno()
-            raise OSError(err, f"cannot retire the lease mapping: {os.strerror(err)}")
+        _mmap(self.address, self.length, _RW, flags, -1, "retire the lease mapping")
         self.retired = True

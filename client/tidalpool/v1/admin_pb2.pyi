@@ -36,17 +36,30 @@ class PoolStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PoolStatusResponse(_message.Message):
-    __slots__ = ("backend", "device", "host", "sessions", "version", "started_unix_ns")
+    __slots__ = ("backend", "device", "host", "sessions", "version", "started_unix_ns", "mode", "chunk_bytes", "facts")
+    class FactsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STARTED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FACTS_FIELD_NUMBER: _ClassVar[int]
     backend: str
     device: _common_pb2.PoolUsage
     host: _common_pb2.PoolUsage
     sessions: int
     version: str
     started_unix_ns: int
-    def __init__(self, backend: _Optional[str] = ..., device: _Optional[_Union[_common_pb2.PoolUsage, _Mapping]] = ..., host: _Optional[_Union[_common_pb2.PoolUsage, _Mapping]] = ..., sessions: _Optional[int] = ..., version: _Optional[str] = ..., started_unix_ns: _Optional[int] = ...) -> None: ...
+    mode: str
+    chunk_bytes: int
+    facts: _containers.ScalarMap[str, str]
+    def __init__(self, backend: _Optional[str] = ..., device: _Optional[_Union[_common_pb2.PoolUsage, _Mapping]] = ..., host: _Optional[_Union[_common_pb2.PoolUsage, _Mapping]] = ..., sessions: _Optional[int] = ..., version: _Optional[str] = ..., started_unix_ns: _Optional[int] = ..., mode: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., facts: _Optional[_Mapping[str, str]] = ...) -> None: ...

@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tidalpool/v1/common.proto\x12\x0ctidalpool.v1\"\'\n\x05Range\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\"`\n\x05Lease\x12#\n\x06\x64\x65vice\x18\x01 \x01(\x0b\x32\x13.tidalpool.v1.Range\x12!\n\x04host\x18\x02 \x01(\x0b\x32\x13.tidalpool.v1.Range\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\"^\n\tPoolUsage\x12\x13\n\x0btotal_bytes\x18\x01 \x01(\x04\x12\x14\n\x0cleased_bytes\x18\x02 \x01(\x04\x12\x12\n\nfree_bytes\x18\x03 \x01(\x04\x12\x12\n\nused_bytes\x18\x04 \x01(\x04\"\x9b\x02\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08job_name\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\r\x12\x0b\n\x03uid\x18\x04 \x01(\r\x12\"\n\x05lease\x18\x05 \x01(\x0b\x32\x13.tidalpool.v1.Lease\x12\x19\n\x11\x64\x65vice_used_bytes\x18\x06 \x01(\x04\x12\x19\n\x11\x64\x65vice_peak_bytes\x18\x07 \x01(\x04\x12\x17\n\x0fhost_used_bytes\x18\x08 \x01(\x04\x12\x17\n\x0f\x65vents_received\x18\t \x01(\x04\x12\x17\n\x0fiterations_seen\x18\n \x01(\x04\x12\x18\n\x10\x61ttached_unix_ns\x18\x0b \x01(\x03\x12\r\n\x05state\x18\x0c \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tidalpool/v1/common.proto\x12\x0ctidalpool.v1\"@\n\tPoolLease\x12\x0e\n\x06length\x18\x01 \x01(\x04\x12\x0e\n\x06\x63hunks\x18\x02 \x03(\r\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\x04\"v\n\x05Lease\x12\'\n\x06\x64\x65vice\x18\x01 \x01(\x0b\x32\x17.tidalpool.v1.PoolLease\x12%\n\x04host\x18\x02 \x01(\x0b\x32\x17.tidalpool.v1.PoolLease\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x0c\n\x04mode\x18\x04 \x01(\t\"^\n\tPoolUsage\x12\x13\n\x0btotal_bytes\x18\x01 \x01(\x04\x12\x14\n\x0cleased_bytes\x18\x02 \x01(\x04\x12\x12\n\nfree_bytes\x18\x03 \x01(\x04\x12\x12\n\nused_bytes\x18\x04 \x01(\x04\"\x9b\x02\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08job_name\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\r\x12\x0b\n\x03uid\x18\x04 \x01(\r\x12\"\n\x05lease\x18\x05 \x01(\x0b\x32\x13.tidalpool.v1.Lease\x12\x19\n\x11\x64\x65vice_used_bytes\x18\x06 \x01(\x04\x12\x19\n\x11\x64\x65vice_peak_bytes\x18\x07 \x01(\x04\x12\x17\n\x0fhost_used_bytes\x18\x08 \x01(\x04\x12\x17\n\x0f\x65vents_received\x18\t \x01(\x04\x12\x17\n\x0fiterations_seen\x18\n \x01(\x04\x12\x18\n\x10\x61ttached_unix_ns\x18\x0b \x01(\x03\x12\r\n\x05state\x18\x0c \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tidalpool.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_RANGE']._serialized_start=43
-  _globals['_RANGE']._serialized_end=82
-  _globals['_LEASE']._serialized_start=84
-  _globals['_LEASE']._serialized_end=180
-  _globals['_POOLUSAGE']._serialized_start=182
-  _globals['_POOLUSAGE']._serialized_end=276
-  _globals['_SESSIONINFO']._serialized_start=279
-  _globals['_SESSIONINFO']._serialized_end=562
+  _globals['_POOLLEASE']._serialized_start=43
+  _globals['_POOLLEASE']._serialized_end=107
+  _globals['_LEASE']._serialized_start=109
+  _globals['_LEASE']._serialized_end=227
+  _globals['_POOLUSAGE']._serialized_start=229
+  _globals['_POOLUSAGE']._serialized_end=323
+  _globals['_SESSIONINFO']._serialized_start=326
+  _globals['_SESSIONINFO']._serialized_end=609
 # @@protoc_insertion_point(module_scope)

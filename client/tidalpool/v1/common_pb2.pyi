@@ -1,27 +1,32 @@
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class Range(_message.Message):
-    __slots__ = ("offset", "length")
-    OFFSET_FIELD_NUMBER: _ClassVar[int]
+class PoolLease(_message.Message):
+    __slots__ = ("length", "chunks", "chunk_bytes")
     LENGTH_FIELD_NUMBER: _ClassVar[int]
-    offset: int
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     length: int
-    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+    chunks: _containers.RepeatedScalarFieldContainer[int]
+    chunk_bytes: int
+    def __init__(self, length: _Optional[int] = ..., chunks: _Optional[_Iterable[int]] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class Lease(_message.Message):
-    __slots__ = ("device", "host", "backend")
+    __slots__ = ("device", "host", "backend", "mode")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
-    device: Range
-    host: Range
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    device: PoolLease
+    host: PoolLease
     backend: str
-    def __init__(self, device: _Optional[_Union[Range, _Mapping]] = ..., host: _Optional[_Union[Range, _Mapping]] = ..., backend: _Optional[str] = ...) -> None: ...
+    mode: str
+    def __init__(self, device: _Optional[_Union[PoolLease, _Mapping]] = ..., host: _Optional[_Union[PoolLease, _Mapping]] = ..., backend: _Optional[str] = ..., mode: _Optional[str] = ...) -> None: ...
 
 class PoolUsage(_message.Message):
     __slots__ = ("total_bytes", "leased_bytes", "free_bytes", "used_bytes")

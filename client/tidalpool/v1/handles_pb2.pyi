@@ -19,19 +19,27 @@ class HandlesRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., device_bytes: _Optional[int] = ..., host_bytes: _Optional[int] = ..., job_name: _Optional[str] = ...) -> None: ...
 
 class HandlesResponse(_message.Message):
-    __slots__ = ("session_id", "token", "lease", "device_segment_bytes", "host_segment_bytes", "error_code", "error_message")
+    __slots__ = ("session_id", "token", "lease", "fd_count", "ipc_handle", "error_code", "error_message")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
-    DEVICE_SEGMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
-    HOST_SEGMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FD_COUNT_FIELD_NUMBER: _ClassVar[int]
+    IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     token: str
     lease: _common_pb2.Lease
-    device_segment_bytes: int
-    host_segment_bytes: int
+    fd_count: int
+    ipc_handle: bytes
     error_code: str
     error_message: str
-    def __init__(self, session_id: _Optional[str] = ..., token: _Optional[str] = ..., lease: _Optional[_Union[_common_pb2.Lease, _Mapping]] = ..., device_segment_bytes: _Optional[int] = ..., host_segment_bytes: _Optional[int] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., token: _Optional[str] = ..., lease: _Optional[_Union[_common_pb2.Lease, _Mapping]] = ..., fd_count: _Optional[int] = ..., ipc_handle: _Optional[bytes] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ...) -> None: ...
+
+class FdBatch(_message.Message):
+    __slots__ = ("first", "count")
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    first: int
+    count: int
+    def __init__(self, first: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...

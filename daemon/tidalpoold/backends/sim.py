@@ -1,60 +1,45 @@
-"""The sim backend: device and host pools are memfd segments, no GPU needed.
+"""The sim backend: device and host pools are chunks of memfds, no GPU needed.
 
-The memfd is sized with ftruncate and left sparse: pages are only backed when
-a client touches them, so a 4 GiB "device" costs nothing until used. Clients
-map their lease's range from the fd passed over the handles socket, exactly as
-a CUDA VMM client maps chunks from exported fds.
+Every chunk is a sparse memfd (backends/memfd.py): a 4 GiB "device" costs nothing until
+clients touch it. A client receives the fds of its own chunks only and maps them into one
+contiguous range, exactly as a CUDA VMM client imports and maps its exported chunks.
 """
 
 from __future__ import annotations
 
-import ctypes
-import os
-
-from tidalpoold.backends.base import Segment
-
-
-def _memfd(name: str, size: int) -> Segment:
-    fd = os.memfd_create(f"tidalpool-{name}", os.MFD_CLOEXEC)
-    try:
-        os.ftruncate(fd, size)
-    except OSError:
-        os.close(fd)
-        raise
-    return Segment(name, fd, size)
+from tidalpoold.backends.base import Chunk, Pool
+from tidalpoold.backends.memfd import close_chunks, memfd_chunks, resident_bytes, scrub_chunk
 
 
 class SimBackend:
     name = "sim"
+    mode = "memfd"
+    mode_reason = "sim backend: every chunk of both pools is a memfd passed to its session only"
 
-    def __init__(self, device_bytes: int, host_bytes: int) -> None:
-        self.device = _memfd("device", device_bytes)
+    def __init__(self, device_bytes: int, host_bytes: int, chunk_bytes: int) -> None:
+        device = memfd_chunks("device", chunk_bytes, device_bytes // chunk_bytes)
         try:
-            self.host = _memfd("host", host_bytes)
+            host = memfd_chunks("host", chunk_bytes, host_bytes // chunk_bytes)
         except OSError:
-            os.close(self.device.fd)
+            close_chunks(device)
             raise
+        self.device = Pool("device", chunk_bytes, device)
+        self.host = Pool("host", chunk_bytes, host)
 
-    def scrub(self, segment: Segment, offset: int, length: int) -> None:
-        """Give the range's pages back to the kernel: the memory is really free again,
-        and the next session to lease it reads zeros, never another session's data."""
-        _punch_hole(segment.fd, offset, length)
+    def scrub(self, pool: Pool, chunk: Chunk) -> None:
+        """Give the chunk's pages back to the kernel: the memory is really free again, and the
+        next session to lease it reads zeros, never another session's data."""
+        scrub_chunk(chunk)
+
+    def facts(self) -> dict[str, str | int | float]:
+        resident = sum(resident_bytes(c) for c in self.device.chunks)
+        return {
+            "device": "sim (memfd chunks)",
+            "total_bytes": self.device.total,
+            "free_bytes": self.device.total - resident,
+            "chunk_bytes": self.device.chunk_bytes,
+        }
 
     def close(self) -> None:
-        os.close(self.device.fd)
-        os.close(self.host.fd)
-
-
-_LIBC = ctypes.CDLL(None, use_errno=True)
-_FALLOC_FL_KEEP_SIZE = 0x01
-_FALLOC_FL_PUNCH_HOLE = 0x02
-
-
-def _punch_hole(fd: int, offset: int, length: int) -> None:
-    mode = _FALLOC_FL_KEEP_SIZE | _FALLOC_FL_PUNCH_HOLE
-    rc = _LIBC.fallocate(
-        ctypes.c_int(fd), ctypes.c_int(mode), ctypes.c_long(offset), ctypes.c_long(length)
-    )
-    if rc != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"fallocate(PUNCH_HOLE) failed: {os.strerror(err)}")
+        close_chunks(self.device.chunks)
+        close_chunks(self.host.chunks)
