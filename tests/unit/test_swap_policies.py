@@ -15,7 +15,7 @@ from tidalpoold.planner.learn import extract
 from tidalpoold.planner.model import Iteration
 from tidalpoold.planner.simulate import Swap, SwapPlan, simulate
 from tidalpoold.planner.swap import BASELINE_POLICIES, POLICIES, plan, plans
-from tidalpoold.planner.tidalpool_swap import RULES, construct, gaps, judge
+from tidalpoold.planner.tidalpool_swap import RULES, construct, gaps, judge, select
 from tidalpoold.planner.tracecsv import read_trace_csv
 from tidalpoold.planner.validate import InvalidSwapPlan, validate_swaps
 
@@ -185,3 +185,30 @@ def test_only_tidalpool_swaps_persistent_blocks_down_to_the_op_wise_bound() -> N
     validate_swaps(WEIGHTS, mine, r, 300, 100.0)
     assert r.peak_bytes == 300
     assert not simulate(WEIGHTS, plan(WEIGHTS, "tidalpool", 299, 1.0, 1.0), 299, 1.0, 1.0).feasible
+
+
+def test_select_moves_the_fewest_bytes_that_cover_the_limit() -> None:
+    got = select(TWICE, 300, 100.0, 100.0, with_copies=False)
+    assert got is not None
+    assert [(s.block, s.out_after, s.in_before, s.in_at) for s in got.swaps] == [
+        (0, 1, 5, 5),  # issued at the op that needs the block
+        (0, 5, 9, 9),
+    ]
+    weights = select(WEIGHTS, 300, 100.0, 100.0, with_copies=False)
+    assert weights is not None
+    assert [(s.persistent, s.out_after, s.in_before) for s in weights.swaps] == [(True, 0, 5)]
+    # Counting copy times, nothing can be away when X (t2) or A (t1) is allocated: those
+    # mallocs come the moment the op before them ends.
+    assert select(TWICE, 300, 100.0, 100.0, with_copies=True) is None
+    assert select(WEIGHTS, 300, 100.0, 100.0, with_copies=True) is None
+    assert select(TWICE, 250, 100.0, 100.0, with_copies=False) is None  # X has no gap
+    assert select(TWICE, 400, 100.0, 100.0, with_copies=True) == SwapPlan()
+
+
+def test_tidalpool_beats_every_baseline_where_copies_must_stall() -> None:
+    it = _resnet()
+    limit = int(0.8 * int(load(it).max()))
+    made = plans(it, POLICIES, limit, 50.0, 50.0)
+    overhead = {n: simulate(it, p, limit, 50.0, 50.0).overhead for n, p in made.items()}
+    best = min(o for n, o in overhead.items() if n != "tidalpool")
+    assert overhead["tidalpool"] < 0.95 * best
