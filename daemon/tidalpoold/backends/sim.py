@@ -37,6 +37,7 @@ class SimBackend:
             "device": "sim (memfd chunks)",
             "total_bytes": self.device.total,
             "free_bytes": self.device.total - resident,
+            "resident_bytes": resident,  # pages behind the device chunks now
             "chunk_bytes": self.device.chunk_bytes,
         }
 
