@@ -497,3 +497,14 @@ def test_op_records_the_blocks_of_cupy_arrays(cupy: types.SimpleNamespace) -> No
         tpc.op(FakeSession(256, 0), [x]),  # type: ignore[arg-type]
     ):
         pass
+
+
+def test_a_stream_whose_host_function_failed_is_still_destroyed_on_close() -> None:
+    fake = FakeDriver(granularity=GRAN)
+    fake.open_device(0)
+    s = CudaStream(fake, "s")
+    s.launch(lambda: 1 // 0)
+    with pytest.raises(StreamError, match="ZeroDivisionError"):
+        s.close()
+    assert set(fake.streams) == {0}
+    s.close()  # idempotent

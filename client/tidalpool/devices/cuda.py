@@ -288,17 +288,18 @@ class CudaEvent:
         return self._driver.event_query(self.handle)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until completed (cuEventSynchronize); False on timeout. Raises StreamError when
-        work before the event failed."""
+        """Block until completed; False on timeout. Raises StreamError when work before the
+        event failed. It polls (cuEventQuery, then sleeps of up to 0.2 ms) rather than calling
+        cuEventSynchronize, so the GIL stays free for host functions in flight: they run
+        Python, and a thread blocked in the driver holding the GIL would never let them."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = 0.0
         try:
-            if timeout is None:
-                self._driver.event_synchronize(self.handle)
-            else:
-                deadline = time.monotonic() + timeout
-                while not self._driver.event_query(self.handle):
-                    if time.monotonic() >= deadline:
-                        return False
-                    time.sleep(50e-6)
+            while not self._driver.event_query(self.handle):
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
+                time.sleep(pause)
+                pause = min(2 * pause or 5e-6, 2e-4)
         except CudaError as e:
             raise StreamError(f"stream work before this event failed: {e}") from e
         if self._errors:
@@ -412,17 +413,20 @@ class CudaStream:
         self._driver.stream_wait_event(self.handle, event.handle)
 
     def synchronize(self) -> None:
-        """Block until everything enqueued so far has run (cuStreamSynchronize)."""
+        """Block until everything enqueued so far has run (as cuStreamSynchronize)."""
         self.record().wait()
 
     def close(self) -> None:
         """Let the enqueued work finish, then destroy the stream (if owned). Idempotent."""
         if self._closed:
             return
-        self._closed = True
-        if self._owned:
-            self._driver.stream_synchronize(self.handle)
-            self._driver.stream_destroy(self.handle)
+        try:
+            if self._owned:
+                self.record().wait()  # a failure is raised, and the stream still destroyed
+        finally:
+            self._closed = True
+            if self._owned:
+                self._driver.stream_destroy(self.handle)
 
 
 def swap_streams(driver: Driver) -> tuple[CudaStream, CudaStream]:
