@@ -98,10 +98,7 @@ def run_client(fds: list[int], **args: object) -> dict[str, object]:
 
 
 def fds_of(pool: Pool, indices: list[int]) -> list[int]:
-    fds = [pool.chunks[i].fd for i in indices]
-    for fd in fds:
-        os.set_inheritable(fd, True)
-    return fds
+    return [pool.chunks[i].fd for i in indices]  # pass_fds hands exactly these to the child
 
 
 def test_starts_in_vmm_mode_with_a_zeroed_pool(backend: CudaBackend) -> None:
