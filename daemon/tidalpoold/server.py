@@ -6,6 +6,7 @@ tests call it with their own socket directory, the CLI calls it and waits.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import resource
@@ -75,6 +76,7 @@ def build_daemon(settings: Settings) -> Daemon:
         _remove_stale_socket(path)
 
     chunk = settings.chunk_size
+    make_undumpable()
     open_files = ensure_fd_room(settings.device_chunks + settings.host_chunks, settings)
     for setting, size in (
         ("device_pool", settings.device_pool),
@@ -154,6 +156,19 @@ def build_daemon(settings: Settings) -> Daemon:
         _stop=stop,
         _reaper=reaper,
     )
+
+
+_PR_SET_DUMPABLE = 4
+
+
+def make_undumpable() -> None:
+    """The daemon holds an fd of every chunk: make it non-dumpable, so that a process of the
+    same uid can neither open them through /proc/PID/fd nor ptrace the daemon (only a
+    process with CAP_SYS_PTRACE can). This also turns off the daemon's core dumps."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        log.warning("daemon.dumpable", extra={"why": f"prctl failed: {os.strerror(err)}"})
 
 
 FD_HEADROOM = 256  # fds beside the chunks': sockets, log files, gRPC, libraries
