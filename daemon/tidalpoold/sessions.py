@@ -25,7 +25,7 @@ from typing import TypeAlias
 
 from tidalpool.v1 import common_pb2, pool_pb2
 
-from tidalpoold.backends.base import Backend, Pool
+from tidalpoold.backends.base import Backend
 from tidalpoold.errors import FailedPrecondition, NotFound, ResourceExhausted
 from tidalpoold.pool import Lease, PoolAccount, PoolExhausted
 from tidalpoold.settings import Settings
@@ -205,8 +205,8 @@ class Registry:
             del self._by_token[session.token]
             name = Reason.Name(reason).removeprefix("REASON_").lower()
             self.ended_total[name] = self.ended_total.get(name, 0) + 1
-        device = self._scrubbed(self.backend.device, session.device)
-        host = self._scrubbed(self.backend.host, session.host)
+        device = self._scrubbed("device", session.device)
+        host = self._scrubbed("host", session.host)
         with self._lock:
             self.device.release(device)
             self.host.release(host)
@@ -225,17 +225,17 @@ class Registry:
         )
         return session
 
-    def _scrubbed(self, pool: Pool, lease: Lease) -> Lease:
+    def _scrubbed(self, name: str, lease: Lease) -> Lease:
         """The chunks of `lease` that were scrubbed; one that could not be stays out of the
-        pool for good (its bytes might reach the next holder), and the log says so."""
+        pool for good (its bytes might reach the next holder), and the log says so. The pool
+        is read for every chunk: a backend may renew a chunk (a new fd) as it scrubs it."""
         clean = []
         for index in lease.chunks:
+            pool = self.backend.device if name == "device" else self.backend.host
             try:
                 self.backend.scrub(pool, pool.chunks[index])
             except OSError as e:
-                log.error(
-                    "chunk.quarantined", extra={"pool": pool.name, "chunk": index, "why": str(e)}
-                )
+                log.error("chunk.quarantined", extra={"pool": name, "chunk": index, "why": str(e)})
             else:
                 clean.append(index)
         return Lease(tuple(clean), lease.chunk_bytes)

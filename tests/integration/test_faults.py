@@ -185,6 +185,27 @@ def test_evict_ends_one_session_only(daemon: LocalDaemon, bystander: tidalpool.S
     assert s.device.retired and s.host.retired
 
 
+def test_an_evicted_client_that_keeps_writing_never_reaches_the_next_holder(
+    daemon: LocalDaemon,
+) -> None:
+    """A client ignoring its goodbye still maps its old chunks: the daemon renewed them (new
+    memfds) when it scrubbed them, so the stale mapping writes into orphans only."""
+    s = tidalpool.attach(daemon.socket_dir, device_limit="4MiB", job_name="evicted")
+    stale = s.malloc(4 * MiB)
+    chunks = list(status.fetch(daemon.socket_dir)[1].sessions[0].lease.device.chunks)
+    with channel(daemon) as ch:
+        admin_pb2_grpc.AdminStub(ch).EvictSession(
+            admin_pb2.EvictSessionRequest(session_id=s.id, reason="test"), timeout=5
+        )
+    with tidalpool.attach(daemon.socket_dir, device_limit="4MiB", job_name="next") as nxt:
+        assert list(status.fetch(daemon.socket_dir)[1].sessions[0].lease.device.chunks) == chunks
+        assert not s.device.retired  # the evicted client has not let go of its mapping
+        s.buffer(stale)[:] = b"\xee" * (4 * MiB)
+        fresh = nxt.malloc(4 * MiB)
+        assert bytes(nxt.buffer(fresh)) == bytes(4 * MiB)
+    s.close()
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="switching to another uid needs root")
 def test_peer_with_another_uid_is_refused(start_daemon: StartDaemon) -> None:
     d = start_daemon("--socket-mode", "0666")

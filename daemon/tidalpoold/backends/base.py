@@ -51,7 +51,10 @@ class Backend(Protocol):
     host: Pool
 
     def scrub(self, pool: Pool, chunk: Chunk) -> None:
-        """Free or zero the memory behind a returned chunk: its next holder reads zeros."""
+        """Free or zero the memory behind a returned chunk: its next holder reads zeros. A
+        backend may renew the chunk as it does (a new fd at the same index, so that a client
+        still mapping the old one cannot reach the next holder): callers read `device`/`host`
+        afresh after a scrub."""
         ...
 
     def facts(self) -> dict[str, str | int | float]:

@@ -27,13 +27,22 @@ def memfd_chunks(name: str, chunk_bytes: int, count: int) -> tuple[Chunk, ...]:
     chunks: list[Chunk] = []
     try:
         for index in range(count):
-            fd = os.memfd_create(f"tidalpool-{name}-{index}", os.MFD_CLOEXEC)
-            chunks.append(Chunk(index, fd, chunk_bytes))
-            os.ftruncate(fd, chunk_bytes)
+            chunks.append(memfd_chunk(name, index, chunk_bytes))
     except OSError:
         close_chunks(chunks)
         raise
     return tuple(chunks)
+
+
+def memfd_chunk(name: str, index: int, chunk_bytes: int) -> Chunk:
+    """One sparse memfd chunk, named tidalpool-NAME-INDEX (CLOEXEC)."""
+    fd = os.memfd_create(f"tidalpool-{name}-{index}", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, chunk_bytes)
+    except OSError:
+        os.close(fd)
+        raise
+    return Chunk(index, fd, chunk_bytes)
 
 
 def close_chunks(chunks: Iterable[Chunk]) -> None:

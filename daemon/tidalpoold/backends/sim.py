@@ -7,8 +7,17 @@ contiguous range, exactly as a CUDA VMM client imports and maps its exported chu
 
 from __future__ import annotations
 
+import dataclasses
+import threading
+
 from tidalpoold.backends.base import Chunk, Pool
-from tidalpoold.backends.memfd import close_chunks, memfd_chunks, resident_bytes, scrub_chunk
+from tidalpoold.backends.memfd import (
+    close_chunks,
+    memfd_chunk,
+    memfd_chunks,
+    resident_bytes,
+    scrub_chunk,
+)
 
 
 class SimBackend:
@@ -25,11 +34,25 @@ class SimBackend:
             raise
         self.device = Pool("device", chunk_bytes, device)
         self.host = Pool("host", chunk_bytes, host)
+        self._lock = threading.Lock()
 
     def scrub(self, pool: Pool, chunk: Chunk) -> None:
-        """Give the chunk's pages back to the kernel: the memory is really free again, and the
-        next session to lease it reads zeros, never another session's data."""
+        """Give the chunk's pages back to the kernel and put a new memfd in its place: the
+        memory is really free again, the next session to lease it reads zeros, and a client
+        that still maps the old file (evicted, but alive) writes only into that orphan, never
+        into the next holder's memory."""
         scrub_chunk(chunk)
+        fresh = memfd_chunk(pool.name, chunk.index, chunk.size)
+        with self._lock:  # sessions end on several threads: one replacement at a time
+            current = self.device if pool.name == "device" else self.host
+            chunks = list(current.chunks)
+            old, chunks[chunk.index] = chunks[chunk.index], fresh
+            renewed = dataclasses.replace(current, chunks=tuple(chunks))
+            if pool.name == "device":
+                self.device = renewed
+            else:
+                self.host = renewed
+        close_chunks([old])
 
     def facts(self) -> dict[str, str | int | float]:
         resident = sum(resident_bytes(c) for c in self.device.chunks)
