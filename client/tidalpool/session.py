@@ -47,6 +47,7 @@ log = logging.getLogger("tidalpool")
 
 DEFAULT_SOCKET_DIR = Path("/run/tidalpool")
 TOKEN_KEY = "tidalpool-token"
+STREAM_OPEN_KEY = "tidalpool-stream"  # header the daemon sends once a session stream is open
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +182,14 @@ class Session:
             raise AttachError(f"Attach failed ({e.code().name}): {e.details()}") from e
         self._outbox: queue.SimpleQueue[pool_pb2.ClientMessage | None] = queue.SimpleQueue()
         self._responses = self._stub.Session(self._outgoing(), metadata=self._metadata)
+        # The daemon sends headers once the stream is the session's: from then on every end of
+        # the session (a shutdown included) reaches this client as a Goodbye on it.
+        if (STREAM_OPEN_KEY, "1") not in (self._responses.initial_metadata() or ()):
+            code, details = self._responses.code(), self._responses.details()
+            self._channel.close()
+            device.retire()
+            host.retire()
+            raise AttachError(f"session stream refused ({code.name}): {details}")
         self.recorder = Recorder(self._outbox.put, chunk_events=reply.trace_chunk_events or 4096)
         self.executor: Executor
         if swap_limit is None and copy_gbps is None:

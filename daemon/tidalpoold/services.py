@@ -21,6 +21,7 @@ from tidalpoold.sessions import Reason, Registry, Session, lease_message
 log = logging.getLogger("tidalpoold.services")
 
 TOKEN_KEY = "tidalpool-token"
+STREAM_OPEN_KEY = "tidalpool-stream"  # header the daemon sends once a session stream is open
 
 
 class PoolService:
@@ -79,6 +80,7 @@ class PoolService:
                 session.id, Reason.REASON_DETACHED, "session stream ended"
             )
         )
+        context.send_initial_metadata(((STREAM_OPEN_KEY, "1"),))  # attach() waits for this
         reader = threading.Thread(
             target=self._read, args=(session, requests), name=f"read-{session.id}", daemon=True
         )
