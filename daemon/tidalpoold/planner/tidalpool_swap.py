@@ -382,7 +382,7 @@ def select(
             constraints=LinearConstraint(cover[active], lb=need[active]),
             integrality=np.ones(len(every)),
             bounds=Bounds(0, 1),
-            options={"node_limit": _NODE_LIMIT, "presolve": True, "mip_rel_gap": _GAP},
+            options={"node_limit": _NODE_LIMIT, "presolve": False, "mip_rel_gap": _GAP},
         )
         if result.x is None:
             return None
