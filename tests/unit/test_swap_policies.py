@@ -5,6 +5,7 @@ the combined plan's pieces, and the independent check of simulated timelines."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 from tidalpool.units import Tick
@@ -212,3 +213,12 @@ def test_tidalpool_beats_every_baseline_where_copies_must_stall() -> None:
     overhead = {n: simulate(it, p, limit, 50.0, 50.0).overhead for n, p in made.items()}
     best = min(o for n, o in overhead.items() if n != "tidalpool")
     assert overhead["tidalpool"] < 0.95 * best
+
+
+def test_solver_output_never_reaches_stdout(capfd: pytest.CaptureFixture[str]) -> None:
+    from tidalpoold.planner.tidalpool_swap import _stdout_silenced
+
+    with _stdout_silenced():
+        os.write(1, b"HighsMipSolverData::transformNewIntegerFeasibleSolution\n")
+    print("after")
+    assert capfd.readouterr().out == "after\n"

@@ -39,8 +39,11 @@ This policy schedules the copies itself, on the no-stall timeline of the trace:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Iterable
+import os
+import sys
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -315,6 +318,22 @@ def construct(
     )
 
 
+@contextlib.contextmanager
+def _stdout_silenced() -> Iterator[None]:
+    """File descriptor 1 to /dev/null for a while: HiGHS' MIP solver prints some messages with
+    printf whatever its output options say, and `tidalpool simulate --json` owns stdout. The
+    daemon writes nothing to stdout (its logs go to stderr)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def select(
     it: Iteration, limit: int, out_gbps: float, in_gbps: float, with_copies: bool
 ) -> SwapPlan | None:
@@ -377,13 +396,14 @@ def select(
     busy = (g.out_ns + g.in_ns) / np.maximum(gap_ns, 1)
     cost = size / float(size.max()) * (1.0 + _BUSY_WEIGHT * np.minimum(busy, 4.0))
     for _ in range(_ROUNDS):
-        result = milp(
-            c=cost,
-            constraints=LinearConstraint(cover[active], lb=need[active]),
-            integrality=np.ones(len(every)),
-            bounds=Bounds(0, 1),
-            options={"node_limit": _NODE_LIMIT, "presolve": False, "mip_rel_gap": _GAP},
-        )
+        with _stdout_silenced():
+            result = milp(
+                c=cost,
+                constraints=LinearConstraint(cover[active], lb=need[active]),
+                integrality=np.ones(len(every)),
+                bounds=Bounds(0, 1),
+                options={"node_limit": _NODE_LIMIT, "presolve": False, "mip_rel_gap": _GAP},
+            )
         if result.x is None:
             return None
         x = np.round(result.x)
