@@ -96,6 +96,7 @@ def build_daemon(settings: Settings) -> Daemon:
         settings.host_chunks * chunk,
         chunk,
         gpu=settings.gpu,
+        cuda_mode=settings.cuda_mode,
     )
     registry = Registry(settings, backend)
     planner = Planner(settings)

@@ -278,6 +278,15 @@ class Settings:
         metadata=_about(_ADDRESS, 'host:port of the Prometheus endpoint; "" disables it'),
     )
     gpu: int = field(default=0, metadata=_about(_INT, "index of the GPU this daemon manages"))
+    cuda_mode: str = field(
+        default="auto",
+        metadata=_about(
+            _choice("auto", "vmm", "ipc"),
+            "how the cuda backend shares device memory: vmm = an fd per chunk, sessions isolated;"
+            " ipc = legacy IPC handles, NO isolation between sessions; auto = vmm when the GPU"
+            " can export fds, else ipc",
+        ),
+    )
     plan_after_iterations: int = field(
         default=3,
         metadata=_about(

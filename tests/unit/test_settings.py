@@ -65,6 +65,7 @@ def test_defaults() -> None:
     assert s.log_level == "info"
     assert s.metrics_address == "127.0.0.1:9477"
     assert s.gpu == 0
+    assert s.cuda_mode == "auto"
     assert s.grpc_socket == Path("/run/tidalpool/tidalpool.sock")
     assert s.handles_socket == Path("/run/tidalpool/handles.sock")
 
@@ -93,6 +94,7 @@ def test_describe_is_json_friendly() -> None:
         "log_level": "info",
         "metrics_address": "127.0.0.1:9477",
         "gpu": 0,
+        "cuda_mode": "auto",
         "plan_after_iterations": 3,
         "plan_time_limit_s": 5.0,
         "plan_cache_dir": "/var/cache/tidalpool",
@@ -302,6 +304,28 @@ def test_metrics_address_forms() -> None:
         assert load_settings(cli={"metrics_address": address}).metrics_address == address
 
 
+def test_cuda_mode_from_each_source(tmp_path: Path) -> None:
+    assert load_settings(env={"TIDALPOOLD_CUDA_MODE": " VMM "}).cuda_mode == "vmm"
+    path = write_toml(tmp_path, 'cuda_mode = "ipc"\n')
+    assert load_settings(config_path=path).cuda_mode == "ipc"
+    assert parse_cli(["--cuda-mode", "auto"], {"TIDALPOOLD_CUDA_MODE": "ipc"}).cuda_mode == "auto"
+
+
+def test_cuda_mode_reaches_the_cuda_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tidalpoold.backends.cuda as cuda
+    from tidalpoold.backends import open_backend
+
+    made: list[tuple[tuple[object, ...], dict[str, object]]] = []
+
+    def fake_backend(*args: object, **kwargs: object) -> str:
+        made.append((args, kwargs))
+        return "backend"
+
+    monkeypatch.setattr(cuda, "CudaBackend", fake_backend)
+    assert open_backend("cuda", 4 * MiB, 8 * MiB, 2 * MiB, gpu=1, cuda_mode="ipc") == "backend"
+    assert made == [((4 * MiB, 8 * MiB, 2 * MiB), {"gpu": 1, "mode": "ipc"})]
+
+
 # -- errors, each naming its setting, source and value ---------------------------------------------
 
 # (setting, bad value as text, problem, what follows the "(got ...)" part)
@@ -402,6 +426,8 @@ INVALID = [
     ("metrics_address", "::1:9477", 'must be host:port (IPv6 as [::1]:9477) or "" to disable', ""),
     ("metrics_address", "h:99999", 'must be host:port (IPv6 as [::1]:9477) or "" to disable', ""),
     ("gpu", "-1", "must not be negative", ""),
+    ("cuda_mode", "rdma", "must be one of auto, vmm, ipc", ""),
+    ("cuda_mode", "", "must be one of auto, vmm, ipc", ""),
 ]
 
 
