@@ -86,6 +86,7 @@ def lease_message(session: Session, backend: Backend) -> common_pb2.Lease:
         host=_pool_lease(session.host),
         backend=backend.name,
         mode=backend.mode,
+        pci_bus_id=backend.pci_bus_id,
     )
 
 

@@ -34,6 +34,7 @@ from tidalpool.devices.cuda_driver import (
 
 INVALID_VALUE = 1
 NOT_INITIALIZED = 3
+INVALID_DEVICE = 101
 ILLEGAL_ADDRESS = 700
 INVALID_HANDLE = 400
 NOT_READY = 600
@@ -44,6 +45,7 @@ _NAMES = {
     INVALID_VALUE: "CUDA_ERROR_INVALID_VALUE",
     2: "CUDA_ERROR_OUT_OF_MEMORY",
     NOT_INITIALIZED: "CUDA_ERROR_NOT_INITIALIZED",
+    INVALID_DEVICE: "CUDA_ERROR_INVALID_DEVICE",
     INVALID_HANDLE: "CUDA_ERROR_INVALID_HANDLE",
     NOT_READY: "CUDA_ERROR_NOT_READY",
     ILLEGAL_ADDRESS: "CUDA_ERROR_ILLEGAL_ADDRESS",
@@ -52,6 +54,12 @@ _NAMES = {
     800: "CUDA_ERROR_NOT_PERMITTED",
     NOT_SUPPORTED: "CUDA_ERROR_NOT_SUPPORTED",
 }
+
+
+def _bus(bus_id: str) -> str:
+    """A PCI bus id in cuDeviceGetPCIBusId's form: upper case, with its domain."""
+    text = bus_id.strip().upper()
+    return text if text.count(":") == 2 else "0000:" + text
 
 
 def fail(call: str, code: int) -> CudaError:
@@ -99,6 +107,7 @@ class FakeDriver:
         d2h_gbps: float = 20.0,
         eager: bool = True,
         bus_id: str = "0000:3B:00.0",
+        buses: dict[str, int] | None = None,
     ) -> None:
         self._granularity = granularity
         self._vmm = vmm
@@ -106,6 +115,8 @@ class FakeDriver:
         self.gbps = {"h2d": h2d_gbps, "d2h": d2h_gbps}
         self.eager = eager
         self.bus_id = bus_id
+        # the GPUs this process sees: PCI bus id -> ordinal (CUDA_VISIBLE_DEVICES renumbers)
+        self.buses = {_bus(k): v for k, v in (buses or {bus_id: 0}).items()}
         self.ordinal: int | None = None
         self.calls: list[tuple[object, ...]] = []
         self.now_ns = 0.0
@@ -218,8 +229,22 @@ class FakeDriver:
         self._need_device("cuDevicePrimaryCtxRelease")
         self.ordinal = None
 
+    def device_by_pci_bus_id(self, bus_id: str) -> int:
+        """As cuDeviceGetByPCIBusId: "domain:bus:device.function", any case, the domain
+        optional; a GPU this process does not see is CUDA_ERROR_INVALID_DEVICE."""
+        self._log("device_by_pci_bus_id", bus_id)
+        if bus_id.count(":") not in (1, 2) or "." not in bus_id:
+            raise fail("cuDeviceGetByPCIBusId", INVALID_VALUE)
+        ordinal = self.buses.get(_bus(bus_id))
+        if ordinal is None:
+            raise fail("cuDeviceGetByPCIBusId", INVALID_DEVICE)
+        return ordinal
+
     def pci_bus_id(self) -> str:
         self._need_device("cuDeviceGetPCIBusId")
+        for bus, ordinal in self.buses.items():
+            if ordinal == self.ordinal:
+                return bus
         return self.bus_id
 
     def vmm_supported(self) -> bool:

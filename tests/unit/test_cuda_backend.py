@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import ctypes
 import os
+from pathlib import Path
 
 import pytest
 from tidalpool.devices.cuda_driver import CudaError, DevicePtr
+from tidalpool.units import Bytes
+from tidalpool.v1 import pool_pb2
+from tidalpoold.backends import SimBackend
 from tidalpoold.backends import cuda as cuda_backend
 from tidalpoold.backends.cuda import (
     Bandwidth,
@@ -17,6 +21,8 @@ from tidalpoold.backends.cuda import (
     gbps,
     probe_bandwidth,
 )
+from tidalpoold.sessions import Registry, lease_message
+from tidalpoold.settings import Settings
 
 from tests.unit.fake_cuda import NOT_SUPPORTED, FakeDriver, FakeNvml
 
@@ -303,6 +309,7 @@ def test_facts() -> None:
     assert backend.facts() == {
         "device": "NVIDIA H100 80GB HBM3",
         "gpu": 0,
+        "pci_bus_id": "0000:3B:00.0",
         "mode": "vmm",
         "total_bytes": 80 << 30,
         "free_bytes": 60 << 30,
@@ -391,3 +398,43 @@ def test_fd_limit_is_raised_up_to_the_hard_limit(monkeypatch: pytest.MonkeyPatch
         "the pools need 5000 file descriptors (one a chunk) but the hard limit is 4096:"
         " use a larger chunk size or raise LimitNOFILE"
     )
+
+
+# -- the GPU's PCI bus id travels in the lease ----------------------------------------------------
+
+
+def test_the_lease_names_the_daemons_gpu_by_pci_bus_id(tmp_path: Path) -> None:
+    fake = FakeDriver(granularity=GRAN, buses={"0000:3b:00.0": 0, "0000:86:00.0": 1})
+    backend, _, nvml = start(driver=fake, gpu=1, device_chunks=2, host_chunks=2)
+    assert backend.pci_bus_id == "0000:86:00.0" == nvml.opened
+    assert backend.facts()["pci_bus_id"] == "0000:86:00.0"
+    settings = Settings(
+        backend="cuda",
+        device_pool=Bytes(2 * C),
+        host_pool=Bytes(2 * C),
+        default_device_lease=Bytes(C),
+        default_host_lease=Bytes(C),
+        lease_alignment=Bytes(C),
+        chunk_size=Bytes(C),
+        socket_dir=tmp_path,
+        plan_cache_dir=tmp_path,
+    )
+    registry = Registry(settings, backend)
+    session = registry.open(0, 0, "job", 1, os.getuid())
+    lease = lease_message(session, backend)
+    assert (lease.backend, lease.mode, lease.pci_bus_id) == ("cuda", "vmm", "0000:86:00.0")
+    assert lease_message(session, SimBackend(C, C, C)).pci_bus_id == ""
+    registry.end(session.id, pool_pb2.Goodbye.REASON_DETACHED, "done")
+    backend.close()
+
+
+def test_the_fake_finds_a_gpu_by_bus_id_as_cuda_does() -> None:
+    fake = FakeDriver(buses={"0000:3B:00.0": 1, "0000:86:00.0": 0})
+    assert fake.device_by_pci_bus_id("0000:86:00.0") == 0
+    assert fake.device_by_pci_bus_id("3b:00.0") == 1
+    with pytest.raises(CudaError, match="CUDA_ERROR_INVALID_DEVICE"):
+        fake.device_by_pci_bus_id("0000:AF:00.0")  # not visible in this process
+    with pytest.raises(CudaError, match="CUDA_ERROR_INVALID_VALUE"):
+        fake.device_by_pci_bus_id("GPU-0")
+    fake.open_device(1)
+    assert fake.pci_bus_id() == "0000:3B:00.0"

@@ -63,6 +63,11 @@ class Driver(Protocol):
         """Release the primary context retained by `open_device`."""
         ...
 
+    def device_by_pci_bus_id(self, bus_id: str) -> int:
+        """cuInit, then cuDeviceGetByPCIBusId: the ordinal of that GPU in this process, which
+        CUDA_VISIBLE_DEVICES may number differently from another process (or hide)."""
+        ...
+
     def pci_bus_id(self) -> str:
         """The open device's PCI bus id, "0000:3B:00.0" (to find it in NVML)."""
         ...
@@ -270,6 +275,10 @@ class CudaDriver:
             return
         self._context = None
         self._raw("cuDevicePrimaryCtxRelease", self._device)
+
+    def device_by_pci_bus_id(self, bus_id: str) -> int:
+        self._raw("cuInit", 0)
+        return int(self._raw("cuDeviceGetByPCIBusId", bus_id.encode()))
 
     def pci_bus_id(self) -> str:
         raw = self._call("cuDeviceGetPCIBusId", 32, self._device)

@@ -17,16 +17,18 @@ class PoolLease(_message.Message):
     def __init__(self, length: _Optional[int] = ..., chunks: _Optional[_Iterable[int]] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class Lease(_message.Message):
-    __slots__ = ("device", "host", "backend", "mode")
+    __slots__ = ("device", "host", "backend", "mode", "pci_bus_id")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    PCI_BUS_ID_FIELD_NUMBER: _ClassVar[int]
     device: PoolLease
     host: PoolLease
     backend: str
     mode: str
-    def __init__(self, device: _Optional[_Union[PoolLease, _Mapping]] = ..., host: _Optional[_Union[PoolLease, _Mapping]] = ..., backend: _Optional[str] = ..., mode: _Optional[str] = ...) -> None: ...
+    pci_bus_id: str
+    def __init__(self, device: _Optional[_Union[PoolLease, _Mapping]] = ..., host: _Optional[_Union[PoolLease, _Mapping]] = ..., backend: _Optional[str] = ..., mode: _Optional[str] = ..., pci_bus_id: _Optional[str] = ...) -> None: ...
 
 class PoolUsage(_message.Message):
     __slots__ = ("total_bytes", "leased_bytes", "free_bytes", "used_bytes")

@@ -47,6 +47,7 @@ class Backend(Protocol):
     name: str  # "sim" | "cuda"
     mode: str  # how device memory is shared: "memfd" (sim), "vmm" (cuda), "ipc" (no isolation)
     mode_reason: str  # one line for the start-up log saying why this mode
+    pci_bus_id: str  # cuda: the GPU's PCI bus id, which the client opens by; "" on sim
     device: Pool
     host: Pool
 

@@ -191,6 +191,7 @@ class CudaBackend:
                     f" {_size(chunk_bytes)} chunks"
                 )
         self.gpu = gpu
+        self.pci_bus_id = ""  # set once the device is open
         self.chunk_bytes = chunk_bytes
         self.granularity = 0
         self.bandwidth = Bandwidth(0.0, 0.0, 0)
@@ -216,8 +217,9 @@ class CudaBackend:
         self._driver = driver = driver if driver is not None else CudaDriver()
         driver.open_device(self.gpu)
         undo.callback(driver.close_device)
+        self.pci_bus_id = driver.pci_bus_id()
         self._nvml = nvml = nvml if nvml is not None else PyNvml()
-        nvml.open(driver.pci_bus_id())
+        nvml.open(self.pci_bus_id)
         undo.callback(nvml.close)
         self.start_facts = nvml.facts()
         check_fits(device_bytes, self.start_facts, self.gpu)
@@ -338,6 +340,7 @@ class CudaBackend:
         return {
             "device": f.name,
             "gpu": self.gpu,
+            "pci_bus_id": self.pci_bus_id,
             "mode": self.mode,
             "total_bytes": total,
             "free_bytes": free,

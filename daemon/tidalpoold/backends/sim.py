@@ -24,6 +24,7 @@ class SimBackend:
     name = "sim"
     mode = "memfd"
     mode_reason = "sim backend: every chunk of both pools is a memfd passed to its session only"
+    pci_bus_id = ""
 
     def __init__(self, device_bytes: int, host_bytes: int, chunk_bytes: int) -> None:
         device = memfd_chunks("device", chunk_bytes, device_bytes // chunk_bytes)
