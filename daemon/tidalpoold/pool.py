@@ -7,6 +7,12 @@ side by side into one range of its own. Returned chunks are free again at once.
     chunk   0    1    2    3    4    5
            |a   |b   |a   |    |b   |    |     lease a = (0, 2), lease b = (1, 4)
 
+A pool in cuda "ipc" mode is one legacy IPC allocation, which a client cannot remap: there a
+lease takes the lowest run of consecutive free chunks, and the client uses it at an offset.
+
+    chunk   0    1    2    3    4    5
+           |a   |    |a   |    |    |    |     consecutive: a lease of 3 takes (3, 4, 5)
+
 Pure bookkeeping: no memory is touched here, no locks are taken (the session
 registry serializes calls).
 """
@@ -36,14 +42,16 @@ class Lease:
 
 
 class PoolAccount:
-    """Free and leased chunks of one pool."""
+    """Free and leased chunks of one pool; with `consecutive`, every lease is a run of
+    consecutive chunks in ascending order."""
 
-    def __init__(self, name: str, chunk_bytes: int, count: int) -> None:
+    def __init__(self, name: str, chunk_bytes: int, count: int, consecutive: bool = False) -> None:
         if chunk_bytes <= 0 or count < 0:
             raise ValueError(f"{name} pool of {count} chunks of {chunk_bytes} bytes is not a pool")
         self.name = name
         self.chunk_bytes = chunk_bytes
         self.count = count
+        self.consecutive = consecutive
         self._free: list[int] = list(range(count))  # sorted
         self._leased: set[int] = set()
 
@@ -78,10 +86,26 @@ class PoolAccount:
                 f" for {nbytes} bytes: {len(self._free)} of {self.count} chunks of "
                 f"{format_size(self.chunk_bytes)} free"
             )
-        taken = tuple(self._free[:n])
-        del self._free[:n]
+        start = self._run(n) if self.consecutive else 0
+        if start < 0:
+            raise PoolExhausted(
+                f"{self.name} pool has no {n} consecutive free chunks"
+                f" ({format_size(n * self.chunk_bytes)}) for {nbytes} bytes, as a lease in ipc"
+                f" mode needs: {len(self._free)} of {self.count} chunks of"
+                f" {format_size(self.chunk_bytes)} free, but not side by side"
+            )
+        taken = tuple(self._free[start : start + n])
+        del self._free[start : start + n]
         self._leased.update(taken)
         return Lease(taken, self.chunk_bytes)
+
+    def _run(self, n: int) -> int:
+        """Where in the free list the lowest run of `n` consecutive chunks starts, or -1."""
+        free = self._free
+        for i in range(len(free) - n + 1):
+            if free[i + n - 1] - free[i] == n - 1:  # sorted and distinct: a run
+                return i
+        return -1
 
     def release(self, lease: Lease) -> None:
         """Return the chunks taken by lease()."""

@@ -105,7 +105,12 @@ class Registry:
         self.settings = settings
         self.backend = backend
         self.clock = clock
-        self.device = PoolAccount("device", backend.device.chunk_bytes, len(backend.device.chunks))
+        self.device = PoolAccount(
+            "device",
+            backend.device.chunk_bytes,
+            len(backend.device.chunks),
+            consecutive=backend.mode == "ipc",  # one IPC allocation: a lease is used at an offset
+        )
         self.host = PoolAccount("host", backend.host.chunk_bytes, len(backend.host.chunks))
         self._lock = threading.Lock()
         self._by_id: dict[str, Session] = {}

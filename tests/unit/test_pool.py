@@ -126,6 +126,57 @@ def test_fragmentation_never_refuses_a_lease_that_fits_in_free_chunks() -> None:
         assert p.free_chunks + len(taken) == 64
 
 
+def test_consecutive_leases_take_the_lowest_run_of_adjacent_chunks() -> None:
+    """cuda "ipc" mode: a lease is one offset range of the pool's one allocation."""
+    p = PoolAccount("device", KiB, 8, consecutive=True)
+    a, b, c = p.lease(KiB), p.lease(2 * KiB), p.lease(KiB)
+    assert (a, b, c) == (lease(0), lease(1, 2), lease(3))
+    p.release(a)
+    p.release(c)
+    # Free: 0, 3, 4, 5, 6, 7. Two chunks skip the single hole at 0.
+    assert p.lease(2 * KiB) == lease(3, 4)
+    assert p.lease(KiB) == lease(0)
+    assert p.lease(3 * KiB) == lease(5, 6, 7)
+    assert p.free_chunks == 0
+
+
+def test_consecutive_lease_refused_when_free_chunks_are_not_side_by_side() -> None:
+    p = PoolAccount("device", KiB, 4, consecutive=True)
+    held = [p.lease(KiB) for _ in range(4)]
+    p.release(held[0])
+    p.release(held[2])
+    with pytest.raises(PoolExhausted) as e:
+        p.lease(2 * KiB)
+    assert str(e.value) == (
+        "device pool has no 2 consecutive free chunks (2 KiB) for 2048 bytes, as a lease in ipc"
+        " mode needs: 2 of 4 chunks of 1 KiB free, but not side by side"
+    )
+    assert p.free_chunks == 2  # the refusal changed nothing
+    p.release(held[1])
+    assert p.lease(3 * KiB) == lease(0, 1, 2)
+
+
+def test_consecutive_leases_are_always_runs() -> None:
+    rng = random.Random(11)
+    p = PoolAccount("device", KiB, 32, consecutive=True)
+    held: list[Lease] = []
+    for _ in range(2000):
+        if held and rng.random() < 0.5:
+            p.release(held.pop(rng.randrange(len(held))))
+            continue
+        n = rng.randint(1, 6)
+        taken = {c for h in held for c in h.chunks}
+        free = [k for k in range(32) if k not in taken]
+        runs = [k for k in free if all(k + j in free for j in range(n))]
+        if runs:
+            got = p.lease(n * KiB)
+            assert got == lease(*range(runs[0], runs[0] + n))
+            held.append(got)
+        else:
+            with pytest.raises(PoolExhausted):
+                p.lease(n * KiB)
+
+
 # -- release ---------------------------------------------------------------------------------------
 
 
