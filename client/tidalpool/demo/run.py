@@ -4,12 +4,15 @@ Starts a sim daemon in a temporary directory unless one answers in the socket
 directory, trains 20 iterations with a live table, then trains the same
 network with plain NumPy and compares the losses bit for bit. With a limit
 (a fraction of the network's peak live bytes), the session swaps: the table
-shows the bytes swapped out and in and the time ops waited for copies.
+shows the bytes swapped out and in and the time ops waited for copies; the
+demo then waits, once, for the daemon's swap plan so that the rest of the run
+follows it.
 """
 
 from __future__ import annotations
 
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -27,6 +30,18 @@ from tidalpool.local import LocalDaemon, is_serving
 from tidalpool.numpy import Tensor
 from tidalpool.session import Session, SessionStats
 from tidalpool.units import align_up, format_size
+
+PLAN_WAIT_AT = 4
+"""Under a limit, the iteration after which the demo waits for the daemon's plan (planning
+starts after three step marks; a swap plan weighs every policy and takes about a second)."""
+PLAN_WAIT_S = 15.0
+
+
+def _await_plan(session: Session, timeout_s: float) -> None:
+    """Block until a plan has arrived or `timeout_s` has passed."""
+    deadline = time.monotonic() + timeout_s
+    while not session.plans_received and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 class SessionMemory:
@@ -106,6 +121,8 @@ def run(
         rows: list[SessionStats] = []
 
         def row(i: int, loss: float) -> None:
+            if swap_limit is not None and i == PLAN_WAIT_AT and i + 1 < iterations:
+                _await_plan(session, PLAN_WAIT_S)  # so the rest of the run follows the plan
             s = session.stats()  # sends what is recorded, asks the daemon what it has
             rows.append(s)
             cells = [
