@@ -138,11 +138,14 @@ _previous: Any = None  # CuPy's device allocator before the first use()
 
 def use(session: Session, *, pinned: bool = True, device: int | None = None) -> Allocator:
     """Make CuPy allocate from `session` (device arrays; pinned host arrays too unless
-    `pinned=False`) until `stop()`. `device` is the CUDA ordinal of the lease (default: CuPy's
-    current device)."""
+    `pinned=False`) until `stop()`. `device` is the CUDA ordinal of the lease (default: the
+    session's GPU on the cuda backend, else CuPy's current device)."""
     global _current, _previous
     cupy: Any = importlib.import_module("cupy")
-    ordinal = int(cupy.cuda.Device().id) if device is None else device
+    cuda = getattr(session, "cuda", None)
+    if device is None:
+        device = int(cupy.cuda.Device().id) if cuda is None else cuda.ordinal
+    ordinal = device
     allocator = Allocator(session, cupy, ordinal, pinned)
     if _current is None:
         _previous = cupy.cuda.get_allocator()
@@ -176,11 +179,18 @@ def op(
 ) -> Iterator[tuple[Any, ...]]:
     """`Session.op` for CuPy arrays of the session: records the reads and writes and the op's
     time, and yields the arrays themselves (they are pinned, so they never move)."""
+    blocks_r, blocks_w = blocks_of(session, reads), blocks_of(session, writes)
+    with session.op(blocks_r, blocks_w, name):
+        yield (*reads, *writes)
+
+
+def blocks_of(session: Session, items: Sequence[Any]) -> list[Block]:
+    """The blocks under `items`: CuPy arrays of `session` (allocated after `use(session)`) or
+    blocks themselves; InvalidBlock for anything else."""
+    if all(isinstance(item, Block) for item in items):
+        return list(items)
     allocator = current()
     if allocator.session is not session:
         raise InvalidBlock("tidalpool.cupy.use() was called for another session")
     allocator.collect()
-    blocks_r = [allocator.block_of(a) for a in reads]
-    blocks_w = [allocator.block_of(a) for a in writes]
-    with session.op(blocks_r, blocks_w, name):
-        yield (*reads, *writes)
+    return [item if isinstance(item, Block) else allocator.block_of(item) for item in items]

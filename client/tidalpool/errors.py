@@ -21,3 +21,7 @@ class LeaseExceeded(TidalpoolError, MemoryError):
 
 class InvalidBlock(TidalpoolError, ValueError):
     """A block that is not live in this session was freed or used."""
+
+
+class NotHostMemory(TidalpoolError, TypeError):
+    """A NumPy view of the device lease was asked for where the lease is GPU memory (cuda)."""

@@ -7,6 +7,10 @@ The hot path (`malloc`, `free`, `op`) never leaves the process: the executor
 allocates inside the mapped lease and the recorder appends an event. With a
 `swap_limit`, the executor is the swap engine (swap.py): blocks not in use wait
 in the host lease while the device bytes held stay under the limit.
+
+On the cuda backend the device lease is GPU memory: NumPy cannot view it, so
+`array`, `tensor` and `buffer` refuse, and arrays come from `tidalpool.cupy`
+(CuPy allocates from the lease); `op` takes CuPy arrays and raw blocks.
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from tidalpool import __version__
+from tidalpool.devices.lease import CudaLease, DeviceLease, HostLease, MappedLease, map_grant
 from tidalpool.devices.sim import SimMapping
-from tidalpool.errors import AttachError, InvalidBlock, SessionClosed
+from tidalpool.errors import AttachError, InvalidBlock, NotHostMemory, SessionClosed
 from tidalpool.executor import Block, Executor
 from tidalpool.handles import Grant, request_lease
 from tidalpool.planned import PlanRejected, PlanTable
@@ -41,6 +46,7 @@ if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
 
+    from tidalpool.devices.cuda_driver import Driver
     from tidalpool.numpy import Tensor
 
 log = logging.getLogger("tidalpool")
@@ -88,15 +94,18 @@ def attach(
     job_name: str | None = None,
     swap_limit: int | str | None = None,
     copy_gbps: float | None = None,
+    driver: Driver | None = None,
 ) -> Session:
     """Open a session with the daemon of `socket_dir` and map its lease.
 
     `device_limit`/`host_limit` are the lease sizes (bytes or "4GiB"); None asks
     for the daemon's default. `swap_limit` turns swapping on: the device bytes the
     session holds stay at or under it, blocks not in use waiting in the host
-    lease; `copy_gbps` throttles the swap copies to that bandwidth (sim backend).
+    lease; `copy_gbps` throttles the swap copies to that bandwidth on sim (on cuda
+    the copies run at the link's speed and it only tells the daemon's planner).
+    `driver` is the CUDA driver a cuda lease is mapped with (default: cuda-bindings).
     Raises AttachError when there is no daemon or it refuses (wrong uid, pool
-    exhausted).
+    exhausted, its GPU not visible here).
     """
     directory = socket_dir_from_env(socket_dir)
     device_bytes = parse_size(device_limit) if device_limit is not None else 0
@@ -107,35 +116,26 @@ def attach(
     name = job_name or os.environ.get("TIDALPOOL_JOB_NAME") or Path(sys.argv[0] or "python").name
     grant = request_lease(directory / "handles.sock", device_bytes, host_bytes, name)
     try:
-        device, host = map_lease(grant)
+        mapped = map_lease(grant, driver)
     finally:
         grant.close()  # the mappings keep the chunks; the fds are no longer needed
     return Session(
         directory,
         grant.response.session_id,
         grant.response.token,
-        device,
-        host,
+        mapped.device,
+        mapped.host,
         swap_limit=swap_bytes,
         copy_gbps=copy_gbps,
+        cuda=mapped.cuda,
     )
 
 
-def map_lease(grant: Grant) -> tuple[SimMapping, SimMapping]:
-    """Map the granted chunks of both pools, each pool into one contiguous range."""
-    lease = grant.response.lease
-    if lease.backend != "sim":
-        raise AttachError(
-            f"the daemon serves the {lease.backend!r} backend (mode {lease.mode!r}); this client"
-            " maps sim leases only"
-        )
-    device = SimMapping(grant.device_fds, lease.device.chunk_bytes)
-    try:
-        host = SimMapping(grant.host_fds, lease.host.chunk_bytes)
-    except OSError:
-        device.retire()
-        raise
-    return device, host
+def map_lease(grant: Grant, driver: Driver | None = None) -> MappedLease:
+    """Map the granted chunks of both pools, each pool into one contiguous range, as the
+    daemon's backend wants (devices/lease.py); `driver` maps a cuda lease (default: the
+    real one)."""
+    return map_grant(grant, driver)
 
 
 class Session:
@@ -146,14 +146,16 @@ class Session:
         socket_dir: Path,
         session_id: str,
         token: str,
-        device: SimMapping,
-        host: SimMapping,
+        device: DeviceLease,
+        host: HostLease,
         swap_limit: int | None = None,
         copy_gbps: float | None = None,
+        cuda: CudaLease | None = None,
     ) -> None:
         self.id = session_id
         self.device = device
         self.host = host
+        self.cuda = cuda  # None on sim
         self._metadata = ((TOKEN_KEY, token),)
         self._channel = grpc.insecure_channel(f"unix:{socket_dir / 'tidalpool.sock'}")
         self._stub = pool_pb2_grpc.PoolStub(self._channel)
@@ -203,6 +205,7 @@ class Session:
                 limit=swap_limit,
                 gbps=copy_gbps,
                 record=self.recorder.record,
+                **_cuda_streams(cuda),
             )
         self._dead: deque[Block] = deque()  # blocks of garbage tensors, freed at the next op
         self._heartbeat_s = (reply.heartbeat_interval_ms or 1000) / 1000
@@ -232,7 +235,17 @@ class Session:
 
     def buffer(self, block: Block) -> memoryview:
         """The block's bytes (sim backend), where they are now (see `address`)."""
+        self._need_host_memory("buffer")
+        assert isinstance(self.device, SimMapping)
         return self.device.buffer(self._offset(block), block.size)
+
+    def _need_host_memory(self, what: str) -> None:
+        if self.cuda is not None:
+            raise NotHostMemory(
+                f"Session.{what}() views the lease with NumPy, but this session's device lease"
+                f" is GPU memory (cuda backend, GPU {self.cuda.pci_bus_id}): use"
+                " tidalpool.cupy.use(session) and CuPy arrays, and tidalpool.cupy.op()"
+            )
 
     def _offset(self, block: Block) -> int:
         ex = self.executor
@@ -242,16 +255,19 @@ class Session:
         self, shape: int | Sequence[int], dtype: npt.DTypeLike = "float32"
     ) -> np.ndarray[Any, Any]:
         """A NumPy array over lease memory, freed when it (and every view of it) is gone.
-        It holds an address, so its block is pinned: never swapped out."""
+        It holds an address, so its block is pinned: never swapped out. Sim backend only
+        (on cuda: CuPy arrays through `tidalpool.cupy`)."""
         from tidalpool.numpy import array
 
+        self._need_host_memory("array")
         return array(self, shape, dtype)
 
     def tensor(self, shape: int | Sequence[int], dtype: npt.DTypeLike = "float32") -> Tensor:
         """An array whose bytes may be swapped out between ops: compute on the views `op`
-        yields. Freed by `release` or once it is garbage."""
+        yields. Freed by `release` or once it is garbage. Sim backend only."""
         from tidalpool.numpy import Tensor
 
+        self._need_host_memory("tensor")
         if self._dead:
             self._free_dead()
         return Tensor(self, shape, dtype)
@@ -281,7 +297,8 @@ class Session:
         and writes and its time. Yields one array per item, reads then writes, to compute on:
         a session array itself, a view of a tensor's bytes, a uint8 view of a block's bytes.
         With swapping, they are all on the device and locked there until the op ends; views
-        must not be used after it."""
+        must not be used after it. On cuda the items are CuPy arrays of the session (see
+        `tidalpool.cupy`), yielded as they are, or blocks, yielded as their device address."""
         from tidalpool.numpy import BYTE, Tensor, block_of, view
 
         if self._released:
@@ -289,14 +306,21 @@ class Session:
         if self._dead:
             self._free_dead()
         items = (*reads, *writes)
-        blocks = [item if isinstance(item, Block) else block_of(item) for item in items]
+        if self.cuda is not None:
+            from tidalpool.cupy import blocks_of
+
+            blocks = blocks_of(self, items)
+        else:
+            blocks = [item if isinstance(item, Block) else block_of(item) for item in items]
         offsets = self.executor.begin_op(blocks)
         record = self.recorder.record
         base = self.device.address
         views: list[Any] = []
         for i, (item, block, offset) in enumerate(zip(items, blocks, offsets, strict=True)):
             record(READ if i < len(reads) else WRITE, block.id)
-            if item is block:
+            if self.cuda is not None:
+                views.append(base + offset if item is block else item)
+            elif item is block:
                 views.append(view(base + offset, (block.size,), BYTE))
             elif isinstance(item, Tensor):
                 views.append(view(base + offset, item.shape, item.dtype))
@@ -464,3 +488,14 @@ class Session:
                     )
                 )
             )
+
+
+def _cuda_streams(cuda: CudaLease | None) -> dict[str, Any]:
+    """The swap engine's streams on cuda: two CUDA copy streams, ordered against the compute
+    stream (CuPy's current stream, else the legacy default stream). Nothing on sim."""
+    if cuda is None:
+        return {}
+    from tidalpool.devices.cuda import compute_stream, swap_streams
+
+    driver = cuda.driver
+    return {"streams": lambda _gbps: swap_streams(driver), "compute": compute_stream(driver)}

@@ -19,6 +19,12 @@ Learning (no schedule): SuperNeurons' LRU tensor cache. Whenever placing a block
 device bytes held (resident blocks, and blocks still copying out) above `limit`, or it does not
 fit in the lease, the least recently used unlocked block goes out, until it fits.
 
+On a GPU the streams are CUDA streams (`streams=`) and the ops' kernels run on a compute
+stream (`compute=`) asynchronously to this thread: each copy then waits for the compute work
+enqueued before it (a swap-out reads bytes a kernel may still write; a swap-in writes bytes a
+freed block's kernel may still read), and an op makes the compute stream wait for its blocks'
+swap-ins instead of blocking this thread.
+
 Planned: a `ScheduledSwap` list against the iteration's structure (allocation i, op k) swaps a
 block out right after op `out_after`, issues its swap-in when op `in_at` begins, and holds op
 `in_before` until it is back. The LRU cache still guards the limit where the schedule falls short.
@@ -28,10 +34,10 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from tidalpool.devices.streams import Event, Stream
+from tidalpool.devices.streams import Completion, CopyStream, Stream
 from tidalpool.errors import InvalidBlock, LeaseExceeded
 from tidalpool.executor import BestFit, Block, Executor, Recorder, _describe, _size
 from tidalpool.units import ALIGNMENT, align_up
@@ -87,7 +93,7 @@ class ScheduledSwap:
 class _Flight:
     """A copy in flight and the bytes to give back once its event completes (-1: none)."""
 
-    event: Event
+    event: Completion
     entry: _Entry | None  # the block it moves; None once the block was freed or kept
     block_id: int
     size: int  # rounded device bytes
@@ -126,10 +132,13 @@ class SwappingExecutor(Executor):
 
     `device_address`/`host_address` are where the device and host leases are mapped;
     `host_capacity` the host lease's size; `gbps` throttles both copy streams (None: memmove
-    speed). `limit` None means the lease itself.
+    speed). `limit` None means the lease itself. `streams(gbps)` makes the out and in streams
+    (default: sim `Stream`s); `compute()`, when given, is the stream the ops' work runs on now,
+    which the copies are ordered against (see the module doc).
     """
 
     __slots__ = (
+        "_compute",
         "_device_address",
         "_entries",
         "_host",
@@ -167,6 +176,8 @@ class SwappingExecutor(Executor):
         gbps: float | None = None,
         alignment: int = ALIGNMENT,
         record: Recorder | None = None,
+        streams: Callable[[float | None], tuple[CopyStream, CopyStream]] | None = None,
+        compute: Callable[[], CopyStream] | None = None,
     ) -> None:
         super().__init__(capacity, alignment, record)
         self._limit = self._fit.capacity if limit is None else min(limit, self._fit.capacity)
@@ -193,8 +204,14 @@ class SwappingExecutor(Executor):
         self.stall_ns = 0
         self.schedule_skips = 0
         self.plans_deferred = 0
-        self._out = Stream("swap-out", gbps)
-        self._in = Stream("swap-in", gbps)
+        self._compute = compute
+        self._out: CopyStream
+        self._in: CopyStream
+        if streams is None:
+            self._out = Stream("swap-out", gbps)
+            self._in = Stream("swap-in", gbps)
+        else:
+            self._out, self._in = streams(gbps)
 
     # -- allocation ------------------------------------------------------------------------
     def malloc(self, nbytes: int) -> Block:
@@ -384,11 +401,15 @@ class SwappingExecutor(Executor):
                     self._bring_in(e)
             for e in (*needed, *ahead):
                 self._prefetch(e)
+            compute = None if self._compute is None else self._compute()
             for e in (*entries, *needed):
                 if e.where == ARRIVING:
                     assert e.flight is not None
-                    self._wait(e.flight.event)
-                    self._reap()
+                    if compute is not None:  # the op's kernels start once the copy is done
+                        compute.wait_event(e.flight.event)
+                    else:
+                        self._wait(e.flight.event)
+                        self._reap()
         except BaseException:
             self._unlock(entries)
             raise
@@ -453,6 +474,8 @@ class SwappingExecutor(Executor):
         size = align_up(block.size, self._fit.alignment)
         host = self._host_room(size)
         self._lru.pop(block.id, None)
+        if self._compute is not None:  # after the kernels that write the block
+            self._out.wait_event(self._compute().record())
         self._out.copy(self._host_address + host, self._device_address + e.offset, block.size)
         flight = _Flight(self._out.record(), e, block.id, size, device=e.offset)
         e.where, e.host, e.flight, e.planned = LEAVING, host, flight, False  # returns online
@@ -477,6 +500,8 @@ class SwappingExecutor(Executor):
             return
         block = e.block
         offset = self._room(block.size)
+        if self._compute is not None:  # after the kernels of the bytes' previous holder
+            self._in.wait_event(self._compute().record())
         self._in.copy(self._device_address + offset, self._host_address + e.host, block.size)
         size = align_up(block.size, self._fit.alignment)
         flight = _Flight(self._in.record(), e, block.id, size, host=e.host)
@@ -485,7 +510,7 @@ class SwappingExecutor(Executor):
         self.swapped_in_bytes += block.size
         self.swap_ins += 1
 
-    def _wait(self, event: Event) -> None:
+    def _wait(self, event: Completion) -> None:
         if not event.query():
             start = time.perf_counter_ns()
             event.wait()

@@ -7,6 +7,12 @@ unmapping takes whole mappings; a range is freed only once nothing is mapped in 
 handle, stream and event is released at most once. A broken rule raises `CudaError` with the
 error the driver would give, so a wrong call order fails the test.
 
+Exported fds are memfds, and an import finds the allocation by the file the fd refers to
+(as the real driver does), so an fd passed to another process with SCM_RIGHTS imports there.
+`FakeDriver(peer=other)` is the driver of another process: it imports `other`'s exports and
+opens its IPC handles, and shares their memory, with its own address space, context and
+streams.
+
 Streams are queues of work. With `eager` (the default) work runs as soon as it is enqueued;
 otherwise it runs when a test calls `run`/`run_all`, or when something synchronizes, so tests
 can watch events and waits order the streams. A copy of n bytes moves the fake clock by
@@ -108,6 +114,7 @@ class FakeDriver:
         eager: bool = True,
         bus_id: str = "0000:3B:00.0",
         buses: dict[str, int] | None = None,
+        peer: FakeDriver | None = None,
     ) -> None:
         self._granularity = granularity
         self._vmm = vmm
@@ -123,7 +130,10 @@ class FakeDriver:
         self._ids = itertools.count(1)
         self._va = 1 << 40
         self.handles: dict[int, Phys] = {}
-        self.fds: dict[int, Phys] = {}  # exported fds (real fds of /dev/null)
+        self.fds: dict[int, Phys] = {}  # fds this process exported (memfds), by number
+        # every export, by the file behind its fd: shared with peers (other processes)
+        self.exports: dict[tuple[int, int], Phys] = {} if peer is None else peer.exports
+        self._peer_allocs: dict[int, Phys] = {} if peer is None else peer.allocs
         self.reserved: dict[int, int] = {}  # base -> size
         self.mappings: dict[int, Mapping] = {}  # address -> mapping
         self.allocs: dict[int, Phys] = {}  # mem_alloc base -> allocation
@@ -276,8 +286,10 @@ class FakeDriver:
             raise fail("cuMemExportToShareableHandle", self.export_error)
         if not phys.exportable:
             raise fail("cuMemExportToShareableHandle", INVALID_VALUE)
-        fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.memfd_create(f"fake-vmm-{handle}", os.MFD_CLOEXEC)
         self.fds[fd] = phys
+        st = os.fstat(fd)
+        self.exports[st.st_dev, st.st_ino] = phys
         self._log("mem_export_fd", handle, fd)
         return fd
 
@@ -291,11 +303,12 @@ class FakeDriver:
 
     def mem_import_fd(self, fd: int) -> MemHandle:
         self._need_device("cuMemImportFromShareableHandle")
-        phys = self.fds.get(fd)
         try:
-            os.fstat(fd)
+            st = os.fstat(fd)
         except OSError:
             phys = None
+        else:
+            phys = self.exports.get((st.st_dev, st.st_ino))
         if phys is None:
             raise fail("cuMemImportFromShareableHandle", INVALID_VALUE)
         handle = next(self._ids)
@@ -384,9 +397,9 @@ class FakeDriver:
 
     def ipc_open_handle(self, handle: bytes) -> DevicePtr:
         base = int.from_bytes(handle[8:16], "little")
-        if len(handle) != 64 or not handle.startswith(b"FAKEIPC:") or base not in self.allocs:
+        phys = self._peer_allocs.get(base)  # a handle opens in another process only
+        if len(handle) != 64 or not handle.startswith(b"FAKEIPC:") or phys is None:
             raise fail("cuIpcOpenMemHandle", INVALID_HANDLE)
-        phys = self.allocs[base]
         at = self._new_va(phys.size, self._granularity)
         self.ipc_opened[at] = phys
         self.mappings[at] = Mapping(phys.size, phys, access=True)

@@ -148,16 +148,20 @@ def test_ipc_lease_is_the_pool_at_an_offset() -> None:
     fake.open_device(0)
     base = fake.mem_alloc(4 * C)
     handle = fake.ipc_get_handle(base)
-    m = IpcDeviceMapping.for_chunks(fake, handle, [2, 3], C)
-    (opened,) = fake.ipc_opened
+    with pytest.raises(CudaError, match="INVALID_HANDLE"):
+        fake.ipc_open_handle(handle)  # as CUDA: not in the process that made it
+    client = FakeDriver(granularity=GRAN, peer=fake)
+    client.open_device(0)
+    m = IpcDeviceMapping.for_chunks(client, handle, [2, 3], C)
+    (opened,) = client.ipc_opened
     assert (m.address, m.length) == (opened + 2 * C, 2 * C)
-    fake.write(m.address, b"lease")
+    client.write(m.address, b"lease")
     assert bytes(fake.allocs[base].data[2 * C : 2 * C + 5]) == b"lease"
     m.retire()
     m.retire()
-    assert not fake.ipc_opened and fake.names().count("ipc_close_handle") == 1
+    assert not client.ipc_opened and client.names().count("ipc_close_handle") == 1
     with pytest.raises(ValueError, match=r"consecutive chunks, got \[1, 3\]"):
-        IpcDeviceMapping.for_chunks(fake, handle, [1, 3], C)
+        IpcDeviceMapping.for_chunks(client, handle, [1, 3], C)
 
 
 # -- host mapping ---------------------------------------------------------------------------

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
 import mmap
 import os
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from tidalpool.devices.cuda_driver import (
     CudaError,
@@ -437,3 +439,22 @@ def swap_streams(driver: Driver) -> tuple[CudaStream, CudaStream]:
     except BaseException:
         out.close()
         raise
+
+
+def compute_stream(driver: Driver) -> Callable[[], CudaStream]:
+    """The stream the ops' kernels run on, as the swap engine orders its copies against it:
+    CuPy's current stream when CuPy is installed (looked up at each call, so a `with stream:`
+    block of the caller counts), else the legacy default stream."""
+    cupy: list[object] = []  # imported on the first call, not before
+
+    def current() -> CudaStream:
+        if not cupy:
+            try:
+                cupy.append(importlib.import_module("cupy"))
+            except ImportError:
+                cupy.append(None)
+        module: Any = cupy[0]
+        handle = 0 if module is None else int(module.cuda.get_current_stream().ptr)
+        return CudaStream.wrap(driver, handle)
+
+    return current

@@ -19,8 +19,32 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import Any, Protocol
 
 Work = Callable[[], object]
+
+
+class Completion(Protocol):
+    """A recorded event: sim `Event` or `devices.cuda.CudaEvent`."""
+
+    def query(self) -> bool: ...
+
+    def wait(self, timeout: float | None = None) -> bool: ...
+
+
+class CopyStream(Protocol):
+    """What the swap engine uses of a stream: sim `Stream` or `devices.cuda.CudaStream`.
+    `wait_event` takes an event of the same kind of stream."""
+
+    def copy(self, dst: int, src: int, nbytes: int) -> None: ...
+
+    def record(self) -> Completion: ...
+
+    def wait_event(self, event: Any) -> None: ...
+
+    def synchronize(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class StreamError(RuntimeError):
