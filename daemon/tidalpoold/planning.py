@@ -15,6 +15,7 @@ placements only, since the schedule depends on the session's limit.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import tempfile
 import threading
@@ -22,6 +23,7 @@ import time
 from bisect import bisect_left
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tidalpool.units import ALIGNMENT, Bytes, Offset
 from tidalpool.v1 import pool_pb2
@@ -31,10 +33,26 @@ from tidalpoold.planner.simulate import SwapPlan
 from tidalpoold.sessions import Session
 from tidalpoold.settings import Settings
 
+if TYPE_CHECKING:
+    from tidalpoold.backends import Backend
+
 log = logging.getLogger("tidalpoold.planning")
 
 DEFAULT_COPY_GBPS = 12.0
-"""Bandwidth the swap planner assumes for a session whose copies are not throttled (PCIe 3 x16)."""
+"""Bandwidth the swap planner assumes for a session whose copies are not throttled (PCIe 3 x16),
+where the backend measured none."""
+
+
+def copy_gbps_of(backend: Backend) -> float:
+    """The bandwidth to plan unthrottled sessions' swaps at: the slower direction the backend
+    measured (the cuda backend's `h2d_gbps` and `d2h_gbps` facts), else DEFAULT_COPY_GBPS
+    (sim, or a cuda backend whose probe was skipped)."""
+    facts = backend.facts()
+    try:
+        slowest = min(float(facts["h2d_gbps"]), float(facts["d2h_gbps"]))
+    except (KeyError, ValueError):
+        return DEFAULT_COPY_GBPS
+    return slowest if math.isfinite(slowest) and slowest > 0 else DEFAULT_COPY_GBPS
 
 
 def add_swaps(plan: pool_pb2.PlanUpdate, it: Iteration, swaps: SwapPlan) -> None:
@@ -85,8 +103,9 @@ class PlanCache:
 class Planner:
     """Queues sessions for planning and runs the pure planner on one worker thread."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, copy_gbps: float = DEFAULT_COPY_GBPS) -> None:
         self.settings = settings
+        self.copy_gbps = copy_gbps  # for sessions whose copies are not throttled
         self.cache = PlanCache(settings.plan_cache_dir)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planner")
         self._queued: set[str] = set()
@@ -106,6 +125,11 @@ class Planner:
                 return
             self._queued.add(session.id)
         self._worker.submit(self._plan_quietly, session)
+
+    def swap_gbps(self, session: Session) -> float:
+        """The copy bandwidth a session's swaps are planned at: its own throttle, else the
+        backend's measured one."""
+        return session.copy_gbps or self.copy_gbps
 
     def close(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)
@@ -173,7 +197,7 @@ class Planner:
         if session.swap_limit:
             from tidalpoold.planner import swap
 
-            gbps = session.copy_gbps or DEFAULT_COPY_GBPS
+            gbps = self.swap_gbps(session)
             add_swaps(
                 plan, iteration, swap.plan(iteration, "tidalpool", session.swap_limit, gbps, gbps)
             )

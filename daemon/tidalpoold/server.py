@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from tidalpoold.backends import Backend, open_backend
 from tidalpoold.handles import HandlesServer
-from tidalpoold.planning import Planner
+from tidalpoold.planning import Planner, copy_gbps_of
 from tidalpoold.services import AdminService, PoolService
 from tidalpoold.sessions import Reason, Registry
 from tidalpoold.settings import Settings, describe
@@ -99,7 +99,7 @@ def build_daemon(settings: Settings) -> Daemon:
         cuda_mode=settings.cuda_mode,
     )
     registry = Registry(settings, backend)
-    planner = Planner(settings)
+    planner = Planner(settings, copy_gbps=copy_gbps_of(backend))
     pool, admin = PoolService(registry, planner), AdminService(registry)
 
     # A Session stream holds a worker for its lifetime: room for every session, and then some.

@@ -3,11 +3,15 @@ turns those columns back into the schedule its executor runs."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from types import SimpleNamespace
+
 from tidalpool.swap import ScheduledSwap
 from tidalpool.units import Tick
 from tidalpool.v1 import pool_pb2
 from tidalpoold.planner.simulate import Swap, SwapPlan
-from tidalpoold.planning import add_swaps
+from tidalpoold.planning import DEFAULT_COPY_GBPS, Planner, add_swaps, copy_gbps_of
+from tidalpoold.settings import Settings
 
 from .iterations import build
 
@@ -51,3 +55,35 @@ def test_default_issue_is_never_before_the_op_after_the_swap_out() -> None:
     plan = pool_pb2.PlanUpdate()
     add_swaps(plan, IT, SwapPlan((Swap(block=1, out_after=Tick(3), in_before=Tick(4)),)))
     assert columns(plan) == [(1, False, 1, 2, 2)]
+
+
+class FactsBackend:
+    """A backend as the planner sees it: its facts only."""
+
+    def __init__(self, **facts: str | int | float) -> None:
+        self._facts = facts
+
+    def facts(self) -> dict[str, str | int | float]:
+        return self._facts
+
+
+def test_unthrottled_sessions_are_planned_at_the_backends_slower_copy_direction(
+    tmp_path: Path,
+) -> None:
+    cuda = FactsBackend(device="H100", h2d_gbps=25.5, d2h_gbps=21.25)
+    assert copy_gbps_of(cuda) == 21.25  # type: ignore[arg-type]
+    for no_measure in (
+        FactsBackend(device="sim (memfd chunks)"),  # sim
+        FactsBackend(h2d_gbps=0.0, d2h_gbps=0.0),  # cuda, probe skipped
+        FactsBackend(h2d_gbps=25.0),
+        FactsBackend(h2d_gbps="n/a", d2h_gbps=20.0),
+        FactsBackend(h2d_gbps=float("nan"), d2h_gbps=20.0),
+    ):
+        assert copy_gbps_of(no_measure) == DEFAULT_COPY_GBPS == 12.0  # type: ignore[arg-type]
+    planner = Planner(Settings(plan_cache_dir=tmp_path), copy_gbps=copy_gbps_of(cuda))  # type: ignore[arg-type]
+    try:
+        assert planner.swap_gbps(SimpleNamespace(copy_gbps=0.0)) == 21.25  # type: ignore[arg-type]
+        assert planner.swap_gbps(SimpleNamespace(copy_gbps=3.0)) == 3.0  # type: ignore[arg-type]
+        assert Planner(Settings(plan_cache_dir=tmp_path)).copy_gbps == DEFAULT_COPY_GBPS
+    finally:
+        planner.close()
