@@ -11,6 +11,7 @@ must provide beyond the public API sits here, in hooks named for what they measu
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import os
 from collections.abc import Callable, Iterator
@@ -18,6 +19,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import tidalpool
 from tidalpool import status
+from tidalpool.devices.cuda_driver import DevicePtr, StreamHandle
 from tidalpool.executor import Block
 from tidalpool.local import LocalDaemon
 
@@ -59,9 +61,44 @@ def pool_daemon(backend: str, start_daemon: StartDaemon) -> Iterator[LocalDaemon
 # -- hooks -----------------------------------------------------------------------------------------
 
 
-def block_bytes(session: tidalpool.Session, block: Block) -> memoryview:
-    """The block's bytes, readable and writable from this process."""
-    return session.buffer(block)
+def block_bytes(session: tidalpool.Session, block: Block) -> memoryview | DeviceBytes:
+    """The block's bytes, readable and writable from this process (on cuda through copies:
+    NumPy and memoryviews cannot reach GPU memory)."""
+    if session.cuda is None:
+        return session.buffer(block)
+    return DeviceBytes(session, session.address(block), block.size)
+
+
+class DeviceBytes:
+    """The bytes of a device range as `bytes(view)`, `view[a:b]` and `view[a:b] = data` do
+    them, each a synchronous copy by the session's driver."""
+
+    def __init__(self, session: tidalpool.Session, address: int, length: int) -> None:
+        assert session.cuda is not None
+        self._driver, self._address, self._length = session.cuda.driver, address, length
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __bytes__(self) -> bytes:
+        return self[:]
+
+    def __getitem__(self, key: slice) -> bytes:
+        start, stop, step = key.indices(self._length)
+        assert step == 1
+        out = ctypes.create_string_buffer(max(stop - start, 0))
+        if stop > start:
+            self._driver.memcpy_dtoh(
+                ctypes.addressof(out), DevicePtr(self._address + start), stop - start
+            )
+        return out.raw
+
+    def __setitem__(self, key: slice, data: bytes) -> None:
+        start, stop, step = key.indices(self._length)
+        assert step == 1 and len(data) == stop - start, (key, len(data))
+        src = ctypes.create_string_buffer(bytes(data), len(data))
+        self._driver.memcpy_htod(DevicePtr(self._address + start), ctypes.addressof(src), len(data))
+        self._driver.stream_synchronize(StreamHandle(0))
 
 
 def mapped_files(address: int, length: int) -> list[tuple[int, int, str]]:
@@ -85,13 +122,30 @@ def physical_device_probe(backend: str) -> Callable[[LocalDaemon], int] | None:
     """How to measure the bytes of physical memory behind a daemon's device chunks, or None.
 
     sim: the pages of its device memfds (`resident_bytes` among the daemon's facts).
-    cuda: None until the GPU tests supply an NVML probe; tests then skip that check, saying so.
+    cuda: the bytes in use on the daemon's GPU as NVML counts them (total - free): the pool,
+    allocated whole at start, plus the CUDA context of every client process on that GPU. A
+    client's chunks stay in the pool when it dies; its context is freed with its process.
     """
     if backend == "sim":
         return _memfd_resident_bytes
+    if backend == "cuda":
+        return _nvml_used_bytes
     return None
 
 
 def _memfd_resident_bytes(daemon: LocalDaemon) -> int:
     pool, _ = status.fetch(daemon.socket_dir)
     return int(pool.facts["resident_bytes"])
+
+
+def _nvml_used_bytes(daemon: LocalDaemon) -> int:
+    import pynvml  # GPU only: the cuda backend is skipped where it is missing
+
+    pool, _ = status.fetch(daemon.socket_dir)
+    bus = pool.facts["pci_bus_id"]
+    pynvml.nvmlInit()
+    try:
+        info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByPciBusId(bus.encode()))
+        return int(info.total) - int(info.free)
+    finally:
+        pynvml.nvmlShutdown()

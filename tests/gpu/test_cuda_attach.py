@@ -1,0 +1,158 @@
+"""End to end on a GPU: a real `tidalpoold --backend cuda`, client processes that attach, put
+CuPy arrays in their lease through tidalpool.cupy and read them back, and the reclaim of a
+SIGKILLed client's lease, seen by the daemon and by NVML."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+from tidalpool import status
+from tidalpool.local import LocalDaemon
+
+from ..conftest import StartDaemon
+
+MiB = 1 << 20
+LEASE = 16 * MiB
+
+# A client process: attaches, computes on CuPy arrays in its lease, prints one JSON line, then
+# holds the session until told to quit (or killed).
+CLIENT = r"""
+import json, sys
+import cupy
+import tidalpool, tidalpool.cupy as tpc
+
+s = tidalpool.attach(sys.argv[1], device_limit=int(sys.argv[2]), host_limit=int(sys.argv[2]))
+tpc.use(s, pinned=False)
+cupy.cuda.Device(s.cuda.ordinal).use()
+x = cupy.arange(1 << 20, dtype=cupy.float32)
+with tpc.op(s, [x], [], name="double") as (xv,):
+    y = xv * 2
+lo, hi = s.device.address, s.device.address + s.device.length
+print(json.dumps({
+    "session": s.id,
+    "mode": s.cuda.mode,
+    "ordinal": s.cuda.ordinal,
+    "bus": s.cuda.pci_bus_id,
+    "in_lease": all(lo <= a.data.ptr < hi for a in (x, y)),
+    "last": float(y[-1]),
+    "sum": float(y.sum()),
+    "live_blocks": s.executor.live_blocks,
+}), flush=True)
+sys.stdin.readline()
+del x, y
+s.close()
+print("closed", flush=True)
+"""
+
+
+def nvml_used(bus: str) -> int:
+    """Bytes in use on the GPU at `bus` (NVML: total - free)."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByPciBusId(bus.encode()))
+        return int(info.total) - int(info.free)
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def spawn(
+    d: LocalDaemon, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[str], dict[str, object]]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CLIENT, str(d.socket_dir), str(LEASE)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line:
+        proc.wait(timeout=30)
+        pytest.fail(f"the client process exited ({proc.returncode}) before attaching")
+    return proc, json.loads(line)
+
+
+@pytest.fixture(params=["auto", "ipc"])
+def cuda_daemon(request: pytest.FixtureRequest, start_daemon: StartDaemon) -> Iterator[LocalDaemon]:
+    pytest.importorskip("cupy")
+    pytest.importorskip("cuda.bindings")
+    yield start_daemon("--cuda-mode", request.param, backend="cuda", chunk_size="2MiB")
+
+
+def test_a_client_computes_in_its_lease_and_a_sigkill_gives_it_back(
+    cuda_daemon: LocalDaemon,
+) -> None:
+    d = cuda_daemon
+    pool, _ = status.fetch(d.socket_dir)
+    bus = pool.facts["pci_bus_id"]
+    used_before = nvml_used(bus)
+    proc, got = spawn(d)
+    try:
+        assert got["bus"] == bus and got["mode"] == pool.mode
+        assert got["in_lease"] is True
+        assert got["last"] == 2.0 * ((1 << 20) - 1)
+        assert got["sum"] == float((1 << 20) * ((1 << 20) - 1))
+        assert got["live_blocks"] == 2  # x and y, nothing through CuPy's own pool
+        assert status.fetch(d.socket_dir)[0].device.leased_bytes == LEASE
+        assert nvml_used(bus) > used_before  # the client's context; the pool was there before
+        proc.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        proc.wait(timeout=10)
+        while time.monotonic() - killed_at < 2.0:
+            if status.fetch(d.socket_dir)[0].device.leased_bytes == 0:
+                break
+            time.sleep(0.01)
+        pool, sessions = status.fetch(d.socket_dir)
+        assert (pool.device.leased_bytes, pool.host.leased_bytes) == (0, 0)
+        assert list(sessions.sessions) == []
+        # The client's memory (its context; its chunks stay in the pool, scrubbed) is freed
+        # with its process: NVML sees the GPU as before it started.
+        deadline = time.monotonic() + 5.0
+        while nvml_used(bus) != used_before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert nvml_used(bus) == used_before
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    # The next client gets zeroed chunks and computes as the first did.
+    proc, again = spawn(d)
+    try:
+        assert again["sum"] == got["sum"] and again["in_lease"] is True
+    finally:
+        proc.communicate("quit\n", timeout=30)
+    assert proc.returncode == 0 and status.fetch(d.socket_dir)[0].device.leased_bytes == 0
+
+
+def test_the_client_opens_the_daemons_gpu_whatever_cuda_visible_devices_says(
+    start_daemon: StartDaemon,
+) -> None:
+    import pynvml
+
+    pytest.importorskip("cupy")
+    pynvml.nvmlInit()
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+    finally:
+        pynvml.nvmlShutdown()
+    if count < 2:
+        pytest.skip(f"needs two GPUs to number them differently (this machine has {count})")
+    d = start_daemon("--gpu", "1", backend="cuda", chunk_size="2MiB")
+    bus = status.fetch(d.socket_dir)[0].facts["pci_bus_id"]
+    proc, got = spawn(d, env={"CUDA_VISIBLE_DEVICES": "1"})  # the daemon's GPU 1 is 0 here
+    try:
+        assert (got["bus"], got["ordinal"]) == (bus, 0)
+        assert got["sum"] == float((1 << 20) * ((1 << 20) - 1))
+    finally:
+        proc.communicate("quit\n", timeout=30)
+    assert proc.returncode == 0
