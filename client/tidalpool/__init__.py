@@ -9,7 +9,14 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from tidalpool.errors import AttachError, InvalidBlock, LeaseExceeded, SessionClosed, TidalpoolError
+from tidalpool.errors import (
+    AttachError,
+    InvalidBlock,
+    LeaseExceeded,
+    NotHostMemory,
+    SessionClosed,
+    TidalpoolError,
+)
 from tidalpool.executor import Block
 from tidalpool.session import Session, SessionStats, attach
 
@@ -18,6 +25,7 @@ __all__ = [
     "Block",
     "InvalidBlock",
     "LeaseExceeded",
+    "NotHostMemory",
     "Session",
     "SessionClosed",
     "SessionStats",
