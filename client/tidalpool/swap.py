@@ -154,6 +154,7 @@ class SwappingExecutor(Executor):
         "_out",
         "_outs",
         "_pending_schedule",
+        "_plans_allowed",
         "_schedule",
         "peak_resident_bytes",
         "plans_deferred",
@@ -181,6 +182,9 @@ class SwappingExecutor(Executor):
     ) -> None:
         super().__init__(capacity, alignment, record)
         self._limit = self._fit.capacity if limit is None else min(limit, self._fit.capacity)
+        # Under a limit, a placement plan made without the swaps is never used: its arena's
+        # blocks are not evictable, so how much room the swaps leave is no longer in hand.
+        self._plans_allowed = limit is None
         if self._limit < alignment:
             raise ValueError(f"swap limit of {limit} bytes is below one aligned block")
         self._device_address = device_address
@@ -330,8 +334,10 @@ class SwappingExecutor(Executor):
 
     def begin_iteration(self) -> None:
         pending = self._pending
-        if pending is not None and self._fit.used_bytes + pending.height > self._limit:
-            self._pending = None  # its arena would break the limit: keep learning for now
+        if pending is not None and (
+            not self._plans_allowed or self._fit.used_bytes + pending.height > self._limit
+        ):
+            self._pending = None  # keep learning: the schedule and the LRU cache keep the limit
             self.plans_deferred += 1
             try:
                 super().begin_iteration()

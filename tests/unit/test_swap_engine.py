@@ -275,6 +275,18 @@ def test_placement_plan_above_the_limit_is_deferred(rig: Rig) -> None:
     assert rig.ex.plans_deferred == 1
 
 
+def test_placement_plan_is_not_used_under_a_limit_even_when_it_fits(rigs: list[Rig]) -> None:
+    # Its arena's blocks could not be evicted; without a limit the same plan is used.
+    plan = PlanTable.build(1, [KiB] * 2, [0, KiB], 2 * KiB, 256)
+    limited, free = Rig(limit=32 * KiB), Rig(limit=None)
+    rigs += [limited, free]
+    for r in (limited, free):
+        r.ex.install_plan(plan)
+        r.ex.begin_iteration()
+    assert (limited.ex.mode, limited.ex.plans_deferred) == ("learning", 1)
+    assert (free.ex.mode, free.ex.plans_deferred) == ("planned", 0)
+
+
 # ---------------------------------------------------------------- scheduled swaps
 
 

@@ -169,7 +169,7 @@ def run(
         )
     elif rows[-1].plans_received and swap is not None:
         console.print(
-            "the daemon's placement plan does not fit under the swap limit: the session kept "
+            "under a swap limit the daemon's placement plan is not used: the session kept "
             f"learning; its swap schedule has {swap.scheduled_swaps} swaps, the LRU cache "
             "swaps the rest"
         )
