@@ -25,7 +25,6 @@ import contextlib
 import ctypes
 import importlib
 import mmap
-import os
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -39,32 +38,8 @@ from tidalpool.devices.cuda_driver import (
     MemHandle,
     StreamHandle,
 )
+from tidalpool.devices.sim import SimMapping
 from tidalpool.devices.streams import StreamError
-
-_LIBC = ctypes.CDLL(None, use_errno=True)
-_LIBC.mmap.restype = ctypes.c_void_p
-_LIBC.mmap.argtypes = [
-    ctypes.c_void_p,
-    ctypes.c_size_t,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_long,
-]
-_LIBC.munmap.restype = ctypes.c_int
-_LIBC.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_MAP_FIXED = 0x10
-_MAP_FAILED = ctypes.c_void_p(-1).value
-_RW = mmap.PROT_READ | mmap.PROT_WRITE
-_PROT_NONE = 0
-
-
-def _mmap(address: int, length: int, prot: int, flags: int, fd: int) -> int:
-    got = _LIBC.mmap(address or None, length, prot, flags, fd, 0)
-    if got is None or got == _MAP_FAILED:
-        err = ctypes.get_errno()
-        raise OSError(err, f"mmap of {length} bytes failed: {os.strerror(err)}")
-    return int(got)
 
 
 def _check_chunks(count: int, chunk_bytes: int) -> None:
@@ -201,8 +176,8 @@ class IpcDeviceMapping:
         self._driver.ipc_close_handle(self._base)
 
 
-class CudaHostMapping:
-    """A host lease: the memfd chunks `fds`, contiguous at `address`, page-locked.
+class CudaHostMapping(SimMapping):
+    """A host lease: the memfd chunks `fds`, contiguous at `address` (as on sim), page-locked.
 
     `retire()` unregisters the range and swaps it for private zero pages at the same address,
     as the sim mapping does.
@@ -214,29 +189,16 @@ class CudaHostMapping:
         _check_chunks(len(fds), chunk_bytes)
         if chunk_bytes % mmap.PAGESIZE:
             raise ValueError(f"chunk of {chunk_bytes} bytes is not a multiple of the page size")
+        super().__init__(fds, chunk_bytes)
         self._driver = driver
-        self.chunk_bytes = chunk_bytes
-        self.length = len(fds) * chunk_bytes
-        self.retired = False
         self.registered = False
-        private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-        self.address = _mmap(0, self.length, _PROT_NONE, private, -1)
-        try:
-            for k, fd in enumerate(fds):
-                at = self.address + k * chunk_bytes
-                _mmap(at, chunk_bytes, _RW, mmap.MAP_SHARED | _MAP_FIXED, fd)
-            if register and driver is not None:
+        if register and driver is not None:
+            try:
                 driver.host_register(self.address, self.length)
-                self.registered = True
-        except BaseException:
-            _LIBC.munmap(self.address, self.length)
-            raise
-
-    def buffer(self, offset: int, nbytes: int) -> memoryview:
-        """The bytes [offset, offset+nbytes) of the lease."""
-        if offset < 0 or nbytes < 0 or offset + nbytes > self.length:
-            raise ValueError(f"range {offset}+{nbytes} is outside the lease of {self.length} bytes")
-        return memoryview((ctypes.c_char * nbytes).from_address(self.address + offset)).cast("B")
+            except BaseException:
+                super().close()
+                raise
+            self.registered = True
 
     def zero(self, offset: int, nbytes: int) -> None:
         self.buffer(offset, nbytes)  # bounds
@@ -251,17 +213,12 @@ class CudaHostMapping:
         if self.retired:
             return
         self._unregister()
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED
-        _mmap(self.address, self.length, _RW, flags, -1)
-        self.retired = True
+        super().retire()
 
     def close(self) -> None:
         """Unregister and unmap (only when no pointer into the range is left)."""
         self._unregister()
-        if self.length:
-            _LIBC.munmap(self.address, self.length)
-            self.length = 0
-            self.retired = True
+        super().close()
 
 
 # -- streams and events -----------------------------------------------------------------------

@@ -48,7 +48,8 @@ def _mmap(address: int | None, length: int, prot: int, flags: int, fd: int, what
 
 class SimMapping:
     """The chunks `fds` (each `chunk_bytes`), mapped in order from `address` in this process.
-    The fds stay the caller's: close them after mapping (the mapping keeps the memory)."""
+    The fds stay the caller's: close them after mapping (the mapping keeps the memory). Any
+    memfd-chunk lease maps this way: the cuda host lease is one, page-locked on top."""
 
     def __init__(self, fds: Sequence[int], chunk_bytes: int) -> None:
         if not fds or chunk_bytes <= 0:
@@ -80,3 +81,10 @@ class SimMapping:
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED
         _mmap(self.address, self.length, _RW, flags, -1, "retire the lease mapping")
         self.retired = True
+
+    def close(self) -> None:
+        """Unmap the range (only when no pointer into it is left)."""
+        if self.length:
+            _LIBC.munmap(self.address, self.length)
+            self.length = 0
+            self.retired = True
