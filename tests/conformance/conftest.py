@@ -24,7 +24,7 @@ from tidalpool.executor import Block
 from tidalpool.local import LocalDaemon
 
 from ..conftest import StartDaemon
-from ..gpu.conftest import gpu_missing
+from ..gpu.conftest import gpu_missing, nvml_used
 
 BACKENDS = ["sim", "cuda"]
 CHUNK = 2 << 20  # the suite's chunk size: small leases still span several chunks
@@ -139,13 +139,5 @@ def _memfd_resident_bytes(daemon: LocalDaemon) -> int:
 
 
 def _nvml_used_bytes(daemon: LocalDaemon) -> int:
-    import pynvml  # GPU only: the cuda backend is skipped where it is missing
-
-    pool, _ = status.fetch(daemon.socket_dir)
-    bus = pool.facts["pci_bus_id"]
-    pynvml.nvmlInit()
-    try:
-        info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByPciBusId(bus.encode()))
-        return int(info.total) - int(info.free)
-    finally:
-        pynvml.nvmlShutdown()
+    pool, _ = status.fetch(daemon.socket_dir)  # GPU only: cuda is skipped without one
+    return nvml_used(pool.facts["pci_bus_id"])

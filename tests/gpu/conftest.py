@@ -33,3 +33,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             why = why or gpu_missing()
             if why:
                 item.add_marker(pytest.mark.skip(reason=why))
+
+
+def nvml_used(bus: str) -> int:
+    """Bytes in use on the GPU at `bus` (NVML: total - free)."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByPciBusId(bus.encode()))
+        return int(info.total) - int(info.free)
+    finally:
+        pynvml.nvmlShutdown()

@@ -17,6 +17,7 @@ from tidalpool import status
 from tidalpool.local import LocalDaemon
 
 from ..conftest import StartDaemon
+from .conftest import nvml_used
 
 MiB = 1 << 20
 LEASE = 16 * MiB
@@ -50,18 +51,6 @@ del x, y
 s.close()
 print("closed", flush=True)
 """
-
-
-def nvml_used(bus: str) -> int:
-    """Bytes in use on the GPU at `bus` (NVML: total - free)."""
-    import pynvml
-
-    pynvml.nvmlInit()
-    try:
-        info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByPciBusId(bus.encode()))
-        return int(info.total) - int(info.free)
-    finally:
-        pynvml.nvmlShutdown()
 
 
 def spawn(

@@ -423,7 +423,11 @@ def test_the_lease_names_the_daemons_gpu_by_pci_bus_id(tmp_path: Path) -> None:
     session = registry.open(0, 0, "job", 1, os.getuid())
     lease = lease_message(session, backend)
     assert (lease.backend, lease.mode, lease.pci_bus_id) == ("cuda", "vmm", "0000:86:00.0")
-    assert lease_message(session, SimBackend(C, C, C)).pci_bus_id == ""
+    sim = SimBackend(C, C, C)
+    try:
+        assert lease_message(session, sim).pci_bus_id == ""
+    finally:
+        sim.close()
     registry.end(session.id, pool_pb2.Goodbye.REASON_DETACHED, "done")
     backend.close()
 
