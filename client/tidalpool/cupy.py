@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import math
 import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -29,6 +30,7 @@ from tidalpool.errors import InvalidBlock, TidalpoolError
 from tidalpool.executor import BestFit, Block
 
 if TYPE_CHECKING:
+    from tidalpool.devices.lease import CudaLease
     from tidalpool.session import Session
 
 log = logging.getLogger("tidalpool.cupy")
@@ -185,12 +187,31 @@ def op(
 
 
 def blocks_of(session: Session, items: Sequence[Any]) -> list[Block]:
-    """The blocks under `items`: CuPy arrays of `session` (allocated after `use(session)`) or
-    blocks themselves; InvalidBlock for anything else."""
-    if all(isinstance(item, Block) for item in items):
-        return list(items)
-    allocator = current()
-    if allocator.session is not session:
-        raise InvalidBlock("tidalpool.cupy.use() was called for another session")
-    allocator.collect()
-    return [item if isinstance(item, Block) else allocator.block_of(item) for item in items]
+    """The blocks under `items`: tensors of `session`, CuPy arrays of it (allocated after
+    `use(session)`) or blocks themselves; InvalidBlock for anything else."""
+    from tidalpool.numpy import Tensor
+
+    blocks = []
+    allocator = None
+    for item in items:
+        if isinstance(item, Block):
+            blocks.append(item)
+        elif isinstance(item, Tensor):
+            blocks.append(item.block)
+        else:
+            if allocator is None:
+                allocator = current()
+                if allocator.session is not session:
+                    raise InvalidBlock("tidalpool.cupy.use() was called for another session")
+                allocator.collect()
+            blocks.append(allocator.block_of(item))
+    return blocks
+
+
+def device_view(address: int, shape: tuple[int, ...], dtype: Any, lease: CudaLease) -> Any:
+    """A CuPy array over `shape` x `dtype` at a device address of the lease; it owns nothing,
+    and is valid as long as the bytes stay there (a tensor's: until its op ends)."""
+    cp = importlib.import_module("cupy").cuda
+    nbytes = max(math.prod(shape) * dtype.itemsize, 1)
+    memory = cp.UnownedMemory(address, nbytes, None, lease.ordinal)
+    return importlib.import_module("cupy").ndarray(shape, dtype, cp.MemoryPointer(memory, 0))

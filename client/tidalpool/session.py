@@ -264,10 +264,10 @@ class Session:
 
     def tensor(self, shape: int | Sequence[int], dtype: npt.DTypeLike = "float32") -> Tensor:
         """An array whose bytes may be swapped out between ops: compute on the views `op`
-        yields. Freed by `release` or once it is garbage. Sim backend only."""
+        yields (NumPy arrays on sim, CuPy arrays on cuda). Freed by `release` or once it is
+        garbage."""
         from tidalpool.numpy import Tensor
 
-        self._need_host_memory("tensor")
         if self._dead:
             self._free_dead()
         return Tensor(self, shape, dtype)
@@ -297,8 +297,9 @@ class Session:
         and writes and its time. Yields one array per item, reads then writes, to compute on:
         a session array itself, a view of a tensor's bytes, a uint8 view of a block's bytes.
         With swapping, they are all on the device and locked there until the op ends; views
-        must not be used after it. On cuda the items are CuPy arrays of the session (see
-        `tidalpool.cupy`), yielded as they are, or blocks, yielded as their device address."""
+        must not be used after it. On cuda a tensor's view is a CuPy array over its device
+        bytes, a block is yielded as its device address, and CuPy arrays of the session (see
+        `tidalpool.cupy`) are yielded as they are."""
         from tidalpool.numpy import BYTE, Tensor, block_of, view
 
         if self._released:
@@ -307,7 +308,7 @@ class Session:
             self._free_dead()
         items = (*reads, *writes)
         if self.cuda is not None:
-            from tidalpool.cupy import blocks_of
+            from tidalpool.cupy import blocks_of, device_view
 
             blocks = blocks_of(self, items)
         else:
@@ -319,7 +320,10 @@ class Session:
         for i, (item, block, offset) in enumerate(zip(items, blocks, offsets, strict=True)):
             record(READ if i < len(reads) else WRITE, block.id)
             if self.cuda is not None:
-                views.append(base + offset if item is block else item)
+                if isinstance(item, Tensor):
+                    views.append(device_view(base + offset, item.shape, item.dtype, self.cuda))
+                else:
+                    views.append(base + offset if item is block else item)
             elif item is block:
                 views.append(view(base + offset, (block.size,), BYTE))
             elif isinstance(item, Tensor):

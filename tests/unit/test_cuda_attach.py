@@ -15,6 +15,7 @@ import types
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import tidalpool
 from tidalpool.devices.cuda import CudaDeviceMapping, CudaHostMapping, CudaStream
@@ -178,10 +179,25 @@ def test_a_failed_host_mapping_undoes_the_device_mapping(vmm: CudaDaemon) -> Non
 def test_numpy_views_are_refused_on_cuda(vmm: CudaDaemon) -> None:
     with tidalpool.attach(vmm.socket_dir, device_limit=C, driver=vmm.client()) as s:
         block = s.malloc(64)
-        for call in (lambda: s.array(4), lambda: s.tensor(4), lambda: s.buffer(block)):
+        for call in (lambda: s.array(4), lambda: s.buffer(block)):
             with pytest.raises(NotHostMemory, match=r"GPU memory .*tidalpool\.cupy"):
                 call()
         assert s.executor.live_blocks == 1  # nothing was allocated by the refusals
+
+
+def test_a_tensors_view_on_cuda_is_a_cupy_array_over_its_device_bytes(
+    vmm: CudaDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy())
+    with tidalpool.attach(vmm.socket_dir, device_limit=C, driver=vmm.client()) as s:
+        s.malloc(64)  # so the tensor's block is not at offset 0
+        t = s.tensor((3, 5), "float64")
+        with s.op([], [t], name="init") as (view,):
+            assert (view.shape, view.dtype) == ((3, 5), np.dtype("float64"))
+            assert view.data.ptr == s.device.address + t.block.offset
+            assert view.data.mem.size == 3 * 5 * 8
+            assert view.data.mem.device_id == 0
+            assert view.data.mem._owner is None  # owns nothing: the session frees the block
 
 
 def test_op_on_cuda_takes_cupy_arrays_and_blocks(

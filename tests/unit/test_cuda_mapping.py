@@ -346,6 +346,14 @@ class Array:
         self.data = data
 
 
+class NdArray(Array):
+    """`cupy.ndarray(shape, dtype, memptr)`: an array over memory it was given."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: Any, memptr: MemoryPointer) -> None:
+        super().__init__(memptr)
+        self.shape, self.dtype = shape, dtype
+
+
 def fake_cupy() -> types.SimpleNamespace:
     state: dict[str, Any] = {"allocator": "cupy-pool", "pinned": "cupy-pinned"}
     cuda = types.SimpleNamespace(
@@ -360,7 +368,7 @@ def fake_cupy() -> types.SimpleNamespace:
     )
     pool = types.SimpleNamespace(malloc="cupy-pinned")
     return types.SimpleNamespace(
-        cuda=cuda, state=state, get_default_pinned_memory_pool=lambda: pool
+        cuda=cuda, state=state, ndarray=NdArray, get_default_pinned_memory_pool=lambda: pool
     )
 
 
