@@ -124,7 +124,7 @@ class SwapStats:
     swap_ins: int
     stall_ns: int  # time ops and mallocs waited for copies
     scheduled_swaps: int  # swaps in the schedule in use (0: none, LRU only)
-    schedule_skips: int  # scheduled swaps that did not apply (block gone, locked or pinned)
+    schedule_skips: int  # scheduled swaps not applied (block gone, locked or pinned, or no room)
 
 
 class SwappingExecutor(Executor):
@@ -406,7 +406,7 @@ class SwappingExecutor(Executor):
                 if e.where == HOST:
                     self._bring_in(e)
             for e in (*needed, *ahead):
-                self._prefetch(e)
+                self._scheduled_in(e)
             compute = None if self._compute is None else self._compute()
             for e in (*entries, *needed):
                 if e.where == ARRIVING:
@@ -426,6 +426,14 @@ class SwappingExecutor(Executor):
             self._bring_in(e)
         finally:
             self._unlock([e])
+
+    def _scheduled_in(self, e: _Entry) -> None:
+        """A scheduled swap-in, best effort: with no room for it now (the op's own blocks and
+        pinned ones fill the limit) it is skipped, and the block comes in when an op needs it."""
+        try:
+            self._prefetch(e)
+        except LeaseExceeded:
+            self.schedule_skips += 1
 
     def _unlock(self, entries: list[_Entry]) -> None:
         lru = self._lru

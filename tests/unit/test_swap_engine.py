@@ -333,6 +333,18 @@ def test_schedule_skips_blocks_that_are_gone_or_locked(rigs: list[Rig]) -> None:
     assert r.ex.schedule_skips == 1
 
 
+def test_a_scheduled_swap_in_without_room_waits_for_the_op_that_needs_it(rig: Rig) -> None:
+    rig.ex.install_schedule([ScheduledSwap(block=0, out_after=0, in_before=2, in_at=1)])
+    rig.ex.begin_iteration()
+    a = rig.ex.malloc(KiB)
+    rig.op(a, write=b"a" * KiB)  # op 0, then a goes out
+    others = [rig.ex.malloc(KiB) for _ in range(4)]  # with a out, they fill the limit
+    rig.op(*others)  # op 1 locks all four: no room to bring a in early, so its swap-in waits
+    assert rig.where(a) == [HOST] and rig.ex.schedule_skips == 1
+    assert rig.op(a) == [b"a" * KiB]  # op 2 brings it in, evicting the least recently used
+    assert rig.ex.swap_stats().swap_ins == 1
+
+
 @pytest.mark.parametrize(
     ("swap", "message"),
     [
