@@ -7,6 +7,7 @@ must provide beyond the public API sits here, in hooks named for what they measu
   block_bytes(session, block)          the block's bytes as a writable memoryview
   mapped_files(address, length)        (dev, inode, name) of the files mapped in a range
   physical_device_probe(backend)       measures the physical memory behind the device chunks
+  host_copy(view), fill(view, values)  a tensor view's values to and from host memory
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import ctypes
 import importlib.util
 import os
 from collections.abc import Callable, Iterator
+from typing import Any
 
+import numpy as np
 import pytest
 import tidalpool
 from tidalpool import status
@@ -99,6 +102,19 @@ class DeviceBytes:
         src = ctypes.create_string_buffer(bytes(data), len(data))
         self._driver.memcpy_htod(DevicePtr(self._address + start), ctypes.addressof(src), len(data))
         self._driver.stream_synchronize(StreamHandle(0))
+
+
+def host_copy(view: Any) -> np.ndarray[Any, Any]:
+    """A tensor view's values in host memory (on cuda the view is a CuPy array)."""
+    return view if isinstance(view, np.ndarray) else view.get()
+
+
+def fill(view: Any, values: np.ndarray[Any, Any]) -> None:
+    """Write host values into a tensor view (on cuda a copy to the device)."""
+    if isinstance(view, np.ndarray):
+        view[:] = values
+    else:
+        view.set(values)
 
 
 def mapped_files(address: int, length: int) -> list[tuple[int, int, str]]:

@@ -36,14 +36,16 @@ x = cupy.arange(1 << 20, dtype=cupy.float32)
 with tpc.op(s, [x], [], name="double") as (xv,):
     y = xv * 2
 lo, hi = s.device.address, s.device.address + s.device.length
+last, total = float(y[-1]), float(y.sum())
+tpc.current().collect()  # frees the blocks of the temporaries CuPy has dropped
 print(json.dumps({
     "session": s.id,
     "mode": s.cuda.mode,
     "ordinal": s.cuda.ordinal,
     "bus": s.cuda.pci_bus_id,
     "in_lease": all(lo <= a.data.ptr < hi for a in (x, y)),
-    "last": float(y[-1]),
-    "sum": float(y.sum()),
+    "last": last,
+    "sum": total,
     "live_blocks": s.executor.live_blocks,
 }), flush=True)
 sys.stdin.readline()
@@ -113,7 +115,7 @@ def test_a_client_computes_in_its_lease_and_a_sigkill_gives_it_back(
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait(timeout=10)
+        proc.communicate(timeout=10)  # waits, and closes the pipes
     # The next client gets zeroed chunks and computes as the first did.
     proc, again = spawn(d)
     try:
