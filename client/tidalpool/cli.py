@@ -26,7 +26,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser(
-        "demo", help="train a NumPy network in a session (starts a sim daemon if none runs)"
+        "demo",
+        help="train a small network in a session (starts a daemon if none runs) and compare its"
+        " losses with the same training outside tidalpool",
+    )
+    demo.add_argument(
+        "--backend",
+        choices=("sim", "cuda"),
+        default="sim",
+        help="the daemon to start when none runs: sim (NumPy, host memory) or cuda (CuPy on"
+        " GPU 0); a running daemon is used whatever its backend (default sim)",
     )
     demo.add_argument(
         "--iterations",
@@ -73,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--limit must be a fraction in (0, 1]")
         if args.copy_gbps is not None and args.copy_gbps <= 0:
             parser.error("--copy-gbps must be positive")
-        ok = run(socket_dir, args.iterations, console, args.limit, args.copy_gbps)
+        ok = run(
+            socket_dir, args.iterations, console, args.limit, args.copy_gbps, backend=args.backend
+        )
         return 0 if ok else 1
 
     from tidalpool import status as status_view

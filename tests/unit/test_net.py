@@ -172,6 +172,26 @@ def test_kernels_compute_only_on_the_arrays_op_yields(plain_losses: list[float])
     assert mem.ops == 3 + 20 * 24
 
 
+def test_deeper_networks_train_on_any_conforming_memory() -> None:
+    # depth 4: 5 linear layers; each hidden layer adds 7 ops per iteration (linear forward,
+    # ReLU forward, mask and backward, weight and data gradients, SGD) and 1 at creation.
+    moving = MovingMemory()
+    losses = train(moving, iterations=6, depth=4, width=64, batch=32)
+    assert moving.ops == 5 + 6 * (24 + 2 * 7)
+    assert train(ArenaMemory(skew=4), iterations=6, depth=4, width=64, batch=32) == losses
+    assert losses[-1] < losses[0]
+    # Two more hidden layers keep two more activations (and their weights) live at the peak.
+    shallow = peak_live_bytes(width=64, batch=32)
+    deep = peak_live_bytes(width=64, batch=32, depth=4)
+    more_params = 2 * 2 * (64 * 64 + 64) * 4  # two layers' weights, biases and gradients
+    assert deep >= shallow + more_params + 2 * 32 * 64 * 4
+
+
+def test_a_network_needs_a_hidden_layer() -> None:
+    with pytest.raises(ValueError, match="depth must be at least 1, not 0"):
+        train(PlainMemory(), iterations=1, depth=0)
+
+
 def test_loss_does_not_depend_on_thread_count(plain_losses: list[float]) -> None:
     # OpenBLAS 0.3.31 gives other bits with 1 thread than with 2 or more; the network must not
     # use it. Two fresh processes (1 and 4 threads) run concurrently and print their losses.

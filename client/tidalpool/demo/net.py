@@ -1,10 +1,12 @@
-"""A small NumPy MLP whose every array comes from a `Memory`: the demo's training workload.
+"""A small MLP whose every array comes from a `Memory`: the demo's training workload (NumPy, or
+CuPy on a GPU).
 
-The network (64 -> width -> width -> 10, ReLU, softmax cross-entropy, plain SGD, float32) is
-written out kernel by kernel so that the memory holding it sees the tide of training: weights and
-gradients live for the whole run, activations from forward until their use in backward,
-temporaries for one or two kernels. What `Memory.array` returns is a handle: kernels compute only
-on the arrays `Memory.op` yields for it, so that a memory may move its bytes between ops (swapping).
+The network (64 -> width -> width -> 10 by default, more hidden layers with `depth`; ReLU,
+softmax cross-entropy, plain SGD, float32) is written out kernel by kernel so that the memory
+holding it sees the tide of training: weights and gradients live for the whole run, activations
+from forward until their use in backward, temporaries for one or two kernels. What `Memory.array`
+returns is a handle: kernels compute only on the arrays `Memory.op` yields for it, so that a
+memory may move its bytes between ops (swapping).
 
 Determinism: every result depends only on the values and shapes of the inputs, never on where the
 arrays lie nor on the thread count. Every kernel is one of NumPy's own single-threaded loops, which
@@ -12,11 +14,18 @@ sum in index order: element-wise ufuncs compute each element alone, float32 sums
 summation by index, the softmax max is exact in any order, the float64 loss only picks one exact
 value per row, and the matrix products go through `np.einsum` rather than BLAS (see `_matmul`).
 Hence `train(PlainMemory())` and `train(m)` for any other conforming `m` give equal losses.
+
+On a GPU the views a memory yields are CuPy arrays: the same `np.*` calls run CuPy's kernels
+(CuPy implements NumPy's `__array_ufunc__` and `__array_function__` protocols), host data is
+copied in by `_upload`, and the products go through cuBLAS. CuPy's kernels depend on the values
+and shapes too, not on the addresses, so `train(CupyMemory())` and a session's CuPy memory give
+equal losses (not equal to NumPy's: cuBLAS sums in another order than einsum).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -79,6 +88,27 @@ class PlainMemory:
         pass
 
 
+class CupyMemory:
+    """Plain CuPy (`cupy.empty` from CuPy's own memory pool): the baseline on a GPU."""
+
+    def __init__(self) -> None:
+        self._cp: Any = _cupy()
+
+    def array(self, shape: tuple[int, ...], dtype: DType) -> Handle:
+        return self._cp.empty(shape, dtype=dtype)
+
+    def release(self, arr: Handle) -> None:
+        pass
+
+    def op(
+        self, name: str, reads: Sequence[Array], writes: Sequence[Array]
+    ) -> contextlib.AbstractContextManager[tuple[Array, ...]]:
+        return contextlib.nullcontext((*reads, *writes))
+
+    def step(self) -> None:
+        pass
+
+
 @dataclass(frozen=True)
 class Dataset:
     """Unit-variance Gaussian blobs in host memory, the data loader's side."""
@@ -122,19 +152,33 @@ def _linear_create(
         mem.array((fan_out,), np.float32),
     )
     with mem.op(f"{name}.init", reads=[], writes=[layer.weight, layer.bias]) as (w, b):
-        rng.standard_normal(dtype=np.float32, out=w)
+        _upload(w, rng.standard_normal(w.shape, dtype=np.float32))
         np.multiply(w, np.float32(np.sqrt(gain / fan_in)), out=w)
         b.fill(0)
     return layer
 
 
 def _matmul(a: Array, b: Array, out: Array) -> None:
-    """out = a @ b in NumPy's own loop: bit-identical for any alignment and any thread count.
+    """out = a @ b. NumPy: in its own loop, bit-identical for any alignment and any thread count
+    (OpenBLAS sgemm, np.matmul, is alignment-independent too, but measured with OpenBLAS 0.3.31 it
+    gives other bits with 1 thread than with 2 or more; einsum costs ~1 ms per 128x256x256
+    product). CuPy: cuBLAS, whose results depend on the shapes, not on where the arrays lie."""
+    if isinstance(out, np.ndarray):
+        np.einsum("ik,kj->ij", a, b, out=out)
+    else:
+        _cupy().matmul(a, b, out=out)
 
-    OpenBLAS sgemm (np.matmul) is alignment-independent too, but measured with OpenBLAS 0.3.31 it
-    gives other bits with 1 thread than with 2 or more; einsum costs ~1 ms per 128x256x256 product.
-    """
-    np.einsum("ik,kj->ij", a, b, out=out)
+
+def _cupy() -> Any:
+    return importlib.import_module("cupy")
+
+
+def _upload(dst: Array, src: Array) -> None:
+    """dst[...] = src from host memory (a copy to the GPU when dst is a CuPy array)."""
+    if isinstance(dst, np.ndarray):
+        np.copyto(dst, src)
+    else:
+        dst.set(src)
 
 
 def _linear_forward(mem: Memory, layer: Linear, x: Handle) -> Handle:
@@ -245,11 +289,14 @@ def _cross_entropy(mem: Memory, probs: Handle, targets: Handle) -> float:
 
 
 class MLP:
-    """64 -> width -> width -> 10 with ReLU; parameters and gradients live as long as it does."""
+    """64 -> width -> ... -> width -> 10 with `depth` hidden layers and ReLU; parameters and
+    gradients live as long as it does."""
 
-    def __init__(self, mem: Memory, width: int, seed: int) -> None:
+    def __init__(self, mem: Memory, width: int, seed: int, depth: int = 2) -> None:
+        if depth < 1:
+            raise ValueError(f"depth must be at least 1, not {depth}")
         rng = np.random.default_rng(np.random.SeedSequence([seed, 1]))
-        sizes = (FEATURES, width, width, CLASSES)
+        sizes = (FEATURES, *[width] * depth, CLASSES)
         self.layers = [
             _linear_create(
                 mem, f"fc{i + 1}", fan_in, fan_out, 2.0 if fan_out != CLASSES else 1.0, rng
@@ -259,16 +306,17 @@ class MLP:
 
     def train_step(self, mem: Memory, inputs: Array, targets: Array) -> float:
         """Forward, backward and SGD update on one host batch; returns the batch's loss."""
-        fc1, fc2, fc3 = self.layers
+        *hidden, head = self.layers
         x = mem.array(inputs.shape, np.float32)
         t = mem.array(targets.shape, np.float32)
         with mem.op("load_batch", reads=[], writes=[x, t]) as (x_, t_):
-            np.copyto(x_, inputs)
-            np.copyto(t_, targets)
+            _upload(x_, inputs)
+            _upload(t_, targets)
 
-        h1 = _relu_forward(mem, "relu1", _linear_forward(mem, fc1, x))
-        h2 = _relu_forward(mem, "relu2", _linear_forward(mem, fc2, h1))
-        probs = _softmax(mem, _linear_forward(mem, fc3, h2))
+        acts = [x]  # acts[i]: the input of hidden layer i (x, then each ReLU's output)
+        for i, layer in enumerate(hidden):
+            acts.append(_relu_forward(mem, f"relu{i + 1}", _linear_forward(mem, layer, acts[i])))
+        probs = _softmax(mem, _linear_forward(mem, head, acts[-1]))
         loss = _cross_entropy(mem, probs, t)
 
         dlogits = mem.array(probs.shape, np.float32)
@@ -282,16 +330,15 @@ class MLP:
         mem.release(probs)
         mem.release(t)
 
-        _linear_backward_weight(mem, fc3, h2, dlogits)
-        dh2 = _linear_backward_data(mem, fc3, dlogits)
+        _linear_backward_weight(mem, head, acts[-1], dlogits)
+        dh = _linear_backward_data(mem, head, dlogits)
         mem.release(dlogits)
-        dz2 = _relu_backward(mem, "relu2", h2, dh2)
-        _linear_backward_weight(mem, fc2, h1, dz2)
-        dh1 = _linear_backward_data(mem, fc2, dz2)
-        mem.release(dz2)
-        dz1 = _relu_backward(mem, "relu1", h1, dh1)
-        _linear_backward_weight(mem, fc1, x, dz1)  # no dx: x is data
-        mem.release(dz1)
+        for i in reversed(range(len(hidden))):
+            dz = _relu_backward(mem, f"relu{i + 1}", acts[i + 1], dh)
+            _linear_backward_weight(mem, hidden[i], acts[i], dz)
+            if i > 0:
+                dh = _linear_backward_data(mem, hidden[i], dz)
+            mem.release(dz)  # no dx for the first layer: x is data
         mem.release(x)
 
         lr = np.float32(LEARNING_RATE)
@@ -312,6 +359,7 @@ def train(
     on_iteration: Callable[[int, float], None] | None = None,
     width: int = 256,
     batch: int = 128,
+    depth: int = 2,
 ) -> list[float]:
     """Trains a fresh MLP for `iterations` steps; returns the loss of each (0-based) iteration.
 
@@ -319,7 +367,7 @@ def train(
     array is obtained and released within one iteration. `on_iteration(i, loss)` follows each.
     """
     data = make_dataset(seed, batch)
-    model = MLP(mem, width, seed)
+    model = MLP(mem, width, seed, depth)
     losses: list[float] = []
     for i in range(iterations):
         mem.step()
@@ -331,34 +379,54 @@ def train(
     return losses
 
 
-class _CountingMemory(PlainMemory):
-    """PlainMemory that counts the bytes of arrays obtained and not yet released."""
+class _CountingMemory:
+    """Another memory (PlainMemory by default) that counts the bytes of arrays obtained and not
+    yet released."""
 
-    def __init__(self) -> None:
+    def __init__(self, base: Memory | None = None) -> None:
+        self.base: Memory = PlainMemory() if base is None else base
         self.live = 0
         self.peak = 0
 
-    def array(self, shape: tuple[int, ...], dtype: DType) -> Array:
-        arr = super().array(shape, dtype)
+    def array(self, shape: tuple[int, ...], dtype: DType) -> Handle:
+        arr = self.base.array(shape, dtype)
         self.live += arr.nbytes
         self.peak = max(self.peak, self.live)
         return arr
 
-    def release(self, arr: Array) -> None:
+    def release(self, arr: Handle) -> None:
         self.live -= arr.nbytes
+        self.base.release(arr)
+
+    def op(
+        self, name: str, reads: Sequence[Handle], writes: Sequence[Handle]
+    ) -> contextlib.AbstractContextManager[tuple[Array, ...]]:
+        return self.base.op(name, reads, writes)
+
+    def step(self) -> None:
+        self.base.step()
 
 
 def peak_live_bytes(
-    iterations: int = 2, *, seed: int = 0, width: int = 256, batch: int = 128
+    iterations: int = 2,
+    *,
+    seed: int = 0,
+    width: int = 256,
+    batch: int = 128,
+    depth: int = 2,
+    base: Memory | None = None,
 ) -> int:
-    """Peak bytes live at once (persistent parameters and gradients included) during `train`."""
-    mem = _CountingMemory()
-    train(mem, iterations, seed=seed, width=width, batch=batch)
+    """Peak bytes live at once (persistent parameters and gradients included) during `train`,
+    run on `base` (PlainMemory by default; CupyMemory to measure it on a GPU)."""
+    mem = _CountingMemory(base)
+    train(mem, iterations, seed=seed, width=width, batch=batch, depth=depth)
     return mem.peak
 
 
-def persistent_bytes(*, seed: int = 0, width: int = 256, batch: int = 128) -> int:
+def persistent_bytes(
+    *, seed: int = 0, width: int = 256, batch: int = 128, depth: int = 2, base: Memory | None = None
+) -> int:
     """Bytes of the parameters and gradients: what stays live between iterations."""
-    mem = _CountingMemory()
-    train(mem, 1, seed=seed, width=width, batch=batch)
+    mem = _CountingMemory(base)
+    train(mem, 1, seed=seed, width=width, batch=batch, depth=depth)
     return mem.live

@@ -1,8 +1,11 @@
-"""`tidalpool demo`: train a NumPy network with every tensor in a session.
+"""`tidalpool demo`: train a small network with every tensor in a session.
 
-Starts a sim daemon in a temporary directory unless one answers in the socket
-directory, trains 20 iterations with a live table, then trains the same
-network with plain NumPy and compares the losses bit for bit. With a limit
+Starts a daemon (`--backend sim` or `cuda`) in a temporary directory unless one
+answers in the socket directory, trains 20 iterations with a live table, then
+trains the same network outside tidalpool and compares the losses bit for bit:
+with NumPy in host memory on the sim backend, with CuPy on the GPU on cuda
+(there every CuPy allocation of the run comes from the lease too, through
+`tidalpool.cupy`; the baseline uses CuPy's own memory pool). With a limit
 (a fraction of the network's peak live bytes), the session swaps: the table
 shows the bytes swapped out and in and the time ops waited for copies; the
 demo then waits, once, for the daemon's swap plan so that the rest of the run
@@ -11,6 +14,7 @@ follows it.
 
 from __future__ import annotations
 
+import importlib
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -25,7 +29,7 @@ from rich.live import Live
 from rich.table import Table
 
 import tidalpool
-from tidalpool.demo.net import PlainMemory, peak_live_bytes, train
+from tidalpool.demo.net import CupyMemory, Memory, PlainMemory, peak_live_bytes, train
 from tidalpool.local import LocalDaemon, is_serving
 from tidalpool.numpy import Tensor
 from tidalpool.session import Session, SessionStats
@@ -77,20 +81,27 @@ def run(
     console: Console | None = None,
     limit: float | None = None,
     copy_gbps: float | None = None,
+    backend: str = "sim",
 ) -> bool:
-    """Run the demo; True when the losses are bit-identical to plain NumPy.
+    """Run the demo; True when the losses are bit-identical to the same training outside
+    tidalpool (plain NumPy on sim, plain CuPy on cuda).
 
     `limit`: swap to keep the device bytes held at or under this fraction of the network's peak
-    live bytes; `copy_gbps` throttles the swap copies."""
+    live bytes; `copy_gbps` throttles the swap copies; `backend`: the daemon to start when none
+    answers in `socket_dir`."""
     console = console or Console()
     with ExitStack() as stack:
         if is_serving(socket_dir):
             console.print(f"using the daemon at [bold]{socket_dir}[/]")
         else:
+            if backend == "cuda":
+                _cupy_or_exit()
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="tidalpool-demo-")))
-            console.print(f"no daemon at {socket_dir}: starting a sim daemon in [bold]{tmp}[/]")
+            console.print(
+                f"no daemon at {socket_dir}: starting a {backend} daemon in [bold]{tmp}[/]"
+            )
             daemon = stack.enter_context(
-                LocalDaemon.start(tmp, device_pool="1GiB", host_pool="1GiB")
+                LocalDaemon.start(tmp, device_pool="1GiB", host_pool="1GiB", backend=backend)
             )
             socket_dir = daemon.socket_dir
 
@@ -107,12 +118,16 @@ def run(
                 copy_gbps=copy_gbps,
             )
         )
+        baseline: Memory = PlainMemory()
+        if session.cuda is not None:
+            baseline = _use_gpu(session, stack)
+        where = "sim" if session.cuda is None else f"cuda, GPU {session.cuda.pci_bus_id}"
         console.print(
-            f"session {session.id}: device lease {format_size(session.device.length)}, "
+            f"session {session.id} ({where}): device lease {format_size(session.device.length)}, "
             f"network peak {format_size(peak)} live"
             + ("" if swap_limit is None else f", swap limit {format_size(swap_limit)} ({limit:g})")
         )
-        table = Table(title="training with tidalpool (sim backend)")
+        table = Table(title=f"training with tidalpool ({where})")
         columns = ["iter", "loss", "mode", "live", "footprint", "plan hits", "misses", "events"]
         if swap_limit is not None:
             columns += ["resident", "swapped out", "swapped in", "stall"]
@@ -175,14 +190,38 @@ def run(
         )
     else:
         console.print(f"no plan arrived in {len(rows)} iterations: the session kept learning")
-    plain = train(PlainMemory(), iterations=iterations)
+    plain = train(baseline, iterations=iterations)
+    name = "plain NumPy" if isinstance(baseline, PlainMemory) else "plain CuPy"
     same = pooled == plain
     if same:
         console.print(
-            f"[green]losses bit-identical to plain NumPy over {iterations} iterations[/] "
+            f"[green]losses bit-identical to {name} over {iterations} iterations[/] "
             f"(first {plain[0]!r}, last {plain[-1]!r})"
         )
     else:
         diff = [i for i, (a, b) in enumerate(zip(pooled, plain, strict=True)) if a != b]
-        console.print(f"[red]losses differ from plain NumPy at iterations {diff}[/]")
+        console.print(f"[red]losses differ from {name} at iterations {diff}[/]")
     return same
+
+
+def _cupy_or_exit() -> Any:
+    try:
+        return importlib.import_module("cupy")
+    except ImportError:
+        raise SystemExit(
+            "tidalpool demo on the cuda backend trains with CuPy, which is not installed:"
+            " pip install 'tidalpool[cupy,cuda]'"
+        ) from None
+
+
+def _use_gpu(session: Session, stack: ExitStack) -> Memory:
+    """On cuda: CuPy on the lease's GPU, every CuPy allocation from the lease until the demo
+    ends; returns the baseline memory (plain CuPy)."""
+    import tidalpool.cupy as tpc
+
+    cupy = _cupy_or_exit()
+    assert session.cuda is not None
+    cupy.cuda.Device(session.cuda.ordinal).use()
+    tpc.use(session, pinned=False)
+    stack.callback(tpc.stop)
+    return CupyMemory()
