@@ -165,7 +165,12 @@ def _step_times(mem: Memory, iterations: int, shape: dict[str, int], on: Any = N
 
 
 def bench_train(
-    socket_dir: Path, shape: dict[str, int], iterations: int, warmup: int, rounds: int
+    socket_dir: Path,
+    shape: dict[str, int],
+    iterations: int,
+    warmup: int,
+    rounds: int,
+    limits: list[float],
 ) -> dict[str, Any]:
     peak = peak_live_bytes(1, **shape, base=CupyMemory())
     persistent = persistent_bytes(**shape, base=CupyMemory())
@@ -221,21 +226,23 @@ def bench_train(
         "warmup": warmup,
         "rounds": rounds,
     }
-    runs: dict[str, list[float]] = {"plain": [], "tidalpool": [], "limit": []}
+    runs: dict[str, list[float]] = {"plain": [], "tidalpool": []}
+    runs |= {f"limit {f:g}": [] for f in limits}
     infos: dict[str, Any] = {}
     for r in range(rounds):  # interleaved, so drift hits every variant alike
         runs["plain"] += plain()
         t, infos["tidalpool"] = pooled(None)
         runs["tidalpool"] += t
-        t, infos["limit"] = pooled(peak // 2)
-        runs["limit"] += t
+        for f in limits:
+            t, infos[f"limit {f:g}"] = pooled(int(peak * f))
+            runs[f"limit {f:g}"] += t
         medians = (f"{k} {statistics.median(v) * 1e3:.3f} ms" for k, v in runs.items())
         log(f"train round {r}: " + ", ".join(medians))
     med = {k: statistics.median(v) for k, v in runs.items()}
     result |= {
         "step_ms_median": {k: v * 1e3 for k, v in med.items()},
         "throughput_vs_plain": med["plain"] / med["tidalpool"],
-        "limit_overhead": med["limit"] / med["plain"] - 1,
+        "limit_overhead": {f: med[f"limit {f:g}"] / med["plain"] - 1 for f in limits},
         "info": infos,
     }
     log(f"train: {result}")
@@ -249,6 +256,9 @@ def main() -> int:
     ap.add_argument("--width", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=2048)
     ap.add_argument("--depth", type=int, default=8, help="hidden layers")
+    ap.add_argument(
+        "--limits", default="0.5", help="swap limits to train under, as fractions of the peak"
+    )
     ap.add_argument("--iterations", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
@@ -283,6 +293,7 @@ def main() -> int:
                     args.iterations,
                     args.warmup,
                     args.rounds,
+                    [float(f) for f in args.limits.split(",")],
                 )
     text = json.dumps(results, indent=2, default=str)
     print(text)

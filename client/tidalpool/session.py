@@ -9,8 +9,9 @@ allocates inside the mapped lease and the recorder appends an event. With a
 in the host lease while the device bytes held stay under the limit.
 
 On the cuda backend the device lease is GPU memory: NumPy cannot view it, so
-`array`, `tensor` and `buffer` refuse, and arrays come from `tidalpool.cupy`
-(CuPy allocates from the lease); `op` takes CuPy arrays and raw blocks.
+`array` and `buffer` refuse, and arrays come from `tidalpool.cupy` (CuPy
+allocates from the lease); `op` takes CuPy arrays, raw blocks and tensors (whose
+views are then CuPy arrays).
 """
 
 from __future__ import annotations
