@@ -485,14 +485,22 @@ class Session:
 
     def _beat(self) -> None:
         while not self._stop.wait(self._heartbeat_s):
-            ex = self.executor
-            self._outbox.put(
-                pool_pb2.ClientMessage(
-                    heartbeat=pool_pb2.Heartbeat(
-                        device_used_bytes=ex.used_bytes, device_peak_bytes=ex.peak_live_bytes
-                    )
-                )
-            )
+            self._outbox.put(pool_pb2.ClientMessage(heartbeat=self._heartbeat()))
+
+    def _heartbeat(self) -> pool_pb2.Heartbeat:
+        """The session as the daemon's metrics show it: bytes held now, counts since attach."""
+        ex = self.executor
+        beat = pool_pb2.Heartbeat(
+            device_used_bytes=ex.used_bytes,
+            device_peak_bytes=ex.peak_live_bytes,
+            plan_misses=ex.plan_misses,
+        )
+        if isinstance(ex, SwappingExecutor):
+            beat.host_used_bytes = ex.host_used_bytes
+            beat.swapped_out_bytes = ex.swapped_out_bytes
+            beat.swapped_in_bytes = ex.swapped_in_bytes
+            beat.swap_stall_ns = ex.stall_ns
+        return beat
 
 
 def _cuda_streams(cuda: CudaLease | None) -> dict[str, Any]:

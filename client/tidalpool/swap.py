@@ -357,6 +357,11 @@ class SwappingExecutor(Executor):
     def limit(self) -> int:
         return self._limit
 
+    @property
+    def host_used_bytes(self) -> int:
+        """Bytes of the host lease holding swapped-out blocks."""
+        return self._host.used_bytes
+
     def swap_stats(self) -> SwapStats:
         return SwapStats(
             limit=self._limit,

@@ -60,14 +60,22 @@ class ClientMessage(_message.Message):
     def __init__(self, heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., trace: _Optional[_Union[TraceChunk, _Mapping]] = ..., step: _Optional[_Union[StepMark, _Mapping]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("device_used_bytes", "device_peak_bytes", "host_used_bytes")
+    __slots__ = ("device_used_bytes", "device_peak_bytes", "host_used_bytes", "plan_misses", "swapped_out_bytes", "swapped_in_bytes", "swap_stall_ns")
     DEVICE_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
     HOST_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PLAN_MISSES_FIELD_NUMBER: _ClassVar[int]
+    SWAPPED_OUT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SWAPPED_IN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SWAP_STALL_NS_FIELD_NUMBER: _ClassVar[int]
     device_used_bytes: int
     device_peak_bytes: int
     host_used_bytes: int
-    def __init__(self, device_used_bytes: _Optional[int] = ..., device_peak_bytes: _Optional[int] = ..., host_used_bytes: _Optional[int] = ...) -> None: ...
+    plan_misses: int
+    swapped_out_bytes: int
+    swapped_in_bytes: int
+    swap_stall_ns: int
+    def __init__(self, device_used_bytes: _Optional[int] = ..., device_peak_bytes: _Optional[int] = ..., host_used_bytes: _Optional[int] = ..., plan_misses: _Optional[int] = ..., swapped_out_bytes: _Optional[int] = ..., swapped_in_bytes: _Optional[int] = ..., swap_stall_ns: _Optional[int] = ...) -> None: ...
 
 class TraceChunk(_message.Message):
     __slots__ = ("first_event", "kinds", "block_ids", "sizes", "durations_ns", "name_ids", "new_names")
