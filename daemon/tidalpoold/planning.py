@@ -21,6 +21,7 @@ import tempfile
 import threading
 import time
 from bisect import bisect_left
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,7 +31,7 @@ from tidalpool.v1 import pool_pb2
 
 from tidalpoold.planner.model import Iteration, Placement, Problem
 from tidalpoold.planner.simulate import SwapPlan
-from tidalpoold.sessions import Session
+from tidalpoold.sessions import PlanFootprint, Session
 from tidalpoold.settings import Settings
 
 if TYPE_CHECKING:
@@ -103,9 +104,17 @@ class PlanCache:
 class Planner:
     """Queues sessions for planning and runs the pure planner on one worker thread."""
 
-    def __init__(self, settings: Settings, copy_gbps: float = DEFAULT_COPY_GBPS) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        copy_gbps: float = DEFAULT_COPY_GBPS,
+        on_planned: Callable[[str, float], None] | None = None,
+    ) -> None:
+        """`on_planned(source, seconds)` is told of every plan sent: "cache" or "solve", and
+        the seconds it took from the trace to the stream (the daemon's metrics)."""
         self.settings = settings
         self.copy_gbps = copy_gbps  # for sessions whose copies are not throttled
+        self.on_planned = on_planned
         self.cache = PlanCache(settings.plan_cache_dir)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planner")
         self._queued: set[str] = set()
@@ -206,7 +215,10 @@ class Planner:
             plan.plan_id = self._next_plan_id
             self._next_plan_id += 1
         seconds = time.perf_counter() - started
+        session.plan = PlanFootprint(plan.height_bytes, bound)
         session.outbox.put(pool_pb2.ServerMessage(plan=plan))
+        if self.on_planned is not None:
+            self.on_planned("cache" if source == "cache" else "solve", seconds)
         log.info(
             "plan.sent",
             extra={

@@ -20,7 +20,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import TypeAlias
 
 from tidalpool.v1 import common_pb2, pool_pb2
@@ -34,6 +34,36 @@ from tidalpoold.trace import TraceStore
 log = logging.getLogger("tidalpoold.sessions")
 
 Reason: TypeAlias = pool_pb2.Goodbye.Reason
+
+
+@dataclass
+class Counts:
+    """What a client counts from its attach on and reports in its heartbeats."""
+
+    plan_misses: int = 0
+    swapped_out_bytes: int = 0
+    swapped_in_bytes: int = 0
+    swap_stall_ns: int = 0
+
+    def advance(self, beat: pool_pb2.Heartbeat, totals: Counts) -> None:
+        """Take the heartbeat's counts, adding what each grew by to `totals` (a count that
+        went down, which a client never sends, is ignored)."""
+        for name in _COUNTS:
+            new, old = getattr(beat, name), getattr(self, name)
+            if new > old:
+                setattr(totals, name, getattr(totals, name) + new - old)
+                setattr(self, name, new)
+
+
+_COUNTS = tuple(f.name for f in fields(Counts))
+
+
+@dataclass(frozen=True, slots=True)
+class PlanFootprint:
+    """The bytes of a session's latest placement plan and the lower bound of its problem."""
+
+    height_bytes: int
+    lower_bound_bytes: int
 
 
 @dataclass(eq=False)
@@ -58,6 +88,8 @@ class Session:
     host_used: int = 0
     swap_limit: int = 0  # device bytes the client keeps itself under by swapping; 0: no swapping
     copy_gbps: float = 0.0  # the client's swap copy bandwidth; 0: not throttled
+    counts: Counts = field(default_factory=Counts)
+    plan: PlanFootprint | None = None  # set by the planner's thread, as one value
     # What the Session stream sends to the client; None closes the stream.
     outbox: queue.SimpleQueue[pool_pb2.ServerMessage | None] = field(
         default_factory=queue.SimpleQueue
@@ -117,6 +149,8 @@ class Registry:
         self._by_token: dict[str, Session] = {}
         self.attached_total = 0
         self.ended_total: dict[str, int] = {}
+        self.counts = Counts()  # of every session, ended ones included
+        self.ended_events = 0  # trace events received from sessions that ended
 
     # -- birth ------------------------------------------------------------------
     def open(
@@ -198,6 +232,7 @@ class Registry:
                 session.device_used = heartbeat.device_used_bytes
                 session.device_peak = max(session.device_peak, heartbeat.device_peak_bytes)
                 session.host_used = heartbeat.host_used_bytes
+                session.counts.advance(heartbeat, self.counts)
 
     # -- death ------------------------------------------------------------------
     def end(self, session_id: str, reason: Reason, message: str) -> Session:
@@ -211,6 +246,7 @@ class Registry:
             del self._by_token[session.token]
             name = Reason.Name(reason).removeprefix("REASON_").lower()
             self.ended_total[name] = self.ended_total.get(name, 0) + 1
+            self.ended_events += session.trace.events_received
         device = self._scrubbed("device", session.device)
         host = self._scrubbed("host", session.host)
         with self._lock:
@@ -295,6 +331,33 @@ class Registry:
                 _usage(self.device, used_device),
                 _usage(self.host, used_host),
             )
+
+    def snapshot(self) -> Snapshot:
+        """A consistent copy of the registry's numbers, for metrics."""
+        with self._lock:
+            sessions = sorted(self._by_id.values(), key=lambda s: s.created)
+            return Snapshot(
+                device=_usage(self.device, sum(s.device_used for s in sessions)),
+                host=_usage(self.host, sum(s.host_used for s in sessions)),
+                sessions=tuple(replace(s, counts=replace(s.counts)) for s in sessions),
+                attached_total=self.attached_total,
+                ended_total=dict(self.ended_total),
+                counts=replace(self.counts),
+                events_received=self.ended_events + sum(s.trace.events_received for s in sessions),
+            )
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The registry at one instant: pool usage, copies of the live sessions, totals."""
+
+    device: common_pb2.PoolUsage
+    host: common_pb2.PoolUsage
+    sessions: tuple[Session, ...]
+    attached_total: int
+    ended_total: dict[str, int]  # by reason: detached, evicted, shutdown
+    counts: Counts  # heartbeat counts of every session, ended ones included
+    events_received: int  # trace events of every session, ended ones included
 
 
 def _usage(account: PoolAccount, used: int) -> common_pb2.PoolUsage:
