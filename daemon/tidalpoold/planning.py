@@ -110,8 +110,8 @@ class Planner:
         copy_gbps: float = DEFAULT_COPY_GBPS,
         on_planned: Callable[[str, float], None] | None = None,
     ) -> None:
-        """`on_planned(source, seconds)` is told of every plan sent: "cache" or "solve", and
-        the seconds it took from the trace to the stream (the daemon's metrics)."""
+        """`on_planned(outcome, seconds)` is told of every plan sent: "cached" or "solved",
+        and the seconds it took from the trace to the stream (the daemon's metrics)."""
         self.settings = settings
         self.copy_gbps = copy_gbps  # for sessions whose copies are not throttled
         self.on_planned = on_planned
@@ -218,7 +218,7 @@ class Planner:
         session.plan = PlanFootprint(plan.height_bytes, bound)
         session.outbox.put(pool_pb2.ServerMessage(plan=plan))
         if self.on_planned is not None:
-            self.on_planned("cache" if source == "cache" else "solve", seconds)
+            self.on_planned("cached" if source == "cache" else "solved", seconds)
         log.info(
             "plan.sent",
             extra={

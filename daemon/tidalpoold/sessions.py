@@ -336,24 +336,57 @@ class Registry:
         """A consistent copy of the registry's numbers, for metrics."""
         with self._lock:
             sessions = sorted(self._by_id.values(), key=lambda s: s.created)
+            views = tuple(
+                SessionNumbers(
+                    id=s.id,
+                    job_name=s.job_name,
+                    state=s.state,
+                    device_lease=s.device.length,
+                    host_lease=s.host.length,
+                    device_used=s.device_used,
+                    device_peak=s.device_peak,
+                    host_used=s.host_used,
+                    events_received=s.trace.events_received,
+                    counts=replace(s.counts),
+                    plan=s.plan,
+                )
+                for s in sessions
+            )
             return Snapshot(
                 device=_usage(self.device, sum(s.device_used for s in sessions)),
                 host=_usage(self.host, sum(s.host_used for s in sessions)),
-                sessions=tuple(replace(s, counts=replace(s.counts)) for s in sessions),
+                sessions=views,
                 attached_total=self.attached_total,
                 ended_total=dict(self.ended_total),
                 counts=replace(self.counts),
-                events_received=self.ended_events + sum(s.trace.events_received for s in sessions),
+                events_received=self.ended_events + sum(v.events_received for v in views),
             )
+
+
+@dataclass(frozen=True, slots=True)
+class SessionNumbers:
+    """One live session's numbers at a snapshot."""
+
+    id: str
+    job_name: str
+    state: str  # pending or attached
+    device_lease: int
+    host_lease: int
+    device_used: int
+    device_peak: int
+    host_used: int
+    events_received: int
+    counts: Counts  # a copy
+    plan: PlanFootprint | None
 
 
 @dataclass(frozen=True)
 class Snapshot:
-    """The registry at one instant: pool usage, copies of the live sessions, totals."""
+    """The registry at one instant: pool usage, the live sessions' numbers, totals."""
 
     device: common_pb2.PoolUsage
     host: common_pb2.PoolUsage
-    sessions: tuple[Session, ...]
+    sessions: tuple[SessionNumbers, ...]  # oldest first
     attached_total: int
     ended_total: dict[str, int]  # by reason: detached, evicted, shutdown
     counts: Counts  # heartbeat counts of every session, ended ones included
