@@ -14,6 +14,7 @@ import threading
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
+from wsgiref.simple_server import WSGIServer
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -21,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from tidalpoold.backends import Backend, open_backend
 from tidalpoold.handles import HandlesServer
+from tidalpoold.metrics import DaemonCollector, Metrics
 from tidalpoold.planning import Planner, copy_gbps_of
 from tidalpoold.services import AdminService, PoolService
 from tidalpoold.sessions import Reason, Registry
@@ -42,7 +44,13 @@ class Daemon:
     handles_socket: Path
     _stop: threading.Event
     _reaper: threading.Thread
+    metrics_server: WSGIServer | None = None  # None: metrics_address ""
     _shutdown_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def metrics_address(self) -> str:
+        """host:port the metrics are served on, the port as bound ("" for nowhere)."""
+        return _address_of(self.metrics_server)
 
     def shutdown(self, reason: str = "daemon shutting down") -> None:
         """Tell every session, stop serving, remove the sockets, free the pools. Once."""
@@ -61,6 +69,9 @@ class Daemon:
             self.registry.end_quietly(session.id, Reason.REASON_SHUTDOWN, reason)
         self.grpc_server.stop(self.settings.shutdown_grace_s).wait()
         self.planner.close()
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
+            self.metrics_server.server_close()
         self._stop.set()
         self._reaper.join(timeout=2)
         self.grpc_socket.unlink(missing_ok=True)
@@ -69,12 +80,27 @@ class Daemon:
 
 
 def build_daemon(settings: Settings) -> Daemon:
-    """Allocate the pools and start listening on both sockets."""
+    """Allocate the pools and start listening on both sockets (and the metrics address)."""
     socket_dir = settings.socket_dir
     socket_dir.mkdir(parents=True, exist_ok=True)
     for path in (settings.grpc_socket, settings.handles_socket):
         _remove_stale_socket(path)
 
+    # Metrics first: an address that cannot be served stops the start before any pool is made.
+    metrics = Metrics(gpu=str(settings.gpu)) if settings.metrics_address else None
+    metrics_server = metrics.serve(settings.metrics_address) if metrics else None
+    try:
+        return _build(settings, metrics, metrics_server)
+    except BaseException:
+        if metrics_server is not None:
+            metrics_server.shutdown()
+            metrics_server.server_close()
+        raise
+
+
+def _build(
+    settings: Settings, metrics: Metrics | None, metrics_server: WSGIServer | None
+) -> Daemon:
     chunk = settings.chunk_size
     make_undumpable()
     open_files = ensure_fd_room(settings.device_chunks + settings.host_chunks, settings)
@@ -99,7 +125,13 @@ def build_daemon(settings: Settings) -> Daemon:
         cuda_mode=settings.cuda_mode,
     )
     registry = Registry(settings, backend)
-    planner = Planner(settings, copy_gbps=copy_gbps_of(backend))
+    planner = Planner(
+        settings,
+        copy_gbps=copy_gbps_of(backend),
+        on_planned=metrics.on_planned if metrics else None,
+    )
+    if metrics is not None:
+        metrics.add(DaemonCollector(registry, planner, backend.facts))
     pool, admin = PoolService(registry, planner), AdminService(registry)
 
     # A Session stream holds a worker for its lifetime: room for every session, and then some.
@@ -108,6 +140,7 @@ def build_daemon(settings: Settings) -> Daemon:
             max_workers=settings.max_sessions + 16, thread_name_prefix="grpc"
         ),
         options=[("grpc.so_reuseport", 0)],
+        interceptors=[metrics.rpc] if metrics else [],
     )
     server.add_generic_rpc_handlers((pool.handler(), admin.handler()))
     health_servicer = health.HealthServicer()
@@ -141,6 +174,7 @@ def build_daemon(settings: Settings) -> Daemon:
             "open_files": open_files,
             "grpc": str(settings.grpc_socket),
             "handles": str(settings.handles_socket),
+            "metrics": _address_of(metrics_server),  # the bound port, for port 0
             "settings": describe(settings),
         },
     )
@@ -156,7 +190,16 @@ def build_daemon(settings: Settings) -> Daemon:
         handles_socket=settings.handles_socket,
         _stop=stop,
         _reaper=reaper,
+        metrics_server=metrics_server,
     )
+
+
+def _address_of(server: WSGIServer | None) -> str:
+    """Where metrics are served ("" for nowhere), with the port as bound."""
+    if server is None:
+        return ""
+    host = str(server.server_address[0])
+    return f"[{host}]:{server.server_port}" if ":" in host else f"{host}:{server.server_port}"
 
 
 _PR_SET_DUMPABLE = 4

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -171,3 +172,33 @@ def test_a_second_daemon_on_the_same_directory_is_refused(daemon: LocalDaemon) -
     assert "another daemon is listening" in out.stderr
     assert time.monotonic() - started < 30
     assert is_serving(Path(daemon.socket_dir))
+
+
+def serve_quickly(*args: str) -> subprocess.CompletedProcess[str]:
+    """`tidalpoold serve` with small pools in a fresh directory; for starts that fail."""
+    with tempfile.TemporaryDirectory(prefix="tp-", dir="/tmp") as d:
+        return subprocess.run(
+            [sys.executable, "-m", "tidalpoold", "serve", "--socket-dir", d, "--device-pool",
+             "8MiB", "--host-pool", "8MiB", "--default-device-lease", "2MiB",
+             "--default-host-lease", "2MiB", "--chunk-size", "2MiB", "--plan-cache-dir", d,
+             *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )  # fmt: skip
+
+
+def test_a_metrics_address_that_cannot_be_served_stops_the_start_naming_it() -> None:
+    malformed = serve_quickly("--metrics-address", "localhost")
+    assert malformed.returncode == 2
+    assert "metrics_address: must be host:port" in malformed.stderr
+    assert "'localhost' from --metrics-address" in malformed.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        in_use = serve_quickly("--metrics-address", address)
+    assert in_use.returncode == 1
+    assert f"cannot serve metrics on metrics_address '{address}': Address already in use" in (
+        in_use.stderr
+    )
