@@ -1,0 +1,1 @@
+"""Helpers of the tests and scripts that run next to the daemon: a Prometheus, a workload."""
