@@ -392,7 +392,9 @@ class Session:
         self.recorder.close()
         if self._goodbye is None:
             try:
-                self._stub.Detach(pool_pb2.DetachRequest(), metadata=self._metadata, timeout=10)
+                last = self._heartbeat()
+                request = pool_pb2.DetachRequest(last=last)
+                self._stub.Detach(request, metadata=self._metadata, timeout=10)
             except grpc.RpcError as e:
                 if e.code() != grpc.StatusCode.UNAUTHENTICATED:  # already ended daemon-side
                     log.warning("tidalpool: Detach failed: %s", e.details())

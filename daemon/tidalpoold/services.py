@@ -134,6 +134,8 @@ class PoolService:
         self, request: pool_pb2.DetachRequest, context: grpc.ServicerContext
     ) -> pool_pb2.DetachResponse:
         session = self._session_of(context)
+        if request.HasField("last"):
+            self.registry.touch(session, request.last)
         ended = self.registry.end(session.id, Reason.REASON_DETACHED, "detached by the client")
         return pool_pb2.DetachResponse(session=ended.info(self.registry.backend))
 

@@ -183,8 +183,10 @@ class Goodbye(_message.Message):
     def __init__(self, reason: _Optional[_Union[Goodbye.Reason, str]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class DetachRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("last",)
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    last: Heartbeat
+    def __init__(self, last: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
 
 class DetachResponse(_message.Message):
     __slots__ = ("session",)
