@@ -1,12 +1,14 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   installs into .venv on first use, then runs `tidalpool demo`
 #   make test   installs into .venv on first use, then lint, type check and tests
+# `make prometheus` installs Debian's prometheus package (prometheus and promtool, for the
+# alert-rule and dashboard tests) when they are missing; CI runs it before `make test`.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-dev
 
-.PHONY: demo test lint typecheck unit stubs bench clean
+.PHONY: demo test lint typecheck unit stubs bench prometheus clean
 
 $(STAMP): pyproject.toml daemon/tidalpoold/planner/_exact.c
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "tidalpool needs Python >= 3.11, $(PYTHON) is " + sys.version.split()[0])'
@@ -31,6 +33,16 @@ unit: $(STAMP)
 
 stubs: $(STAMP)
 	$(PY) proto/generate.py
+
+prometheus:
+	@if command -v prometheus >/dev/null && command -v promtool >/dev/null; then \
+		echo "prometheus and promtool are installed"; \
+	else \
+		if [ "$$(id -u)" = 0 ]; then sudo=""; else sudo="sudo -n"; fi; \
+		$$sudo apt-get update -q && \
+		$$sudo env DEBIAN_FRONTEND=noninteractive \
+			apt-get install -y -q --no-install-recommends prometheus; \
+	fi
 
 bench: $(STAMP)
 	$(PY) bench/session.py
