@@ -8,7 +8,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-dev
 
-.PHONY: demo test lint typecheck unit stubs bench prometheus clean
+.PHONY: demo test lint typecheck unit stubs bench prometheus dashboards clean
 
 $(STAMP): pyproject.toml daemon/tidalpoold/planner/_exact.c
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "tidalpool needs Python >= 3.11, $(PYTHON) is " + sys.version.split()[0])'
@@ -33,6 +33,9 @@ unit: $(STAMP)
 
 stubs: $(STAMP)
 	$(PY) proto/generate.py
+
+dashboards: $(STAMP)
+	$(PY) -m tools.dashboards
 
 prometheus:
 	@if command -v prometheus >/dev/null && command -v promtool >/dev/null; then \
