@@ -9,7 +9,8 @@ one session per job, on threads (the Prometheus test and the metrics screenshot)
 A job trains `iterations` steps; a planned one (no swapping) runs from the daemon's plan after
 a few steps and, with `miss`, makes one allocation the plan does not have; a swapping one keeps
 its device bytes under a fraction of the network's peak, its copies throttled to `copy_gbps`.
-Once trained, a job stays attached until the workload stops, or is evicted (`evict`).
+Once trained, a job stays attached until the workload stops, detaches (not `stay`), or is
+evicted (`evict`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class Job:
     evict: bool = False  # an operator evicts the session once it has trained
     pause_s: float = 0.0  # between iterations
     start_s: float = 0.0  # after the workload starts
+    stay: bool = True  # once trained, stay attached until the workload stops; False: detach
 
 
 def evict(socket_dir: Path, session_id: str, reason: str = "evicted by the workload") -> None:
@@ -132,4 +134,5 @@ class Workload:
             self._trained[job.name].set()
             if job.evict:
                 evict(self.socket_dir, session.id)
-            self._stop.wait()
+            elif job.stay:
+                self._stop.wait()

@@ -371,8 +371,8 @@ class Metrics:
         self.rpc = RpcMetrics(self._own)
         self.plan_seconds = Histogram(
             "tidalpool_plan_duration_seconds",
-            "Time from a session's trace to its plan on the stream, by outcome: solved (a"
-            " placement search) or cached (from the plan cache).",
+            "Time the planner took for a plan, from the session's trace to the plan on its"
+            " stream, by outcome: solved (a placement search) or cached (from the plan cache).",
             ["outcome"],
             buckets=PLAN_BUCKETS,
             registry=self._own,

@@ -275,7 +275,11 @@ class Settings:
     )
     metrics_address: str = field(
         default="127.0.0.1:9477",
-        metadata=_about(_ADDRESS, 'host:port of the Prometheus endpoint; "" disables it'),
+        metadata=_about(
+            _ADDRESS,
+            "host:port of the Prometheus endpoint (/metrics); port 0 takes any free port (the"
+            ' daemon.ready log line says which); "" disables it',
+        ),
     )
     gpu: int = field(default=0, metadata=_about(_INT, "index of the GPU this daemon manages"))
     cuda_mode: str = field(

@@ -1,20 +1,62 @@
-"""The committed dashboards are what tools/dashboards.py writes, and well-formed Grafana
-dashboards with the datasource, instance and gpu variables."""
+"""The dashboards, the alert rules and docs/metrics.md against the metrics the daemon exports:
+the committed dashboards are what tools/dashboards.py writes, they are well-formed Grafana
+dashboards with the datasource, instance and gpu variables, and every metric they, the alerts
+and the docs name is one the daemon exports (and the docs name every one)."""
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from tidalpool.units import Bytes
+from tidalpoold.backends import SimBackend
+from tidalpoold.metrics import DaemonCollector, Metrics
+from tidalpoold.planning import Planner
+from tidalpoold.sessions import PlanFootprint, Reason, Registry
+from tidalpoold.settings import Settings
 
 from tools import dashboards
 
 REPO = Path(__file__).resolve().parents[2]
 C = 2 * 1024 * 1024
 NAME = re.compile(r"\b(?:tidalpool_[a-z0-9_]+|up)\b")
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> Iterator[set[str]]:
+    """The name of every sample a daemon with one planned session exports."""
+    tmp = tmp_path_factory.mktemp("metrics")
+    settings = Settings(
+        device_pool=Bytes(4 * C),
+        host_pool=Bytes(4 * C),
+        default_device_lease=Bytes(C),
+        default_host_lease=Bytes(C),
+        chunk_size=Bytes(C),
+        socket_dir=tmp,
+        plan_cache_dir=tmp,
+    )
+    backend = SimBackend(4 * C, 4 * C, C)
+    registry = Registry(settings, backend)
+    planner = Planner(settings)
+    m = Metrics(gpu="0")
+    m.add(DaemonCollector(registry, planner, backend.facts))
+    m.rpc.requests.labels("m", "OK").inc()
+    m.rpc.seconds.labels("m", "OK").observe(0.1)
+    session = registry.open(C, C, "job", 1, 0)
+    session.plan = PlanFootprint(C, C)
+    yield {s.name for family in m.registry.collect() for s in family.samples} | {"up"}
+    registry.end(session.id, Reason.REASON_DETACHED, "test")
+    planner.close()
+    backend.close()
+
+
+def families(samples: set[str]) -> set[str]:
+    """The metric names of sample names: a histogram's `_bucket`, `_count`, `_sum` are one."""
+    return {re.sub(r"_(bucket|count|sum)$", "", n) for n in samples}
 
 
 def boards() -> dict[str, dict[str, Any]]:
@@ -68,3 +110,22 @@ def test_a_dashboard_is_importable_and_every_query_selects_its_variables(name: s
                 assert selectors and all(
                     s.startswith('instance=~"$instance",gpu=~"$gpu"') for s in selectors
                 ), f"{panel['title']}: {metric} without the variables"
+
+
+def test_dashboards_alerts_and_docs_name_only_exported_metrics(exported: set[str]) -> None:
+    in_dashboards = " ".join(q for board in boards().values() for q in queries(board))
+    named = {
+        "dashboards": set(NAME.findall(in_dashboards)),
+        "alerts": set(NAME.findall((REPO / "deploy/prometheus/tidalpool-alerts.yml").read_text())),
+        "docs": set(NAME.findall((REPO / "docs/metrics.md").read_text())),
+    }
+    known = exported | families(exported)
+    for where, names in named.items():
+        names = {n for n in names if not n.endswith("_")}  # a prefix, as in tidalpool_session_.*
+        assert names - known == set(), f"{where} name metrics the daemon does not export"
+
+
+def test_the_docs_describe_every_exported_metric(exported: set[str]) -> None:
+    docs = (REPO / "docs/metrics.md").read_text()
+    documented = set(re.findall(r"^\| `(tidalpool_[a-z0-9_]+)` \|", docs, re.MULTILINE))
+    assert families(exported) - {"up"} - documented == set()
