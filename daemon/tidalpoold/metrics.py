@@ -9,8 +9,9 @@
                                                        │    (a gRPC server interceptor)
                                                        └─ plan durations (Planner.on_planned)
 
-Nothing is computed or queued on the daemon's paths for metrics: the collector copies what the
-registry and planner already keep, under the registry's lock. A scrape asks the backend for its
+The daemon's own paths do no more for metrics than a gRPC call's or a plan's counter and
+histogram update: the collector copies, at scrape time, what the registry and planner already
+keep, under the registry's lock. A scrape asks the backend for its
 facts: on cuda one NVML memory query (the PCIe link and copy bandwidths are those found at
 start); on sim one fstat per chunk. Per-session series exist for live sessions only, at most
 `max_sessions` of them (the daemon refuses sessions beyond it), and vanish when a session ends.
@@ -18,6 +19,7 @@ start); on sim one fstat per chunk. Per-session series exist for live sessions o
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 import time
@@ -268,7 +270,7 @@ def _number(value: object) -> float | None:
         number = float(value)
     except ValueError:
         return None
-    return number if number == number and abs(number) != float("inf") else None
+    return number if math.isfinite(number) else None
 
 
 class WithLabel(Collector):
