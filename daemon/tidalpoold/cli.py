@@ -11,6 +11,7 @@ import threading
 from types import FrameType
 
 from tidalpoold import __version__, log
+from tidalpoold.notify import Notifier
 from tidalpoold.server import build_daemon
 from tidalpoold.settings import SettingsError, add_arguments, settings_from_args
 
@@ -28,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     except SettingsError as e:
         parser.exit(2, f"tidalpoold: {e}\n")
     log.configure(settings.log_format, settings.log_level)
+    notifier = Notifier(os.environ.get("NOTIFY_SOCKET"))  # set by systemd for Type=notify
     # Handlers first: a signal during start-up must stop the daemon once it is built,
     # not kill it half-way with KeyboardInterrupt.
     stop_reason: list[str] = []
@@ -44,8 +46,14 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, NotImplementedError) as e:
         logging.getLogger("tidalpoold").error("daemon.start_failed", extra={"why": str(e)})
         print(f"tidalpoold: cannot start: {e}", file=sys.stderr)
+        notifier.send(f"STATUS=cannot start: {e}")
         return 1
+    notifier.send(  # the pools are allocated and both sockets listen
+        "READY=1",
+        f"STATUS=serving GPU {settings.gpu} ({settings.backend}) on {settings.socket_dir}",
+    )
     stop.wait()
+    notifier.send("STOPPING=1", f"STATUS=stopping: {stop_reason[0]}")
     daemon.shutdown(stop_reason[0])
     return 0
 
