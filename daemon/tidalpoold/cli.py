@@ -48,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tidalpoold: cannot start: {e}", file=sys.stderr)
         notifier.send(f"STATUS=cannot start: {e}")
         return 1
+    except SystemExit as e:  # a refusal that names its cause (another daemon, too few fds)
+        notifier.send(f"STATUS=cannot start: {e}")
+        raise
     notifier.send(  # the pools are allocated and both sockets listen
         "READY=1",
         f"STATUS=serving GPU {settings.gpu} ({settings.backend}) on {settings.socket_dir}",

@@ -36,9 +36,11 @@ class Notifier:
         if self.target is None:
             return False
         message = "\n".join(f.replace("\n", " ") for f in fields)
+        # A path that is not UTF-8 (surrogate escapes) still makes a readable STATUS line.
+        data = message.encode(errors="backslashreplace")
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
-                s.sendto(message.encode(), self.target)
+                s.sendto(data, self.target)
         except OSError as e:
             log.warning("notify.failed", extra={"why": f"{fields[0]}: {e}"})
             return False

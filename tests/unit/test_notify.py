@@ -52,3 +52,36 @@ def test_a_manager_gone_away_is_a_warning_not_a_crash(
         assert not Notifier(str(tmp_path / "gone.sock")).send("READY=1")
     assert [r.getMessage() for r in caplog.records] == ["notify.failed"]
     assert "READY=1: [Errno 2] No such file or directory" in caplog.records[0].__dict__["why"]
+
+
+def test_a_path_that_is_not_utf8_is_sent_escaped(tmp_path: Path) -> None:
+    path = str(tmp_path / "notify.sock")
+    odd = os.fsdecode(b"/run/gpu\xff")  # how Python shows such a path: a surrogate escape
+    with listener(path) as s:
+        assert Notifier(path).send(f"STATUS=serving on {odd}")
+        assert s.recv(4096) == b"STATUS=serving on /run/gpu\\udcff"
+
+
+@pytest.mark.parametrize(
+    ("kind", "error"),
+    [(socket.SOCK_STREAM, "[Errno 91] Protocol wrong type for socket"), (None, "path too long")],
+)
+def test_a_socket_that_cannot_take_the_datagram_is_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, kind: int | None, error: str
+) -> None:
+    if kind is None:  # longer than a Unix socket address can be
+        path = str(tmp_path / ("x" * 120))
+        server = None
+    else:  # a stream socket where a datagram socket should be
+        path = str(tmp_path / "stream.sock")
+        server = socket.socket(socket.AF_UNIX, kind)
+        server.bind(path)
+        server.listen()
+    try:
+        with caplog.at_level(logging.WARNING, logger="tidalpoold.notify"):
+            assert not Notifier(path).send("STOPPING=1")
+    finally:
+        if server is not None:
+            server.close()
+    assert [r.getMessage() for r in caplog.records] == ["notify.failed"]
+    assert error in caplog.records[0].__dict__["why"]
