@@ -51,6 +51,32 @@ def test_systemd_analyze_verify_finds_nothing_to_say(tmp_path: Path) -> None:
     assert (out.returncode, out.stdout + out.stderr) == (0, "")
 
 
+def test_the_hardening_stays_at_an_exposure_of_at_most_2_5(tmp_path: Path) -> None:
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze is not installed")
+    shutil.copy(UNIT, tmp_path / UNIT.name)
+    out = subprocess.run(
+        [analyze, "security", "--offline=yes", "--threshold=25", "--no-pager"]
+        + [str(tmp_path / "tidalpoold@0.service")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    # --threshold=25: exit status 1 above an exposure of 2.5 (systemd 252 rates the unit 2.1).
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "Overall exposure level for tidalpoold@0.service" in out.stdout
+    # What the GPU needs stays allowed: its device nodes, and no PrivateDevices= to hide them.
+    assert values("0", "DevicePolicy") == ["closed"]
+    assert values("0", "DeviceAllow") == [
+        "char-nvidia-frontend rw",
+        "char-nvidia rw",
+        "char-nvidia-uvm rw",
+        "char-nvidia-caps rw",
+    ]
+    assert values("0", "PrivateDevices") == []
+
+
 def test_the_instance_is_the_gpu_and_its_socket_dir_is_its_runtime_directory(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -60,6 +86,7 @@ def test_the_instance_is_the_gpu_and_its_socket_dir_is_its_runtime_directory(
     assert values("3", "Restart") == ["on-failure"]
     env = dict(v.partition("=")[::2] for v in values("3", "Environment"))
     assert env["TIDALPOOLD_CONFIG"] == "/etc/tidalpool/tidalpoold.toml"
+    assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"  # instance N is nvidia-smi's GPU N
     env["TIDALPOOLD_CONFIG"] = str(SYSTEMD / "tidalpoold.toml")  # the example installed there
     tidalpool_group = grp.struct_group(("tidalpool", "x", 4242, []))
     monkeypatch.setattr(settings_module.grp, "getgrnam", lambda name: tidalpool_group)
