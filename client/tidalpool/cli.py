@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -59,6 +60,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     status = commands.add_parser("status", help="pool usage and sessions of a running daemon")
     status.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    health = commands.add_parser(
+        "health",
+        help="exit 0 if the daemon serves, 1 if not (the gRPC health check, for probes)",
+    )
+    health.add_argument(
+        "--service",
+        default="",
+        help='the gRPC service to ask about (default "": the daemon as a whole)',
+    )
+    health.add_argument(
+        "--timeout",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="how long to wait for the answer (default 5)",
+    )
     from tidalpoold.planner import plan_cli, simulate_cli
 
     plan_cli.add_parser(commands)
@@ -86,6 +103,18 @@ def main(argv: list[str] | None = None) -> int:
             socket_dir, args.iterations, console, args.limit, args.copy_gbps, backend=args.backend
         )
         return 0 if ok else 1
+
+    if args.command == "health":
+        from tidalpool.health import check
+
+        if not (args.timeout > 0 and math.isfinite(args.timeout)):
+            parser.error("--timeout must be a positive number of seconds")
+        answer = check(socket_dir, args.service, args.timeout)
+        print(
+            answer.message if answer.serving else f"tidalpool: {answer.message}",
+            file=sys.stdout if answer.serving else sys.stderr,
+        )
+        return 0 if answer.serving else 1
 
     from tidalpool import status as status_view
 

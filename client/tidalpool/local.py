@@ -15,22 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tidalpool.health import check
 
 
 def is_serving(socket_dir: Path, timeout: float = 1.0) -> bool:
     """True if a daemon answers gRPC health checks in `socket_dir`."""
-    if not (socket_dir / "tidalpool.sock").exists():
-        return False
-    with grpc.insecure_channel(f"unix:{socket_dir / 'tidalpool.sock'}") as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=timeout
-            )
-        except grpc.RpcError:
-            return False
-    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+    return check(socket_dir, timeout=timeout).serving
 
 
 @dataclass

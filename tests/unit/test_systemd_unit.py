@@ -56,9 +56,9 @@ def test_the_hardening_stays_at_an_exposure_of_at_most_2_5(tmp_path: Path) -> No
     if analyze is None:
         pytest.skip("systemd-analyze is not installed")
     shutil.copy(UNIT, tmp_path / UNIT.name)
+    unit = str(tmp_path / "tidalpoold@0.service")
     out = subprocess.run(
-        [analyze, "security", "--offline=yes", "--threshold=25", "--no-pager"]
-        + [str(tmp_path / "tidalpoold@0.service")],
+        [analyze, "security", "--offline=yes", "--threshold=25", "--no-pager", unit],
         capture_output=True,
         text=True,
         timeout=60,
