@@ -109,6 +109,11 @@ class Session:
             iterations_seen=self.trace.iterations_seen,
             attached_unix_ns=self.attached_unix_ns,
             state=self.state,
+            swap_limit_bytes=self.swap_limit,
+            swapped_out_bytes=self.counts.swapped_out_bytes,
+            swapped_in_bytes=self.counts.swapped_in_bytes,
+            swap_stall_ns=self.counts.swap_stall_ns,
+            plan_misses=self.counts.plan_misses,
         )
 
 
