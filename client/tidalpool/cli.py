@@ -1,4 +1,5 @@
-"""`tidalpool`: the command line (demo, status, and the planner's plan and simulate)."""
+"""`tidalpool`: the command line (demo, status, top, health, and the planner's plan and
+simulate)."""
 
 from __future__ import annotations
 
@@ -58,8 +59,31 @@ def main(argv: list[str] | None = None) -> int:
         metavar="GBPS",
         help="throttle swap copies to this bandwidth in GB/s (default: as fast as memmove)",
     )
-    status = commands.add_parser("status", help="pool usage and sessions of a running daemon")
+    status = commands.add_parser(
+        "status", help="pool usage and sessions of a running daemon (live: tidalpool top)"
+    )
     status.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    top = commands.add_parser(
+        "top", help="status, live: pools, sessions and swap traffic, redrawn until Ctrl-C"
+    )
+    top.add_argument(
+        "--interval",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="time between refreshes (default 1)",
+    )
+    frames = top.add_mutually_exclusive_group()
+    frames.add_argument(
+        "--iterations",
+        type=int,
+        default=None,
+        metavar="N",
+        help="stop after N refreshes (default: until Ctrl-C or the daemon stops)",
+    )
+    frames.add_argument(
+        "--once", action="store_const", const=1, dest="iterations", help="one refresh, then stop"
+    )
     health = commands.add_parser(
         "health",
         help="exit 0 if the daemon serves, 1 if not (the gRPC health check, for probes)",
@@ -103,6 +127,17 @@ def main(argv: list[str] | None = None) -> int:
             socket_dir, args.iterations, console, args.limit, args.copy_gbps, backend=args.backend
         )
         return 0 if ok else 1
+
+    if args.command == "top":
+        from tidalpool import top as top_view
+
+        if not (args.interval > 0 and math.isfinite(args.interval)):
+            parser.error("--interval must be a positive number of seconds")
+        if args.iterations is not None and args.iterations < 1:
+            parser.error("--iterations must be at least 1")
+        return top_view.run(
+            socket_dir, console, Console(stderr=True), args.interval, args.iterations
+        )
 
     if args.command == "health":
         from tidalpool.health import check
