@@ -1,0 +1,589 @@
+/* hotpath: planned allocation in a device lease, with an online best-fit fallback and a
+ * lock-free trace ring.  The interface and its contracts are in hotpath.h.
+ *
+ *   lease  base                                                           base + capacity
+ *          +-----------+--------------------------------+---------+------+--------------+
+ *          | online    | plan region: slot i at         | online  | free | online       |
+ *          | (learned) | region + offsets[i]            | (miss)  |      |              |
+ *          +-----------+--------------------------------+---------+------+--------------+
+ *          best-fit owns the whole lease; the plan region is one of its live ranges
+ *
+ * Allocation k of an iteration is a hit when the plan has a slot k of exactly that size and
+ * no live block holds slot k or any slot sharing its bytes (slot k's conflict set); anything
+ * else is a miss and goes to best-fit, outside the region, where nothing can overlap it.
+ * Best-fit: the smallest free range that fits, ties to the lowest offset, carved from its low
+ * end; a release merges with both neighbours.  Free ranges sit in one array sorted by offset
+ * (a few tens in training); live blocks in an open-addressing table keyed by offset.  Memory
+ * for both grows on allocation, never on free, so a free cannot fail.
+ *
+ * Every call runs under the device's spinlock (PyTorch calls from any thread).  Under that
+ * lock the allocator is the single producer of the device's event ring; the single consumer
+ * (tidalpool_drain) never takes the lock:
+ *
+ *   ring[cap]:  ... | read | read | ev  | ev  | ev  | free | ...     head, tail: counters that
+ *                                 ^tail             ^head              only grow; slot = i & mask
+ *   producer: write ring[head & mask], then head = head + 1 (release); full -> overflow += 1
+ *   consumer: copy [tail, head) (head acquired), then tail = tail + n (release)
+ */
+#define _POSIX_C_SOURCE 200809L
+#include "hotpath.h"
+
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+typedef struct { uint64_t start, size; } range;
+typedef struct { uint64_t key, block, size; int32_t slot; } entry; /* key: offset + 1; 0 empty */
+
+typedef struct {
+    uint64_t id, n, height, base;    /* base: the region's offset in the lease, once in use */
+    uint64_t *size, *offset;
+    uint64_t *conf_at, *conf;        /* CSR: slot i conflicts with conf[conf_at[i] .. i + 1) */
+    uint8_t *busy;                   /* a live block holds the slot */
+    uint64_t cursor, live, iteration_misses;
+    int active;                      /* 0 once abandoned: no new hits, live slots drain */
+} plan;
+
+typedef struct {
+    _Alignas(64) atomic_int lock;
+    atomic_int draining;
+    uint64_t generation;             /* bumped by configure and reset */
+    int configured;
+    uint64_t base, capacity, align, shift;
+    uint32_t max_misses;
+    range *free;
+    uint64_t nfree, free_cap;
+    entry *tab;
+    uint64_t tab_cap, tab_count;     /* tab_cap: a power of two, at least twice tab_count */
+    plan *plan, *pending;
+    uint64_t next_block, iteration, seq;
+    uint64_t c[TIDALPOOL_ST_COUNT];  /* the counters kept incrementally */
+    tidalpool_event *ring;
+    uint64_t ring_mask, tail_seen;   /* tail_seen: the producer's last look at tail */
+    _Alignas(64) atomic_uint_fast64_t head;
+    _Alignas(64) atomic_uint_fast64_t tail;
+} pool;
+
+static pool pools[TIDALPOOL_MAX_DEVICES];
+static atomic_uint_fast64_t stray;
+
+static pool *at(int device) {
+    return device >= 0 && device < TIDALPOOL_MAX_DEVICES ? &pools[device] : NULL;
+}
+
+static void lock(atomic_int *l) {
+    for (unsigned spins = 0; atomic_exchange_explicit(l, 1, memory_order_acquire); spins++) {
+        while (atomic_load_explicit(l, memory_order_relaxed))
+            if (++spins > 100) sched_yield(); /* the holder may have been descheduled */
+    }
+}
+
+static void unlock(atomic_int *l) { atomic_store_explicit(l, 0, memory_order_release); }
+
+static uint64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
+
+static void emit(pool *p, uint32_t kind, int32_t slot, uint64_t block, uint64_t size,
+                 uint64_t offset) {
+    uint64_t seq = p->seq++;
+    uint64_t head = atomic_load_explicit(&p->head, memory_order_relaxed);
+    if (head - p->tail_seen > p->ring_mask) {
+        p->tail_seen = atomic_load_explicit(&p->tail, memory_order_acquire);
+        if (head - p->tail_seen > p->ring_mask) {
+            p->c[TIDALPOOL_ST_OVERFLOW]++;
+            return;
+        }
+    }
+    tidalpool_event *e = &p->ring[head & p->ring_mask];
+    *e = (tidalpool_event){kind, slot, seq, block, size, offset, now_ns()};
+    atomic_store_explicit(&p->head, head + 1, memory_order_release);
+}
+
+/* -- best-fit over the free ranges -------------------------------------------------------- */
+
+static int fit_alloc(pool *p, uint64_t size, uint64_t *offset) {
+    uint64_t best = p->nfree;
+    for (uint64_t i = 0; i < p->nfree; i++)
+        if (p->free[i].size >= size && (best == p->nfree || p->free[i].size < p->free[best].size))
+            best = i;
+    if (best == p->nfree) return -1;
+    range *r = &p->free[best];
+    *offset = r->start;
+    if (r->size == size) {
+        memmove(r, r + 1, (p->nfree - best - 1) * sizeof *r);
+        p->nfree--;
+    } else {
+        r->start += size;
+        r->size -= size;
+    }
+    return 0;
+}
+
+static void fit_release(pool *p, uint64_t start, uint64_t size) {
+    uint64_t lo = 0, hi = p->nfree; /* i: the first free range after start */
+    while (lo < hi) {
+        uint64_t mid = lo + (hi - lo) / 2;
+        if (p->free[mid].start < start) lo = mid + 1;
+        else hi = mid;
+    }
+    uint64_t i = lo;
+    int left = i > 0 && p->free[i - 1].start + p->free[i - 1].size == start;
+    int right = i < p->nfree && start + size == p->free[i].start;
+    if (left && right) {
+        p->free[i - 1].size += size + p->free[i].size;
+        memmove(&p->free[i], &p->free[i + 1], (p->nfree - i - 1) * sizeof(range));
+        p->nfree--;
+    } else if (left) {
+        p->free[i - 1].size += size;
+    } else if (right) {
+        p->free[i].start = start;
+        p->free[i].size += size;
+    } else { /* room is reserved in advance: see reserve() */
+        memmove(&p->free[i + 1], &p->free[i], (p->nfree - i) * sizeof(range));
+        p->free[i] = (range){start, size};
+        p->nfree++;
+    }
+}
+
+/* -- live blocks: linear probing keyed by offset ------------------------------------------ */
+
+static uint64_t home(const pool *p, uint64_t key) {
+    return (((key - 1) >> p->shift) * 0x9E3779B97F4A7C15u) & (p->tab_cap - 1);
+}
+
+static uint64_t find(const pool *p, uint64_t key) { /* key's index, or an empty one */
+    uint64_t i = home(p, key);
+    while (p->tab[i].key && p->tab[i].key != key) i = (i + 1) & (p->tab_cap - 1);
+    return i;
+}
+
+static void erase(pool *p, uint64_t i) { /* backward shift: no tombstones */
+    uint64_t mask = p->tab_cap - 1;
+    for (uint64_t j = (i + 1) & mask; p->tab[j].key; j = (j + 1) & mask) {
+        uint64_t h = home(p, p->tab[j].key);
+        if (((j - h) & mask) >= ((j - i) & mask)) {
+            p->tab[i] = p->tab[j];
+            i = j;
+        }
+    }
+    p->tab[i].key = 0;
+    p->tab_count--;
+}
+
+/* Room for one more live range: a table entry, and a free range it may later split off. */
+static int reserve(pool *p) {
+    if (2 * (p->tab_count + 1) > p->tab_cap) {
+        uint64_t cap = p->tab_cap ? 2 * p->tab_cap : 1024;
+        entry *old = p->tab, *tab = calloc(cap, sizeof *tab);
+        if (!tab) return -1;
+        uint64_t old_cap = p->tab_cap;
+        p->tab = tab, p->tab_cap = cap;
+        for (uint64_t i = 0; i < old_cap; i++)
+            if (old[i].key) p->tab[find(p, old[i].key)] = old[i];
+        free(old);
+    }
+    uint64_t need = p->tab_count + 3; /* live blocks + the plan region + 1 separate free ranges */
+    if (need > p->free_cap) {
+        uint64_t cap = 2 * need;
+        range *f = realloc(p->free, cap * sizeof *f);
+        if (!f) return -1;
+        p->free = f, p->free_cap = cap;
+    }
+    return 0;
+}
+
+/* -- plans --------------------------------------------------------------------------------- */
+
+static void plan_free(plan *pl) {
+    if (!pl) return;
+    free(pl->size), free(pl->offset), free(pl->conf_at), free(pl->conf), free(pl->busy);
+    free(pl);
+}
+
+static uint64_t align_up(uint64_t n, uint64_t align) { return (n + align - 1) & ~(align - 1); }
+
+static void drop_plan(pool *p) {
+    plan *pl = p->plan;
+    if (pl->height) fit_release(p, pl->base, align_up(pl->height, p->align));
+    plan_free(pl);
+    p->plan = NULL;
+}
+
+typedef struct { uint64_t offset, index; } keyed;
+
+static int by_offset(const void *a, const void *b) {
+    const keyed *x = a, *y = b;
+    if (x->offset != y->offset) return (x->offset > y->offset) - (x->offset < y->offset);
+    return (x->index > y->index) - (x->index < y->index);
+}
+
+/* Conflict sets by a sweep over slots in offset order, run twice: count, then fill. */
+static int conflicts(plan *pl, uint64_t align) {
+    uint64_t n = pl->n, *active = malloc((n + 1) * sizeof *active);
+    uint64_t *count = calloc(n + 1, sizeof *count);
+    keyed *order = malloc((n + 1) * sizeof *order);
+    int ok = order && active && count;
+    if (ok) {
+        for (uint64_t i = 0; i < n; i++) order[i] = (keyed){pl->offset[i], i};
+        qsort(order, n, sizeof *order, by_offset);
+    }
+    for (int pass = 0; ok && pass < 2; pass++) {
+        uint64_t na = 0;
+        for (uint64_t k = 0; k < n; k++) {
+            uint64_t i = order[k].index, start = order[k].offset, kept = 0;
+            for (uint64_t a = 0; a < na; a++) {
+                uint64_t j = active[a];
+                if (pl->offset[j] + align_up(pl->size[j], align) <= start) continue;
+                active[kept++] = j;
+                if (pass == 0) count[i]++, count[j]++;
+                else pl->conf[count[i]++] = j, pl->conf[count[j]++] = i;
+            }
+            na = kept;
+            active[na++] = i;
+        }
+        if (pass == 0) {
+            uint64_t total = 0;
+            pl->conf_at = malloc((n + 1) * sizeof *pl->conf_at);
+            for (uint64_t i = 0; pl->conf_at && i < n; i++) {
+                pl->conf_at[i] = total;
+                total += count[i];
+            }
+            pl->conf = malloc((total + 1) * sizeof *pl->conf);
+            ok = pl->conf_at && pl->conf;
+            if (ok) {
+                pl->conf_at[n] = total;
+                for (uint64_t i = 0; i < n; i++) count[i] = pl->conf_at[i]; /* fill cursors */
+            }
+        }
+    }
+    free(order), free(active), free(count);
+    return ok ? 0 : -1;
+}
+
+int tidalpool_install_plan(int device, uint64_t plan_id, uint64_t n, const uint64_t *sizes,
+                           const uint64_t *offsets, uint64_t height) {
+    pool *p = at(device);
+    if (!p) return TIDALPOOL_EDEVICE;
+    if (n && (!sizes || !offsets)) return TIDALPOOL_EINVAL;
+    if (n > INT32_MAX) return TIDALPOOL_EINVAL; /* slots are int32 in events */
+    lock(&p->lock);
+    int configured = p->configured;
+    uint64_t align = p->align, capacity = p->capacity, generation = p->generation;
+    unlock(&p->lock);
+    if (!configured) return TIDALPOOL_ENOLEASE;
+    if (height > capacity) return TIDALPOOL_EINVAL;
+    for (uint64_t i = 0; i < n; i++)
+        if (!sizes[i] || sizes[i] > height || align_up(sizes[i], align) > height ||
+            offsets[i] % align || offsets[i] > height - align_up(sizes[i], align))
+            return TIDALPOOL_EINVAL;
+    plan *pl = calloc(1, sizeof *pl);
+    if (!pl) return TIDALPOOL_ENOMEM;
+    pl->id = plan_id, pl->n = n, pl->height = height, pl->active = 1;
+    pl->size = malloc((n + 1) * sizeof *pl->size);
+    pl->offset = malloc((n + 1) * sizeof *pl->offset);
+    pl->busy = calloc(n + 1, 1);
+    int built = pl->size && pl->offset && pl->busy;
+    if (built) {
+        if (n) {
+            memcpy(pl->size, sizes, n * sizeof *sizes);
+            memcpy(pl->offset, offsets, n * sizeof *offsets);
+        }
+        built = conflicts(pl, align) == 0;
+    }
+    if (!built) {
+        plan_free(pl);
+        return TIDALPOOL_ENOMEM;
+    }
+    lock(&p->lock);
+    int same = p->generation == generation;
+    plan *old = same ? p->pending : pl;
+    if (same) p->pending = pl;
+    unlock(&p->lock);
+    plan_free(old);
+    return same ? TIDALPOOL_OK : TIDALPOOL_EBUSY;
+}
+
+/* -- the allocator ------------------------------------------------------------------------ */
+
+/* Slot `cursor` of the plan for size bytes, or -1: a miss (counted) or no plan in use. */
+static int64_t take(pool *p, uint64_t size) {
+    plan *pl = p->plan;
+    if (!pl || !pl->active) return -1;
+    uint64_t i = pl->cursor++;
+    int fits = i < pl->n && pl->size[i] == size && !pl->busy[i];
+    for (uint64_t k = fits ? pl->conf_at[i] : 0, end = fits ? pl->conf_at[i + 1] : 0; k < end; k++)
+        if (pl->busy[pl->conf[k]]) {
+            fits = 0;
+            break;
+        }
+    if (!fits) {
+        p->c[TIDALPOOL_ST_MISSES]++;
+        pl->iteration_misses++;
+        return -1;
+    }
+    pl->busy[i] = 1;
+    pl->live++;
+    p->c[TIDALPOOL_ST_HITS]++;
+    return (int64_t)i;
+}
+
+static void *alloc_locked(pool *p, uint64_t size) {
+    if (!p->configured) {
+        p->c[TIDALPOOL_ST_FAILURES]++;
+        return NULL;
+    }
+    if (!size) {
+        p->c[TIDALPOOL_ST_ZERO_ALLOCS]++;
+        return NULL;
+    }
+    if (reserve(p)) {
+        p->c[TIDALPOOL_ST_FAILURES]++;
+        return NULL;
+    }
+    int64_t slot = take(p, size);
+    uint64_t offset;
+    if (slot >= 0) {
+        offset = p->plan->base + p->plan->offset[slot];
+    } else if (size > p->capacity || fit_alloc(p, align_up(size, p->align), &offset)) {
+        p->c[TIDALPOOL_ST_FAILURES]++;
+        return NULL;
+    } else {
+        p->c[TIDALPOOL_ST_ONLINE]++;
+    }
+    uint64_t block = p->next_block++;
+    p->tab[find(p, offset + 1)] = (entry){offset + 1, block, size, (int32_t)slot};
+    p->tab_count++;
+    p->c[TIDALPOOL_ST_MALLOCS]++;
+    uint64_t live = p->c[TIDALPOOL_ST_LIVE_BYTES] += size;
+    if (live > p->c[TIDALPOOL_ST_PEAK_LIVE_BYTES]) p->c[TIDALPOOL_ST_PEAK_LIVE_BYTES] = live;
+    emit(p, TIDALPOOL_EV_ALLOC, (int32_t)slot, block, size, offset);
+    return (void *)(uintptr_t)(p->base + offset);
+}
+
+void *tidalpool_alloc(size_t size, int device, void *stream) {
+    (void)stream;
+    pool *p = at(device);
+    if (!p) {
+        atomic_fetch_add_explicit(&stray, 1, memory_order_relaxed);
+        return NULL;
+    }
+    lock(&p->lock);
+    void *r = alloc_locked(p, size);
+    unlock(&p->lock);
+    return r;
+}
+
+static int free_locked(pool *p, uintptr_t ptr) {
+    uint64_t i = 0;
+    int known = p->tab_count && ptr >= p->base && ptr - p->base < p->capacity;
+    if (known) {
+        i = find(p, ptr - p->base + 1);
+        known = p->tab[i].key != 0;
+    }
+    if (!known) {
+        p->c[TIDALPOOL_ST_BAD_FREES]++;
+        return TIDALPOOL_EINVAL;
+    }
+    entry e = p->tab[i];
+    erase(p, i);
+    uint64_t offset = e.key - 1;
+    if (e.slot >= 0) {
+        plan *pl = p->plan;
+        pl->busy[e.slot] = 0;
+        if (!--pl->live && !pl->active) drop_plan(p);
+    } else {
+        fit_release(p, offset, align_up(e.size, p->align));
+    }
+    p->c[TIDALPOOL_ST_FREES]++;
+    p->c[TIDALPOOL_ST_LIVE_BYTES] -= e.size;
+    emit(p, TIDALPOOL_EV_FREE, e.slot, e.block, e.size, offset);
+    return TIDALPOOL_OK;
+}
+
+int tidalpool_release(int device, void *ptr) {
+    pool *p = at(device);
+    if (!p) return TIDALPOOL_EDEVICE;
+    lock(&p->lock);
+    int r = free_locked(p, (uintptr_t)ptr);
+    unlock(&p->lock);
+    return r;
+}
+
+void tidalpool_free(void *ptr, size_t size, int device, void *stream) {
+    (void)size, (void)stream;
+    if (!at(device)) atomic_fetch_add_explicit(&stray, 1, memory_order_relaxed);
+    else if (ptr) tidalpool_release(device, ptr);
+}
+
+/* -- control ------------------------------------------------------------------------------ */
+
+uint32_t tidalpool_abi(void) { return TIDALPOOL_ABI; }
+
+uint64_t tidalpool_stray_calls(void) { return atomic_load(&stray); }
+
+static void forget(pool *p) { /* under both the lock and the drain flag */
+    plan_free(p->plan), plan_free(p->pending);
+    free(p->free), free(p->tab), free(p->ring);
+    uint64_t generation = p->generation + 1;
+    p->configured = 0;
+    p->base = p->capacity = p->align = p->shift = 0;
+    p->max_misses = 0;
+    p->free = NULL, p->nfree = p->free_cap = 0;
+    p->tab = NULL, p->tab_cap = p->tab_count = 0;
+    p->plan = p->pending = NULL;
+    p->next_block = 1, p->iteration = p->seq = 0;
+    memset(p->c, 0, sizeof p->c);
+    p->ring = NULL, p->ring_mask = p->tail_seen = 0;
+    atomic_store(&p->head, 0);
+    atomic_store(&p->tail, 0);
+    p->generation = generation;
+}
+
+static void hold(pool *p) { /* the lock and the drain flag: nobody else touches p */
+    lock(&p->lock);
+    lock(&p->draining);
+}
+
+static void release(pool *p) {
+    unlock(&p->draining);
+    unlock(&p->lock);
+}
+
+int tidalpool_reset(int device) {
+    pool *p = at(device);
+    if (!p) return TIDALPOOL_EDEVICE;
+    hold(p);
+    forget(p);
+    release(p);
+    return TIDALPOOL_OK;
+}
+
+int tidalpool_configure(int device, uint64_t base, uint64_t capacity, uint64_t alignment,
+                        uint64_t ring_events, uint32_t max_misses) {
+    pool *p = at(device);
+    if (!p) return TIDALPOOL_EDEVICE;
+    if (!alignment || alignment & (alignment - 1) || !base || base % alignment ||
+        capacity > UINTPTR_MAX - base || ring_events > ((uint64_t)1 << 32))
+        return TIDALPOOL_EINVAL;
+    uint64_t cap = 2;
+    while (cap < ring_events) cap *= 2;
+    tidalpool_event *ring = malloc(cap * sizeof *ring);
+    range *free_ranges = malloc(4 * sizeof *free_ranges);
+    if (!ring || !free_ranges) {
+        free(ring), free(free_ranges);
+        return TIDALPOOL_ENOMEM;
+    }
+    hold(p);
+    if (p->tab_count) {
+        release(p);
+        free(ring), free(free_ranges);
+        return TIDALPOOL_EBUSY;
+    }
+    forget(p);
+    p->base = base, p->align = alignment, p->capacity = capacity & ~(alignment - 1);
+    while (((uint64_t)1 << p->shift) < alignment) p->shift++;
+    p->max_misses = max_misses;
+    p->free = free_ranges, p->free_cap = 4;
+    if (p->capacity) p->free[p->nfree++] = (range){0, p->capacity};
+    p->ring = ring, p->ring_mask = cap - 1;
+    p->configured = 1;
+    release(p);
+    return TIDALPOOL_OK;
+}
+
+int64_t tidalpool_step(int device) {
+    pool *p = at(device);
+    if (!p) return TIDALPOOL_EDEVICE;
+    lock(&p->lock);
+    if (!p->configured) {
+        unlock(&p->lock);
+        return TIDALPOOL_ENOLEASE;
+    }
+    plan *pl = p->plan;
+    if (pl && pl->active && pl->iteration_misses > p->max_misses) {
+        pl->active = 0; /* back to online; the region goes with its last block */
+        p->c[TIDALPOOL_ST_FALLBACKS]++;
+        if (!pl->live) drop_plan(p);
+    }
+    if (p->pending && (!p->plan || !p->plan->live)) {
+        if (p->plan) drop_plan(p);
+        plan *next = p->pending;
+        uint64_t base = 0;
+        if (!next->height ||
+            (!reserve(p) && !fit_alloc(p, align_up(next->height, p->align), &base))) {
+            next->base = base; /* else no room for the region now: try at the next step */
+            p->plan = next, p->pending = NULL;
+        }
+    }
+    if (p->plan) p->plan->cursor = 0, p->plan->iteration_misses = 0;
+    int64_t iteration = (int64_t)++p->iteration;
+    emit(p, TIDALPOOL_EV_ITER, -1, (uint64_t)iteration, 0, 0);
+    unlock(&p->lock);
+    return iteration;
+}
+
+int tidalpool_stats(int device, uint64_t *out, size_t n) {
+    pool *p = at(device);
+    if (!p) return TIDALPOOL_EDEVICE;
+    uint64_t c[TIDALPOOL_ST_COUNT];
+    lock(&p->lock);
+    memcpy(c, p->c, sizeof c);
+    uint64_t free_bytes = 0, largest = 0;
+    for (uint64_t i = 0; i < p->nfree; i++) {
+        free_bytes += p->free[i].size;
+        if (p->free[i].size > largest) largest = p->free[i].size;
+    }
+    c[TIDALPOOL_ST_LIVE_BLOCKS] = p->tab_count;
+    c[TIDALPOOL_ST_USED_BYTES] = p->capacity - free_bytes;
+    c[TIDALPOOL_ST_EVENTS] = p->seq;
+    c[TIDALPOOL_ST_ITERATION] = p->iteration;
+    c[TIDALPOOL_ST_PLAN_ID] = p->plan ? p->plan->id : 0;
+    c[TIDALPOOL_ST_PLANNED] = p->plan && p->plan->active;
+    c[TIDALPOOL_ST_FREE_RANGES] = p->nfree;
+    c[TIDALPOOL_ST_LARGEST_FREE] = largest;
+    unlock(&p->lock);
+    if (n > TIDALPOOL_ST_COUNT) n = TIDALPOOL_ST_COUNT;
+    if (n && !out) return TIDALPOOL_EINVAL;
+    if (n) memcpy(out, c, n * sizeof *c);
+    return (int)n;
+}
+
+int64_t tidalpool_free_ranges(int device, uint64_t *out, uint64_t max) {
+    pool *p = at(device);
+    if (!p) return TIDALPOOL_EDEVICE;
+    if (max && !out) return TIDALPOOL_EINVAL;
+    lock(&p->lock);
+    uint64_t n = p->nfree;
+    for (uint64_t i = 0; i < n && i < max; i++) {
+        out[2 * i] = p->free[i].start;
+        out[2 * i + 1] = p->free[i].size;
+    }
+    unlock(&p->lock);
+    return (int64_t)n;
+}
+
+int64_t tidalpool_drain(int device, tidalpool_event *out, uint64_t max) {
+    pool *p = at(device);
+    if (!p) return TIDALPOOL_EDEVICE;
+    if (max && !out) return TIDALPOOL_EINVAL;
+    if (atomic_exchange_explicit(&p->draining, 1, memory_order_acquire)) return TIDALPOOL_EBUSY;
+    int64_t r = 0;
+    if (p->ring) {
+        uint64_t tail = atomic_load_explicit(&p->tail, memory_order_relaxed);
+        uint64_t head = atomic_load_explicit(&p->head, memory_order_acquire);
+        uint64_t n = head - tail < max ? head - tail : max;
+        uint64_t first = tail & p->ring_mask, k = p->ring_mask + 1 - first; /* up to the end */
+        if (k > n) k = n;
+        if (k) memcpy(out, &p->ring[first], k * sizeof *out);
+        if (n > k) memcpy(out + k, p->ring, (n - k) * sizeof *out);
+        atomic_store_explicit(&p->tail, tail + n, memory_order_release);
+        r = (int64_t)n;
+    }
+    unlock(&p->draining);
+    return r;
+}

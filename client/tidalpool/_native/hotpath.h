@@ -1,0 +1,125 @@
+/* tidalpool native hot path: planned allocation inside a session's device lease.
+ *
+ * One shared object, two callers:
+ *   - PyTorch loads it with torch.cuda.memory.CUDAPluggableAllocator(path, "tidalpool_alloc",
+ *     "tidalpool_free") and calls the two allocator functions from any thread;
+ *   - Python (tidalpool/native.py, through ctypes) configures the lease, installs plans, marks
+ *     iteration boundaries, reads counters and drains the trace ring.
+ * Both see the same state: a process loads a library file once, whoever opens it first.
+ *
+ * State is kept per device index (0 <= device < TIDALPOOL_MAX_DEVICES), each behind its own
+ * spinlock. No function here raises, aborts or blocks on I/O: the allocator returns NULL and
+ * counts the failure; control functions return TIDALPOOL_OK or a negative TIDALPOOL_E* code.
+ * No CUDA header is needed: a stream is an opaque pointer, an address a number.
+ */
+#ifndef TIDALPOOL_HOTPATH_H
+#define TIDALPOOL_HOTPATH_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define TIDALPOOL_ABI 1            /* bumped whenever a signature, the event or the stats change */
+#define TIDALPOOL_MAX_DEVICES 64
+
+enum {
+    TIDALPOOL_OK = 0,
+    TIDALPOOL_EDEVICE = -1,        /* device index out of range */
+    TIDALPOOL_EINVAL = -2,         /* an argument or a plan is invalid */
+    TIDALPOOL_EBUSY = -3,          /* blocks still live, or another drain is running */
+    TIDALPOOL_ENOMEM = -4,         /* host memory for the tables ran out */
+    TIDALPOOL_ENOLEASE = -5,       /* tidalpool_configure has not been called for the device */
+};
+
+/* Event kinds: the values of tidalpool.v1 EventKind. */
+enum { TIDALPOOL_EV_ALLOC = 1, TIDALPOOL_EV_FREE = 2, TIDALPOOL_EV_ITER = 6 };
+
+/* One trace event, 48 bytes.  seq numbers every event the device produced, dropped ones too,
+ * so a gap in seq is exactly the events lost to a full ring. */
+typedef struct {
+    uint32_t kind;                 /* TIDALPOOL_EV_* */
+    int32_t slot;                  /* plan slot of a planned block; -1 when placed online */
+    uint64_t seq;
+    uint64_t block;                /* block id (1, 2, ...); the iteration number for ITER */
+    uint64_t size;                 /* bytes asked for (the block's size on FREE, 0 on ITER) */
+    uint64_t offset;               /* from the lease's base */
+    uint64_t t_ns;                 /* clock_gettime(CLOCK_MONOTONIC) */
+} tidalpool_event;
+
+/* tidalpool_stats fills these, in this order. */
+enum {
+    TIDALPOOL_ST_MALLOCS, TIDALPOOL_ST_FREES, TIDALPOOL_ST_HITS, TIDALPOOL_ST_MISSES,
+    TIDALPOOL_ST_ONLINE, TIDALPOOL_ST_FALLBACKS, TIDALPOOL_ST_FAILURES, TIDALPOOL_ST_ZERO_ALLOCS,
+    TIDALPOOL_ST_BAD_FREES, TIDALPOOL_ST_LIVE_BLOCKS, TIDALPOOL_ST_LIVE_BYTES,
+    TIDALPOOL_ST_PEAK_LIVE_BYTES, TIDALPOOL_ST_USED_BYTES, TIDALPOOL_ST_EVENTS,
+    TIDALPOOL_ST_OVERFLOW, TIDALPOOL_ST_ITERATION, TIDALPOOL_ST_PLAN_ID, TIDALPOOL_ST_PLANNED,
+    TIDALPOOL_ST_FREE_RANGES, TIDALPOOL_ST_LARGEST_FREE, TIDALPOOL_ST_COUNT
+};
+
+/* -- the allocator (PyTorch's CUDAPluggableAllocator signatures) -------------------------- */
+
+/* A block of `size` bytes in the device's lease, aligned; NULL when it does not fit, when size
+ * is 0 or the device has no lease (all counted).  The stream is not used. */
+void *tidalpool_alloc(size_t size, int device, void *stream);
+
+/* Returns a block.  NULL is ignored; a pointer that is not a live block (double free, foreign
+ * pointer) is counted and ignored.  `size` and `stream` are not used: the block's own are. */
+void tidalpool_free(void *ptr, size_t size, int device, void *stream);
+
+/* -- control ------------------------------------------------------------------------------ */
+
+/* tidalpool_free that says what happened: TIDALPOOL_OK, or TIDALPOOL_EINVAL for a pointer that
+ * is not a live block (NULL included), counted as a bad free. */
+int tidalpool_release(int device, void *ptr);
+
+uint32_t tidalpool_abi(void);
+
+/* The lease [base, base + capacity) of a device, capacity rounded down to `alignment` (a power
+ * of two, base a multiple of it, base != 0).  ring_events: trace ring size (rounded up to a
+ * power of two, at least 2).  max_misses: more plan misses than this in one iteration abandon
+ * the plan at the next step.  EBUSY while blocks are live; counters restart from zero. */
+int tidalpool_configure(int device, uint64_t base, uint64_t capacity, uint64_t alignment,
+                        uint64_t ring_events, uint32_t max_misses);
+
+/* Forgets the device's lease, blocks, plans, counters and ring: pointers handed out before are
+ * unknown afterwards.  For the end of a session (the lease is gone) and for tests. */
+int tidalpool_reset(int device);
+
+/* A plan for the steady iteration: allocation i of an iteration takes offset plan_base +
+ * offsets[i] when its size is sizes[i] and no block holds a slot sharing those bytes (the
+ * conflict sets are computed here, the caller's are not trusted).  It takes over at the next
+ * step at which the plan in use, if any, holds no live block; its `height` bytes are then
+ * reserved by best-fit in the lease.  n == 0 is allowed (height 0).  Replaces a pending plan. */
+int tidalpool_install_plan(int device, uint64_t plan_id, uint64_t n, const uint64_t *sizes,
+                           const uint64_t *offsets, uint64_t height);
+
+/* An iteration boundary: judges and switches plans, resets the allocation index and records an
+ * ITER event.  Returns the new iteration number (1, 2, ...) or a negative TIDALPOOL_E* code. */
+int64_t tidalpool_step(int device);
+
+/* Writes min(n, TIDALPOOL_ST_COUNT) counters; returns how many, or a negative code. */
+int tidalpool_stats(int device, uint64_t *out, size_t n);
+
+/* Moves up to `max` events, oldest first, into out; returns how many or a negative code
+ * (EBUSY when another drain of the device is running: one consumer at a time). */
+int64_t tidalpool_drain(int device, tidalpool_event *out, uint64_t max);
+
+/* Writes up to `max` (offset, size) pairs of free ranges, by offset, into out[2 * max];
+ * returns the number of free ranges (which may exceed max) or a negative code. */
+int64_t tidalpool_free_ranges(int device, uint64_t *out, uint64_t max);
+
+/* Calls to tidalpool_alloc/free with a device index out of range (they return NULL / nothing). */
+uint64_t tidalpool_stray_calls(void);
+
+/* -- benchmark support (bench.c) -------------------------------------------------------- */
+
+/* Replays an allocation script `rounds` times, each round timed from its step to its last op.
+ * op k: sizes[k] > 0 allocates into table[handles[k]], sizes[k] == 0 frees it; after each
+ * round, for every pair j, table[renames[2j + 1]] = table[renames[2j]] (a survivor plays the
+ * role of a block the next round frees).  round_ns[r] gets round r's nanoseconds.  Returns the
+ * number of allocations that returned NULL, or a negative code. */
+int64_t tidalpool_bench_replay(int device, uint64_t *table, uint64_t n_table,
+                               const uint64_t *handles, const uint64_t *sizes, uint64_t n_ops,
+                               const uint64_t *renames, uint64_t n_renames, uint32_t rounds,
+                               int64_t *round_ns);
+
+#endif
