@@ -60,6 +60,7 @@ Events = npt.NDArray[np.void]
 """A batch of drained events, structured by EVENT_DTYPE."""
 
 _OK, _EDEVICE, _EINVAL, _EBUSY, _ENOMEM, _ENOLEASE = 0, -1, -2, -3, -4, -5
+_NO_TIMESTAMPS = 1
 _U64 = ctypes.c_uint64
 _P = ctypes.c_void_p
 
@@ -120,7 +121,7 @@ def load(path: Path | None = None) -> ctypes.CDLL:
         "tidalpool_alloc": (_P, [ctypes.c_size_t, i, _P]),
         "tidalpool_free": (None, [_P, ctypes.c_size_t, i, _P]),
         "tidalpool_release": (i, [i, _P]),
-        "tidalpool_configure": (i, [i, u64, u64, u64, u64, u32]),
+        "tidalpool_configure": (i, [i, u64, u64, u64, u64, u32, u32]),
         "tidalpool_reset": (i, [i]),
         "tidalpool_install_plan": (i, [i, u64, u64, _P, _P, u64]),
         "tidalpool_step": (i64, [i]),
@@ -142,6 +143,8 @@ def load(path: Path | None = None) -> ctypes.CDLL:
 
 def _whole(value: object, what: str) -> int:
     """An int (NumPy integers too; not bools or floats), else TypeError."""
+    if type(value) is int:  # the common case, without the protocol check's cost
+        return value
     if isinstance(value, bool) or not isinstance(value, SupportsIndex):
         raise TypeError(f"{what} must be an int, got {type(value).__name__}")
     return operator.index(value)
@@ -186,10 +189,13 @@ class HotPath:
         alignment: int = ALIGNMENT,
         ring_events: int = 1 << 16,
         max_iteration_misses: int = 8,
+        timestamps: bool = True,
     ) -> None:
         """Serve allocations from [base, base + capacity) (the session's device lease).
 
-        Counters restart; NativeError while blocks of an earlier lease are live."""
+        `timestamps=False` leaves events' t_ns at 0 and saves a clock read per event (the
+        recorder does not send them). Counters restart; NativeError while blocks of an earlier
+        lease are live."""
         base, capacity = _whole(base, "base"), _whole(capacity, "capacity")
         alignment, ring = _whole(alignment, "alignment"), _whole(ring_events, "ring_events")
         misses = _whole(max_iteration_misses, "max_iteration_misses")
@@ -203,7 +209,10 @@ class HotPath:
             raise ValueError(f"ring_events must be in [2, 2**32], got {ring}")
         if not 0 <= misses < 2**32:
             raise ValueError(f"max_iteration_misses must be in [0, 2**32), got {misses}")
-        code = self._lib.tidalpool_configure(self.device, base, capacity, alignment, ring, misses)
+        flags = 0 if timestamps else _NO_TIMESTAMPS
+        code = self._lib.tidalpool_configure(
+            self.device, base, capacity, alignment, ring, misses, flags
+        )
         self._check(int(code), "configure")
 
     def reset(self) -> None:

@@ -112,9 +112,8 @@ def test_best_fit_exact_offsets_alignment_and_coalescing(hp: HotPath) -> None:
     hp.free(BASE + a)
     assert hp.free_ranges() == [(0, 4 * KiB)]
     s = hp.stats()
-    assert (s.mallocs, s.frees, s.online, s.live_blocks, s.live_bytes, s.used_bytes) == (
-        5, 5, 5, 0, 0, 0,
-    )  # fmt: skip
+    assert (s.mallocs, s.frees, s.online) == (5, 5, 5)
+    assert (s.live_blocks, s.live_bytes, s.used_bytes) == (0, 0, 0)
     assert (s.peak_live_bytes, s.largest_free, s.free_ranges) == (100 + 256 + 600 + 256, 4096, 1)
 
 
@@ -370,8 +369,13 @@ def test_bad_input_to_the_c_functions_is_null_and_counted(hp: HotPath) -> None:
 def test_the_c_configure_rejects_bad_leases(
     hp: HotPath, base: int, capacity: int, alignment: int
 ) -> None:
-    assert load().tidalpool_configure(0, base, capacity, alignment, 16, 8) == -2  # EINVAL
+    assert load().tidalpool_configure(0, base, capacity, alignment, 16, 8, 0) == -2  # EINVAL
     assert load().tidalpool_alloc(1, 0, None) is None
+
+
+def test_the_c_configure_rejects_unknown_flags(hp: HotPath) -> None:
+    assert load().tidalpool_configure(0, BASE, 4096, 256, 16, 8, 2) == -2
+    assert load().tidalpool_configure(0, BASE, 4096, 256, 16, 8, 1) == 0  # NO_TIMESTAMPS
 
 
 @pytest.mark.parametrize(

@@ -53,6 +53,14 @@ def test_events_name_every_malloc_free_and_step_exactly(hp: HotPath) -> None:
     assert hp.stats().events == 5
 
 
+def test_without_timestamps_events_are_the_same_but_unstamped(hp: HotPath) -> None:
+    hp.configure(BASE, 4 * KiB, timestamps=False)
+    hp.free(hp.alloc(100) or 0)
+    events = hp.drain()
+    assert rows(events) == [(ALLOC, -1, 0, 1, 100, 0), (FREE, -1, 1, 1, 100, 0)]
+    assert events["t_ns"].tolist() == [0, 0]
+
+
 def test_a_full_ring_drops_and_counts_and_seq_shows_the_gap(hp: HotPath) -> None:
     hp.configure(BASE, 64 * KiB, ring_events=3)  # rounded up to 4
     blocks = [hp.alloc(256) for _ in range(5)]
@@ -181,9 +189,12 @@ def test_two_threads_allocating_never_share_bytes(hp: HotPath) -> None:
     assert hp.free_ranges() == [(0, 64 * KiB)]
     live: dict[int, tuple[int, int]] = {}
     for kind, block, offset, size in zip(
-        events["kind"].tolist(), events["block"].tolist(), events["offset"].tolist(),
-        events["size"].tolist(), strict=True,
-    ):  # fmt: skip
+        events["kind"].tolist(),
+        events["block"].tolist(),
+        events["offset"].tolist(),
+        events["size"].tolist(),
+        strict=True,
+    ):
         if kind == ALLOC:
             end = offset + -(-size // 256) * 256
             assert all(end <= o or e <= offset for o, e in live.values()), (block, live)

@@ -53,6 +53,7 @@ typedef struct {
     int configured;
     uint64_t base, capacity, align, shift;
     uint32_t max_misses;
+    int stamp;                       /* events get a clock_gettime time */
     range *free;
     uint64_t nfree, free_cap;
     entry *tab;
@@ -100,7 +101,7 @@ static void emit(pool *p, uint32_t kind, int32_t slot, uint64_t block, uint64_t 
         }
     }
     tidalpool_event *e = &p->ring[head & p->ring_mask];
-    *e = (tidalpool_event){kind, slot, seq, block, size, offset, now_ns()};
+    *e = (tidalpool_event){kind, slot, seq, block, size, offset, p->stamp ? now_ns() : 0};
     atomic_store_explicit(&p->head, head + 1, memory_order_release);
 }
 
@@ -432,7 +433,7 @@ static void forget(pool *p) { /* under both the lock and the drain flag */
     uint64_t generation = p->generation + 1;
     p->configured = 0;
     p->base = p->capacity = p->align = p->shift = 0;
-    p->max_misses = 0;
+    p->max_misses = 0, p->stamp = 0;
     p->free = NULL, p->nfree = p->free_cap = 0;
     p->tab = NULL, p->tab_cap = p->tab_count = 0;
     p->plan = p->pending = NULL;
@@ -464,10 +465,10 @@ int tidalpool_reset(int device) {
 }
 
 int tidalpool_configure(int device, uint64_t base, uint64_t capacity, uint64_t alignment,
-                        uint64_t ring_events, uint32_t max_misses) {
+                        uint64_t ring_events, uint32_t max_misses, uint32_t flags) {
     pool *p = at(device);
     if (!p) return TIDALPOOL_EDEVICE;
-    if (!alignment || alignment & (alignment - 1) || !base || base % alignment ||
+    if (flags & ~(uint32_t)TIDALPOOL_NO_TIMESTAMPS || !alignment || alignment & (alignment - 1) || !base || base % alignment ||
         capacity > UINTPTR_MAX - base || ring_events > ((uint64_t)1 << 32))
         return TIDALPOOL_EINVAL;
     uint64_t cap = 2;
@@ -488,6 +489,7 @@ int tidalpool_configure(int device, uint64_t base, uint64_t capacity, uint64_t a
     p->base = base, p->align = alignment, p->capacity = capacity & ~(alignment - 1);
     while (((uint64_t)1 << p->shift) < alignment) p->shift++;
     p->max_misses = max_misses;
+    p->stamp = !(flags & TIDALPOOL_NO_TIMESTAMPS);
     p->free = free_ranges, p->free_cap = 4;
     if (p->capacity) p->free[p->nfree++] = (range){0, p->capacity};
     p->ring = ring, p->ring_mask = cap - 1;

@@ -42,7 +42,7 @@ typedef struct {
     uint64_t block;                /* block id (1, 2, ...); the iteration number for ITER */
     uint64_t size;                 /* bytes asked for (the block's size on FREE, 0 on ITER) */
     uint64_t offset;               /* from the lease's base */
-    uint64_t t_ns;                 /* clock_gettime(CLOCK_MONOTONIC) */
+    uint64_t t_ns;                 /* clock_gettime(CLOCK_MONOTONIC); 0 if not stamped */
 } tidalpool_event;
 
 /* tidalpool_stats fills these, in this order. */
@@ -73,12 +73,16 @@ int tidalpool_release(int device, void *ptr);
 
 uint32_t tidalpool_abi(void);
 
+/* configure flags */
+enum { TIDALPOOL_NO_TIMESTAMPS = 1 };  /* events carry t_ns = 0: saves a clock read per event */
+
 /* The lease [base, base + capacity) of a device, capacity rounded down to `alignment` (a power
  * of two, base a multiple of it, base != 0).  ring_events: trace ring size (rounded up to a
  * power of two, at least 2).  max_misses: more plan misses than this in one iteration abandon
- * the plan at the next step.  EBUSY while blocks are live; counters restart from zero. */
+ * the plan at the next step.  flags: TIDALPOOL_NO_TIMESTAMPS or 0.  EBUSY while blocks are
+ * live; counters restart from zero. */
 int tidalpool_configure(int device, uint64_t base, uint64_t capacity, uint64_t alignment,
-                        uint64_t ring_events, uint32_t max_misses);
+                        uint64_t ring_events, uint32_t max_misses, uint32_t flags);
 
 /* Forgets the device's lease, blocks, plans, counters and ring: pointers handed out before are
  * unknown afterwards.  For the end of a session (the lease is gone) and for tests. */
