@@ -208,33 +208,32 @@ def synthetic_plan() -> PlanTable:
     return PlanTable.build(1, [MiB] * SLOTS, [k * MiB for k in range(SLOTS)], SLOTS * MiB, 256)
 
 
-def pairs(hp: HotPath, trace: Path) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
+def pairs(hp: HotPath, traces: list[Path]) -> list[dict[str, Any]]:
     synthetic = pair_script(SLOTS, MiB)
-    plan = synthetic_plan()
     lease = 2 * SLOTS * MiB + 2 * HOLES * 256
     cases: list[tuple[str, Script, int, PlanTable | None, int]] = [
-        ("1 MiB, plan of 1,024 slots", synthetic, lease, plan, 0),
+        ("1 MiB, plan of 1,024 slots", synthetic, lease, synthetic_plan(), 0),
         ("1 MiB, online, 1 free range", synthetic, lease, None, 0),
         (f"1 MiB, online, {HOLES:,} holes", synthetic, lease, None, HOLES),
     ]
-    replay = load_replay(trace)
-    real = Script(replay)
-    name = trace.name.split(".")[0]
-    real_plan = make_plan(trace, replay)
-    cases += [
-        (f"{name} iteration, planned", real, 2 * real.peak, real_plan, 0),
-        (f"{name} iteration, online", real, 2 * real.peak, None, 0),
-    ]
-    for label, script, capacity, plan_or_none, holes in cases:
+    for trace in traces:
+        replay = load_replay(trace)
+        real = Script(replay)
+        name = trace.name.split(".")[0]
+        cases += [
+            (f"{name} iteration, planned", real, 2 * real.peak, make_plan(trace, replay), 0),
+            (f"{name} iteration, online", real, 2 * real.peak, None, 0),
+        ]
+    rows: list[dict[str, Any]] = []
+    for label, script, capacity, plan, holes in cases:
         row: dict[str, Any] = {"workload": label, "pairs_per_round": script.pairs}
-        row |= c_loop(hp, script, capacity, plan_or_none, holes)
-        unstamped = c_loop(hp, script, capacity, plan_or_none, holes, timestamps=False)
+        row |= c_loop(hp, script, capacity, plan, holes)
+        unstamped = c_loop(hp, script, capacity, plan, holes, timestamps=False)
         row["no_timestamps_ns"] = unstamped["median_ns"]
         if not holes:
-            row["via_hotpath_ns"] = via_hotpath(hp, script, capacity, plan_or_none, raw=False)
-            row["via_raw_ctypes_ns"] = via_hotpath(hp, script, capacity, plan_or_none, raw=True)
-            row["python_executor_ns"] = python_executor(script, capacity, plan_or_none)
+            row["via_hotpath_ns"] = via_hotpath(hp, script, capacity, plan, raw=False)
+            row["via_raw_ctypes_ns"] = via_hotpath(hp, script, capacity, plan, raw=True)
+            row["python_executor_ns"] = python_executor(script, capacity, plan)
         rows.append(row)
     return rows
 
@@ -291,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     hp = HotPath(0)
     gc.disable()
     try:
-        rows = [row for trace in traces for row in pairs(hp, trace)]
+        rows = pairs(hp, traces)
         drained = drain(hp)
     finally:
         gc.enable()

@@ -40,7 +40,7 @@ typedef struct { uint64_t key, block, size; int32_t slot; } entry; /* key: offse
 typedef struct {
     uint64_t id, n, height, base;    /* base: the region's offset in the lease, once in use */
     uint64_t *size, *offset;
-    uint64_t *conf_at, *conf;        /* CSR: slot i conflicts with conf[conf_at[i] .. i + 1) */
+    uint64_t *conf_at, *conf;        /* slot i's conflicts: conf[conf_at[i] .. conf_at[i + 1]) */
     uint8_t *busy;                   /* a live block holds the slot */
     uint64_t cursor, live, iteration_misses;
     int active;                      /* 0 once abandoned: no new hits, live slots drain */
@@ -58,6 +58,7 @@ typedef struct {
     uint64_t nfree, free_cap;
     entry *tab;
     uint64_t tab_cap, tab_count;     /* tab_cap: a power of two, at least twice tab_count */
+    unsigned tab_shift;              /* 64 - log2(tab_cap): the hash keeps the product's top bits */
     plan *plan, *pending;
     uint64_t next_block, iteration, seq;
     uint64_t c[TIDALPOOL_ST_COUNT];  /* the counters kept incrementally */
@@ -153,8 +154,8 @@ static void fit_release(pool *p, uint64_t start, uint64_t size) {
 
 /* -- live blocks: linear probing keyed by offset ------------------------------------------ */
 
-static uint64_t home(const pool *p, uint64_t key) {
-    return (((key - 1) >> p->shift) * 0x9E3779B97F4A7C15u) & (p->tab_cap - 1);
+static uint64_t home(const pool *p, uint64_t key) { /* Fibonacci hashing of offset / align */
+    return (((key - 1) >> p->shift) * 0x9E3779B97F4A7C15u) >> p->tab_shift;
 }
 
 static uint64_t find(const pool *p, uint64_t key) { /* key's index, or an empty one */
@@ -179,11 +180,11 @@ static void erase(pool *p, uint64_t i) { /* backward shift: no tombstones */
 /* Room for one more live range: a table entry, and a free range it may later split off. */
 static int reserve(pool *p) {
     if (2 * (p->tab_count + 1) > p->tab_cap) {
-        uint64_t cap = p->tab_cap ? 2 * p->tab_cap : 1024;
+        uint64_t cap = p->tab_cap ? 2 * p->tab_cap : 1024, old_cap = p->tab_cap;
+        unsigned shift = p->tab_cap ? p->tab_shift - 1 : 64 - 10;
         entry *old = p->tab, *tab = calloc(cap, sizeof *tab);
         if (!tab) return -1;
-        uint64_t old_cap = p->tab_cap;
-        p->tab = tab, p->tab_cap = cap;
+        p->tab = tab, p->tab_cap = cap, p->tab_shift = shift;
         for (uint64_t i = 0; i < old_cap; i++)
             if (old[i].key) p->tab[find(p, old[i].key)] = old[i];
         free(old);
@@ -435,7 +436,7 @@ static void forget(pool *p) { /* under both the lock and the drain flag */
     p->base = p->capacity = p->align = p->shift = 0;
     p->max_misses = 0, p->stamp = 0;
     p->free = NULL, p->nfree = p->free_cap = 0;
-    p->tab = NULL, p->tab_cap = p->tab_count = 0;
+    p->tab = NULL, p->tab_cap = p->tab_count = 0, p->tab_shift = 0;
     p->plan = p->pending = NULL;
     p->next_block = 1, p->iteration = p->seq = 0;
     memset(p->c, 0, sizeof p->c);
