@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import mmap
+import random
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -145,6 +146,21 @@ def test_exhaustion_is_none_and_counted_until_room_returns(hp: HotPath) -> None:
     hp.free(blocks[2] or 0)
     assert hp.alloc(KiB) == blocks[2]
     assert hp.stats().failures == 2
+
+
+def test_thousands_of_live_blocks_grow_the_table_and_free_in_any_order(hp: HotPath) -> None:
+    """3,000 blocks of 1 MiB (offsets with many zero low bits) outgrow the first table twice;
+    freed in a shuffled order, each is found once and the lease coalesces back to one range."""
+    hp.configure(BASE, 4 << 30)
+    addresses = [hp.alloc(1 << 20) for _ in range(3000)]
+    assert addresses == [BASE + k * (1 << 20) for k in range(3000)]
+    order = list(range(3000))
+    random.Random(7).shuffle(order)
+    for k in order:
+        hp.free(addresses[k] or 0)
+    s = hp.stats()
+    assert (s.frees, s.bad_frees, s.live_blocks) == (3000, 0, 0)
+    assert hp.free_ranges() == [(0, 4 << 30)]
 
 
 @settings(max_examples=200, deadline=None)
