@@ -54,6 +54,7 @@ bench: $(STAMP)
 	$(PY) bench/executor.py
 	$(PY) bench/placement.py
 	$(PY) bench/swap.py
+	$(PY) bench/native.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info client/*.egg-info .pytest_cache .mypy_cache .ruff_cache
