@@ -318,11 +318,8 @@ static int64_t take(pool *p, uint64_t size) {
     if (!pl || !pl->active) return -1;
     uint64_t i = pl->cursor++;
     int fits = i < pl->n && pl->size[i] == size && !pl->busy[i];
-    for (uint64_t k = fits ? pl->conf_at[i] : 0, end = fits ? pl->conf_at[i + 1] : 0; k < end; k++)
-        if (pl->busy[pl->conf[k]]) {
-            fits = 0;
-            break;
-        }
+    for (uint64_t k = fits ? pl->conf_at[i] : 0; fits && k < pl->conf_at[i + 1]; k++)
+        fits = !pl->busy[pl->conf[k]]; /* a slot sharing these bytes is held: a miss */
     if (!fits) {
         p->c[TIDALPOOL_ST_MISSES]++;
         pl->iteration_misses++;
