@@ -4,6 +4,9 @@
   of real training iterations run on the meta device (no memory, no GPU), for `tidalpool plan`
   and `tidalpool simulate`.
 - `Roofline`: the GPU whose op durations a recorded trace estimates (default: an H100 SXM).
+- `SavedTensors(session, optimizer)`: while active, the tensors autograd saves for backward
+  live in the session (sim backend, CPU tensors), where the swap engine can move them out to
+  the host lease under the session's swap limit; `step()` marks an iteration boundary.
 
 Needs PyTorch: `pip install 'tidalpool[torch]'`.
 """
@@ -17,5 +20,15 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from tidalpool.torch.record import OptimizerFactory, RecordError, record
 from tidalpool.torch.roofline import Roofline
+from tidalpool.torch.saved import SavedStats, SavedTensors, SaveOrder, step
 
-__all__ = ["OptimizerFactory", "RecordError", "Roofline", "record"]
+__all__ = [
+    "OptimizerFactory",
+    "RecordError",
+    "Roofline",
+    "SaveOrder",
+    "SavedStats",
+    "SavedTensors",
+    "record",
+    "step",
+]
