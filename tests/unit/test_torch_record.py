@@ -299,6 +299,28 @@ def test_a_factory_gives_the_same_trace_as_an_optimizer(tmp_path: Path) -> None:
     assert render(made) == render(rebuilt)
 
 
+@pytest.mark.parametrize(
+    "kind",
+    ["SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "Rprop"],
+)
+def test_every_builtin_optimizer_is_rebuilt(tmp_path: Path, kind: str) -> None:
+    model, batch = small_model()
+    optimizer = getattr(torch.optim, kind)(model.parameters(), lr=0.01)
+    path = tmp_path / "t.csv"
+    events = record(model, batch, nn.MSELoss(), optimizer, 2, path=path)
+    assert f" optimizer={kind} iters=2" in path.read_text().splitlines()[0]
+    # Its update writes every parameter in each iteration.
+    writes = set(events.block_ids[events.kinds == WRITE].tolist())
+    assert {0, 1, 2, 3} <= writes
+
+
+def test_an_optimizer_that_reads_its_state_values_cannot_run_on_meta(tmp_path: Path) -> None:
+    model, batch = small_model()
+    asgd = torch.optim.ASGD(model.parameters(), lr=0.01)  # its step calls .item() on its state
+    with pytest.raises(RecordError, match=r"optimizer step of iteration 0 .*Tensor.item\(\)"):
+        record(model, batch, nn.MSELoss(), asgd, path=tmp_path / "t.csv")
+
+
 def test_inputs_as_tuple_or_dict_and_a_tied_parameter(tmp_path: Path) -> None:
     class Tied(nn.Module):
         def __init__(self) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import inspect
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -64,11 +65,13 @@ def record(
 
     `optimizer` is either the optimizer built for `model`, rebuilt here as
     `type(optimizer)(param_groups, **optimizer.defaults)` with the meta copies in its groups
-    (its state, if any, is not carried over), or a factory that builds one for the model it is
-    given. Param groups whose `foreach` is None get True, PyTorch's choice on a GPU. Steps
-    start with `optimizer.zero_grad(set_to_none=set_to_none)`: by default gradients are zeroed
-    in place and so persist like the parameters; with `set_to_none=True` they are freed at each
-    step's start and allocated again in backward.
+    (the defaults its constructor takes; its state, if any, is not carried over), or a factory
+    that builds one for the model it is given. Param groups whose `foreach` is None get True,
+    PyTorch's choice on a GPU.
+
+    Steps start with `optimizer.zero_grad(set_to_none=set_to_none)`: by default gradients are
+    zeroed in place and so persist like the parameters; with `set_to_none=True` they are freed
+    at each step's start and allocated again in backward.
 
     `roofline` estimates the op durations (default: an H100 SXM, see `Roofline`).
     Three iterations give `tidalpool plan` a steady iteration (the first one allocates
@@ -216,8 +219,13 @@ def _optimizer(
                 params.append(meta)
             groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": params})
         kind = type(given)
+        # Each group carries every hyperparameter; the constructor gets the defaults it takes
+        # (AdamW's defaults hold `decoupled_weight_decay`, which its constructor fixes).
+        accepted = inspect.signature(kind).parameters
+        anything = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+        defaults = {k: v for k, v in given.defaults.items() if anything or k in accepted}
         try:
-            optimizer = kind(groups, **given.defaults)
+            optimizer = kind(groups, **defaults)
         except Exception as e:
             raise TypeError(
                 f"record: cannot rebuild {kind.__name__} for the meta copy of the model"
