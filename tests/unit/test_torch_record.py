@@ -4,6 +4,7 @@ the file `tidalpool plan` and `simulate` read, the caller's objects untouched, c
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -418,3 +419,13 @@ def test_capture_blocks_are_storages_rounded_and_freed_before_the_next_op() -> N
         capture.close()
     assert render(capture.events()) == ["+0:1536 +1:1536 mul.Tensor 0>1", "-0 +2:512 zeros >2"]
     assert b.shape == (30, 10) and c.shape == (1,) and empty.numel() == 0
+
+
+def test_the_docs_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    docs = Path(__file__).resolve().parents[2] / "docs" / "torch.md"
+    example = re.findall(r"```python\n(.*?)```", docs.read_text(), re.S)[0]
+    monkeypatch.chdir(tmp_path)
+    namespace: dict[str, Any] = {}
+    exec(compile(example, str(docs), "exec"), namespace)
+    assert read_trace_csv(tmp_path / "mlp.trace.csv").marks() == namespace["events"].marks()
+    assert main(["plan", "mlp.trace.csv", "--no-exact"]) == 0
