@@ -82,10 +82,6 @@ def _weak_ref(s: torch.UntypedStorage) -> int:
     return cast(int, s._weak_ref())
 
 
-def _expired(ref: int) -> bool:
-    return bool(torch.UntypedStorage._expired(ref))
-
-
 def _free_weak_ref(ref: int) -> None:
     torch.UntypedStorage._free_weak_ref(ref)  # type: ignore[no-untyped-call]  # unannotated
 
@@ -126,6 +122,7 @@ class Capture(TorchDispatchMode):  # type: ignore[no-untyped-call]  # unannotate
         super().__init__()  # type: ignore[no-untyped-call]
         self.roofline = roofline
         self._live: dict[int, _Live] = {}  # StorageImpl address -> live block
+        self._refs: dict[int, int] = {}  # StorageImpl address -> its weak reference
         self._blocks = 0
         self._ops = 0
         self._iterations = 0
@@ -151,7 +148,8 @@ class Capture(TorchDispatchMode):  # type: ignore[no-untyped-call]  # unannotate
 
     def settle(self) -> None:
         """Record a free for every block whose storage has gone since the last look."""
-        gone = [key for key, live in self._live.items() if _expired(live.ref)]
+        expired = torch.UntypedStorage._expired  # called for every live block before each op
+        gone = [key for key, ref in self._refs.items() if expired(ref)]
         for key in gone:
             self._free(key)
 
@@ -171,6 +169,7 @@ class Capture(TorchDispatchMode):  # type: ignore[no-untyped-call]  # unannotate
         for live in self._live.values():
             _free_weak_ref(live.ref)
         self._live.clear()
+        self._refs.clear()
 
     # -- the mode -------------------------------------------------------------------------------
     def __torch_dispatch__(
@@ -243,12 +242,15 @@ class Capture(TorchDispatchMode):  # type: ignore[no-untyped-call]  # unannotate
             return None
         block = self._blocks
         self._blocks += 1
-        self._live[key] = _Live(block, nbytes, _weak_ref(s))
+        ref = _weak_ref(s)
+        self._live[key] = _Live(block, nbytes, ref)
+        self._refs[key] = ref
         self._event(ALLOC, block, round_size(nbytes))
         return block
 
     def _free(self, key: int) -> None:
         live = self._live.pop(key)
+        del self._refs[key]
         _free_weak_ref(live.ref)
         self._event(FREE, live.block, round_size(live.nbytes))
 
