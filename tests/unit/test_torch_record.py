@@ -378,12 +378,18 @@ def test_bad_batches_losses_and_steps_are_refused(tmp_path: Path) -> None:
     model = nn.Linear(2, 2)
     batch = (torch.randn(1, 2), torch.randn(1, 2))
     path = tmp_path / "t.csv"
-    with pytest.raises(TypeError, match="example_batch must be a pair"):
+    with pytest.raises(
+        TypeError, match=r"must be a pair \(inputs, target\), got a tuple of length 1"
+    ):
         record(model, (batch[0],), nn.MSELoss(), sgd(model), path=path)
+    with pytest.raises(TypeError, match=r"must be a pair \(inputs, target\), got a Tensor"):
+        record(model, batch[0], nn.MSELoss(), sgd(model), path=path)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="iterations must be at least 1, got 0"):
         record(model, batch, nn.MSELoss(), sgd(model), 0, path=path)
     with pytest.raises(TypeError, match=r"loss_fn returned a tensor of shape \(1, 2\)"):
         record(model, batch, lambda out, y: out - y, sgd(model), path=path)
+    with pytest.raises(TypeError, match="loss_fn returned float, expected a scalar tensor"):
+        record(model, batch, lambda out, y: 1.0, sgd(model), path=path)
     with pytest.raises(ValueError, match="the loss does not require grad"):
         record(model, batch, lambda out, y: y.sum(), sgd(model), path=path)
 

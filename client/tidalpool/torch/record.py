@@ -85,11 +85,10 @@ def record(
     if iterations < 1:
         raise ValueError(f"record: iterations must be at least 1, got {iterations}")
     if not isinstance(example_batch, (tuple, list)) or len(example_batch) != 2:
-        raise TypeError(
-            "record: example_batch must be a pair (inputs, target), got "
-            + (f"{type(example_batch).__name__} of length {len(example_batch)}"
-               if isinstance(example_batch, (tuple, list)) else type(example_batch).__name__)
-        )  # fmt: skip
+        what = type(example_batch).__name__
+        if isinstance(example_batch, (tuple, list)):
+            what += f" of length {len(example_batch)}"
+        raise TypeError(f"record: example_batch must be a pair (inputs, target), got a {what}")
     parameters = list(model.parameters())
     if not parameters:
         raise ValueError(f"record: the model ({type(model).__name__}) has no parameters to train")
@@ -165,11 +164,12 @@ def _step(
             f"record: the forward of iteration {i} cannot run on the meta device"
             f" ({type(e).__name__}: {e})"
         ) from e
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else (
-            type(loss).__name__
-        )  # fmt: skip
-        raise TypeError(f"record: loss_fn returned {what}, expected a scalar tensor")
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"record: loss_fn returned {type(loss).__name__}, expected a scalar tensor")
+    if loss.numel() != 1:
+        raise TypeError(
+            f"record: loss_fn returned a tensor of shape {tuple(loss.shape)}, expected a scalar"
+        )
     if not loss.requires_grad:
         raise ValueError("record: the loss does not require grad: nothing to backpropagate")
     try:
