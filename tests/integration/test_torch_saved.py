@@ -124,7 +124,7 @@ def test_a_save_swapped_out_comes_back_bit_exact_with_its_strides(daemon: LocalD
         ]
         packed = [saved.pack(t) for t in tensors]
         for p in packed:
-            assert isinstance(p, tt.saved.Saved)
+            assert isinstance(p, tt.Saved)
             assert executor.swap_out(p.tensor.block)
         executor.synchronize()
         assert [executor.where(p.tensor.block) for p in packed] == [HOST] * len(packed)
@@ -171,7 +171,7 @@ def test_step_marks_iterations_and_restarts_the_ids(daemon: LocalDaemon) -> None
             small = saved.pack(torch.ones(2))  # 8 bytes < min_bytes: kept
             tt.step()
             again = saved.pack(x.exp())
-            assert isinstance(first, tt.saved.Saved) and isinstance(again, tt.saved.Saved)
+            assert isinstance(first, tt.Saved) and isinstance(again, tt.Saved)
             assert (first.ident, first.iteration, again.ident, again.iteration) == (0, 1, 0, 2)
             assert isinstance(small, torch.Tensor)
             assert saved.stats().iterations == 2

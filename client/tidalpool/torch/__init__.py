@@ -20,13 +20,14 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from tidalpool.torch.record import OptimizerFactory, RecordError, record
 from tidalpool.torch.roofline import Roofline
-from tidalpool.torch.saved import SavedStats, SavedTensors, SaveOrder, step
+from tidalpool.torch.saved import Saved, SavedStats, SavedTensors, SaveOrder, step
 
 __all__ = [
     "OptimizerFactory",
     "RecordError",
     "Roofline",
     "SaveOrder",
+    "Saved",
     "SavedStats",
     "SavedTensors",
     "record",
