@@ -27,6 +27,7 @@ from tidalpoold.planner.tracecsv import (
     read_snapshot,
     read_trace_csv,
     write_solution_csv,
+    write_trace_csv,
 )
 from tidalpoold.trace import decode_chunk
 
@@ -135,6 +136,38 @@ def test_read_trace_exact(tmp_path: Path) -> None:
     assert events.name_ids.tolist() == [0, 0, 0, 0, 0, 1, 0, 2, 1, 0, 0]
     assert events.names == {1: "aten.mm.default", 2: "my,op"}
     assert events.marks() == [0, 9]
+
+
+def test_write_trace_round_trip(tmp_path: Path) -> None:
+    events = read_trace_csv(write(tmp_path, "t.trace.csv", TRACE))
+    path = tmp_path / "again.trace.csv"
+    write_trace_csv(path, events, comments=["tidalpool trace v1; made by a test", "second, line"])
+    lines = path.read_text().splitlines()
+    assert lines[:4] == [
+        "# tidalpool trace v1; made by a test",
+        "# second, line",
+        "kind,id,size,ns,name",
+        "iter,0,,,",
+    ]
+    assert lines[4:9] == [
+        "alloc,7,4096,,",
+        "alloc,8,512,,",
+        "read,7,,,",
+        "write,8,,,",
+        "op,0,,1500,aten.mm.default",
+    ]
+    assert lines[9:12] == ["free,7,,,", 'op,1,,20,"my,op"', "op,2,,0,aten.mm.default"]
+    again = read_trace_csv(path)
+    for column in ("kinds", "block_ids", "sizes", "durations_ns", "name_ids"):
+        assert getattr(again, column).tolist() == getattr(events, column).tolist(), column
+    assert again.names == events.names
+
+
+def test_write_trace_refuses_a_comment_of_two_lines(tmp_path: Path) -> None:
+    events = read_trace_csv(write(tmp_path, "t.trace.csv", TRACE))
+    with pytest.raises(ValueError, match=r"a trace comment must be one line: 'a\\nb'"):
+        write_trace_csv(tmp_path / "x.csv", events, comments=["a\nb"])
+    assert not (tmp_path / "x.csv").exists()
 
 
 @pytest.mark.parametrize(

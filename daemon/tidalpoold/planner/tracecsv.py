@@ -4,7 +4,8 @@
 v1 file). The readers turn the three input formats of `tidalpool plan` into
 values: a trace CSV v1 into `Events`, a MiniMalloc placement CSV into a
 `Problem`, a PyTorch memory snapshot pickle into a `Problem`. Every refusal
-names the file, the line (or entry) and the problem, as `FormatError`.
+names the file, the line (or entry) and the problem, as `FormatError`. The
+writers go the other way: `Events` to a trace CSV v1, a placement to a solution.
 """
 
 from __future__ import annotations
@@ -197,6 +198,42 @@ def read_trace_csv(path: str | Path) -> Events:
         name_ids=np.array(name_ids, np.uint32),
         names={v: k for k, v in names.items()},
     )
+
+
+def write_trace_csv(path: str | Path, events: Events, comments: Sequence[str] = ()) -> None:
+    """Write events as a trace CSV v1 file; `read_trace_csv` reads back equal columns (name
+    ids as it numbers them: by first appearance).
+
+    `comments` become `#` lines before the header (one line each, no newlines
+    inside). Frees are written without their size (the reader takes it from the
+    alloc); an op's name goes through `names`, quoted when it holds a comma.
+    """
+    out = io.StringIO()
+    for line in comments:
+        if "\n" in line or "\r" in line:
+            raise ValueError(f"a trace comment must be one line: {line!r}")
+        out.write(f"# {line}\n")
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(TRACE_HEADER)
+    text = {v: k for k, v in KIND_NAMES.items()}
+    columns = zip(
+        events.kinds.tolist(),
+        events.block_ids.tolist(),
+        events.sizes.tolist(),
+        events.durations_ns.tolist(),
+        events.name_ids.tolist(),
+        strict=True,
+    )
+    for kind, block, size, ns, name_id in columns:
+        if kind == ALLOC:
+            writer.writerow((text[kind], block, size, "", ""))
+        elif kind == OP:
+            writer.writerow((text[kind], block, "", ns, events.names.get(name_id, "")))
+        elif kind in text:
+            writer.writerow((text[kind], block, "", "", ""))
+        else:
+            raise ValueError(f"events: unknown kind {kind}")
+    Path(path).write_text(out.getvalue(), encoding="utf-8")
 
 
 # -- placement problem CSV (MiniMalloc) ------------------------------------------------------------

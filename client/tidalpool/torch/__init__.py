@@ -1,0 +1,35 @@
+"""PyTorch integration, the parts that need no GPU.
+
+- `record(model, example_batch, loss_fn, optimizer, iterations=3, path=...)`: a trace CSV v1
+  of real training iterations run on the meta device (no memory, no GPU), for `tidalpool plan`
+  and `tidalpool simulate`.
+- `Roofline`: the GPU whose op durations a recorded trace estimates (default: an H100 SXM).
+- `SavedTensors(session, optimizer)`: while active, the tensors autograd saves for backward
+  live in the session (sim backend, CPU tensors), where the swap engine can move them out to
+  the host lease under the session's swap limit; `step()` marks an iteration boundary.
+
+Needs PyTorch: `pip install 'tidalpool[torch]'`.
+"""
+
+from __future__ import annotations
+
+try:
+    import torch as _torch  # noqa: F401
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError("tidalpool.torch needs PyTorch: pip install 'tidalpool[torch]'") from e
+
+from tidalpool.torch.record import OptimizerFactory, RecordError, record
+from tidalpool.torch.roofline import Roofline
+from tidalpool.torch.saved import Saved, SavedStats, SavedTensors, SaveOrder, step
+
+__all__ = [
+    "OptimizerFactory",
+    "RecordError",
+    "Roofline",
+    "SaveOrder",
+    "Saved",
+    "SavedStats",
+    "SavedTensors",
+    "record",
+    "step",
+]

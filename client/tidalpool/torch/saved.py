@@ -1,0 +1,289 @@
+"""Autograd's saved tensors kept in a session, where they can wait in the host lease.
+
+PyTorch hands every tensor an op saves for backward to a pack hook, and gives what the hook
+returned to the unpack hook when backward needs the tensor (`saved_tensors_hooks`). Here:
+
+    forward    op saves t ──pack──▶ t's bytes copied into a session tensor; id = its place
+                                    among this iteration's saves (0, 1, 2, ...)
+    (between)  under the session's swap limit the swap engine moves those tensors out to the
+               host lease, least recently used first (or each one right after its pack)
+    backward   node needs t ──unpack──▶ the session tensor's bytes (brought in if out) copied
+                                        into a new torch tensor, same dtype, shape and strides;
+                                        the saves expected next are prefetched
+
+A tensor saved twice (a ReLU's output is saved by the ReLU and by the layer after it) is copied
+once, as long as it was not modified in between. Ids stay the same from one iteration to the
+next, since a training step saves its tensors in the same order every time; the order backward
+used them in the previous iteration says which to prefetch (before any iteration has been seen:
+the reverse order of saving). Each pack and unpack is an op of the session and each saved
+tensor a block, so the daemon learns this iteration like any other, and a swap schedule it
+sends applies to these blocks.
+
+Kept as they are, not copied: parameters and views of them (they stay in memory anyway), tensors
+not in host memory (on sim the device lease is host memory; a cuda session needs the GPU path,
+not built yet), non-strided, quantized, conjugate or negative-bit tensors, empty ones, and those
+under `min_bytes`. Iterations end at each step of the optimizer given (a step post-hook) or at
+each `step()`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from contextlib import ExitStack
+from contextvars import ContextVar, Token
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from tidalpool.errors import LeaseExceeded
+from tidalpool.numpy import Tensor as SessionTensor
+from tidalpool.session import Session
+from tidalpool.swap import HOST, LEAVING, SwappingExecutor
+
+Offload = Literal["lru", "all"]
+
+
+class SaveOrder:
+    """Saves numbered by their order within an iteration, and the order backward used them.
+
+    Pure bookkeeping: `save` numbers a save, `use` notes an unpack and names the saves
+    expected next, `step` ends the iteration.
+    """
+
+    def __init__(self, lookahead: int) -> None:
+        if lookahead < 0:
+            raise ValueError(f"lookahead must not be negative, got {lookahead}")
+        self.lookahead = lookahead
+        self.saves = 0  # in this iteration
+        self.uses: list[int] = []  # ids in the order this iteration unpacked them
+        self.previous: list[int] = []  # the previous iteration's `uses`
+        self._place: dict[int, int] = {}  # id -> its first place in `previous`
+
+    def save(self) -> int:
+        ident = self.saves
+        self.saves += 1
+        return ident
+
+    def use(self, ident: int) -> list[int]:
+        """Note that `ident` was unpacked; the ids that followed it last iteration (up to
+        `lookahead` of them), or before one was seen, the `lookahead` saved before it."""
+        self.uses.append(ident)
+        place = self._place.get(ident)
+        if place is not None:
+            return self.previous[place + 1 : place + 1 + self.lookahead]
+        if self.previous:
+            return []  # a save the last iteration did not unpack: no guess
+        return list(range(ident - 1, max(ident - 1 - self.lookahead, -1), -1))
+
+    def step(self) -> None:
+        self.previous, self.uses = self.uses, []
+        self._place = {}
+        for place, ident in enumerate(self.previous):
+            self._place.setdefault(ident, place)
+        self.saves = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SavedStats:
+    saved: int  # tensors copied into the session
+    saved_bytes: int  # their bytes (each a span of its storage: see `Saved`)
+    shared: int  # saves of a tensor already saved (same object, unmodified): one copy serves
+    kept: int  # tensors left as they were (parameters, small, not in host memory...)
+    unpacked: int
+    prefetches: int  # swap-ins started ahead of an unpack
+    iterations: int  # boundaries marked (the first at `__enter__`)
+
+
+@dataclass(frozen=True, slots=True, eq=False, weakref_slot=True)
+class Saved:
+    """A saved tensor in the session: the bytes of its span of storage, from its first element
+    to its last (so any strides come back as they were), and what rebuilds the view."""
+
+    ident: int
+    iteration: int
+    tensor: SessionTensor
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    span: int  # elements
+
+
+_active: ContextVar[tuple[SavedTensors, ...]] = ContextVar("tidalpool_saved", default=())
+
+
+def step() -> None:
+    """Mark an iteration boundary for the innermost active `SavedTensors` (call it after each
+    optimizer step when none was given to it). RuntimeError if none is active."""
+    active = _active.get()
+    if not active:
+        raise RuntimeError("tidalpool.torch.step(): no SavedTensors is active (use `with` first)")
+    active[-1].step()
+
+
+class SavedTensors:
+    """Keeps the tensors autograd saves in `session` while active (`with SavedTensors(...)`).
+
+        with tidalpool.attach(..., swap_limit="256MiB") as session, SavedTensors(session, opt):
+            for x, y in batches:
+                loss_fn(model(x), y).backward()
+                opt.step()  # marks the iteration boundary
+                opt.zero_grad()
+
+    It marks the session's iterations (do not also call `session.step()`): one at `__enter__`,
+    then one after each step of `optimizer`, or at each `step()` without one. `offload`:
+    "lru" leaves the swap limit to the session's LRU cache (the saves least recently used go
+    out first: the earliest of the forward, which backward needs last); "all" also swaps out
+    each save right after its pack (vDNN's offload-all). `lookahead`: saves prefetched at each
+    unpack. Without a swap limit nothing moves: the tensors just live in the lease.
+    """
+
+    def __init__(
+        self,
+        session: Session,
+        optimizer: Optimizer | None = None,
+        *,
+        offload: Offload = "lru",
+        lookahead: int = 2,
+        min_bytes: int = 0,
+    ) -> None:
+        if session.cuda is not None:
+            raise NotImplementedError(
+                "SavedTensors on a cuda session needs the GPU path of the torch integration,"
+                " which is not built yet: use a sim session and CPU tensors"
+            )
+        if offload not in ("lru", "all"):
+            raise ValueError(f"offload must be 'lru' or 'all', got {offload!r}")
+        if min_bytes < 0:
+            raise ValueError(f"min_bytes must not be negative, got {min_bytes}")
+        self.session = session
+        self.optimizer = optimizer
+        self.offload = offload
+        self.min_bytes = min_bytes
+        self.order = SaveOrder(lookahead)
+        self._current: dict[int, weakref.ref[Saved]] = {}  # this iteration's saves by id
+        # id() of each tensor saved this iteration -> (the tensor, its version, its save)
+        self._by_tensor: dict[int, tuple[weakref.ref[torch.Tensor], int, weakref.ref[Saved]]] = {}
+        self._iteration = 0
+        self._stack: ExitStack | None = None
+        self._token: Token[tuple[SavedTensors, ...]] | None = None
+        self._saved = self._saved_bytes = self._shared = self._kept = 0
+        self._unpacked = self._prefetches = 0
+
+    # -- the context --------------------------------------------------------------------------
+    def __enter__(self) -> SavedTensors:
+        if self._stack is not None:
+            raise RuntimeError("this SavedTensors is already active")
+        stack = ExitStack()
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack))
+        if self.optimizer is not None:
+            handle = self.optimizer.register_step_post_hook(lambda *_: self.step())
+            stack.callback(handle.remove)
+        self._token = _active.set((*_active.get(), self))
+        self._stack = stack
+        self.step()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        stack, self._stack = self._stack, None
+        if self._token is not None:
+            _active.reset(self._token)
+            self._token = None
+        if stack is not None:
+            stack.close()
+
+    def step(self) -> None:
+        """An iteration boundary: the session's, and where save ids start again from 0."""
+        self.session.step()
+        self.order.step()
+        self._current = {}
+        self._by_tensor = {}
+        self._iteration += 1
+
+    def stats(self) -> SavedStats:
+        return SavedStats(
+            saved=self._saved,
+            saved_bytes=self._saved_bytes,
+            shared=self._shared,
+            kept=self._kept,
+            unpacked=self._unpacked,
+            prefetches=self._prefetches,
+            iterations=self._iteration,
+        )
+
+    # -- the hooks ------------------------------------------------------------------------------
+    def pack(self, t: torch.Tensor) -> Saved | torch.Tensor:
+        """The pack hook: copy `t` into the session (or keep it: see the module doc)."""
+        if not self._offloadable(t):
+            self._kept += 1
+            return t
+        earlier = self._by_tensor.get(id(t))
+        if earlier is not None:
+            tensor_ref, version, saved_ref = earlier
+            saved = saved_ref()
+            if tensor_ref() is t and version == t._version and saved is not None:
+                self._shared += 1  # e.g. a ReLU's output, saved by the ReLU and the next layer
+                return saved
+        span = _span(t)
+        nbytes = span * t.element_size()
+        held = self.session.tensor((nbytes,), "uint8")
+        flat = t.detach().as_strided((span,), (1,), t.storage_offset())
+        with self.session.op(writes=[held], name="tidalpool.torch.pack") as (dst,):
+            dst[:] = flat.view(torch.uint8).numpy()
+        saved = Saved(
+            self.order.save(), self._iteration, held, t.dtype, tuple(t.shape), t.stride(), span
+        )
+        self._current[saved.ident] = weakref.ref(saved)
+        self._by_tensor[id(t)] = (weakref.ref(t), t._version, weakref.ref(saved))
+        self._saved += 1
+        self._saved_bytes += nbytes
+        executor = self.session.executor
+        if self.offload == "all" and isinstance(executor, SwappingExecutor):
+            executor.swap_out(held.block)
+        return saved
+
+    def unpack(self, saved: Saved | torch.Tensor) -> torch.Tensor:
+        """The unpack hook: the tensor back, bit for bit, with its strides; prefetches the
+        saves expected next."""
+        if isinstance(saved, torch.Tensor):
+            return saved
+        self._unpacked += 1
+        expected = self.order.use(saved.ident) if saved.iteration == self._iteration else []
+        out = torch.empty(saved.span * saved.dtype.itemsize, dtype=torch.uint8)
+        with self.session.op(reads=[saved.tensor], name="tidalpool.torch.unpack") as (src,):
+            self._prefetch(expected)  # while this one is locked on the device
+            out.numpy()[:] = src
+        return out.view(saved.dtype).as_strided(saved.shape, saved.stride)
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _offloadable(self, t: torch.Tensor) -> bool:
+        if t.device.type != "cpu" or t.layout != torch.strided or t.numel() == 0:
+            return False
+        if t.is_quantized or t.is_conj() or t.is_neg():
+            return False
+        base = t._base if t._base is not None else t
+        if isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad):
+            return False  # a parameter (or a view of one): it stays in memory anyway
+        return _span(t) * t.element_size() >= self.min_bytes
+
+    def _prefetch(self, idents: list[int]) -> None:
+        executor = self.session.executor
+        if not isinstance(executor, SwappingExecutor):
+            return
+        for ident in idents:
+            ref = self._current.get(ident)
+            saved = ref() if ref is not None else None
+            if saved is None or executor.where(saved.tensor.block) not in (HOST, LEAVING):
+                continue
+            try:
+                executor.prefetch(saved.tensor.block)
+            except LeaseExceeded:
+                return  # no room now: it comes in when its unpack needs it
+            self._prefetches += 1
+
+
+def _span(t: torch.Tensor) -> int:
+    """Elements of storage from the tensor's first element to its last (numel() > 0)."""
+    return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
