@@ -41,7 +41,7 @@ EVENT_FREE = 2
 Recorder = Callable[[int, int, int], None]
 """`record(kind, block_id, size)`: called once per malloc (size = requested bytes) and free (0)."""
 
-_executor_ids = itertools.count(1)
+executor_ids = itertools.count(1)  # ids of executors (Python and native) in this process
 
 
 class BestFit:
@@ -202,7 +202,7 @@ class Executor:
     ) -> None:
         self._fit = BestFit(capacity, alignment)
         self._record = record
-        self._session = next(_executor_ids)
+        self._session = next(executor_ids)
         self._blocks: dict[int, Block] = {}
         self._next_id = 1
         self._live_bytes = 0

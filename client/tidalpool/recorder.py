@@ -41,6 +41,7 @@ class Recorder:
         self._lock = threading.Lock()  # drainer vs. step/flush; never taken by record()
         self._wake = threading.Event()
         self._stopped = False
+        self.source: Callable[[], object] | None = None  # called before each drain (native path)
         self.events_sent = 0
         self.chunks_sent = 0
         self._thread = threading.Thread(target=self._run, name="tidalpool-recorder", daemon=True)
@@ -93,6 +94,9 @@ class Recorder:
             self._drain()
 
     def _drain(self) -> None:
+        source = self.source
+        if source is not None:  # events kept elsewhere (the native ring) come in first
+            source()
         with self._lock:
             n = len(self._pending)
             batch = self._pending[:n]

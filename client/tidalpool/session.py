@@ -37,6 +37,8 @@ from tidalpool.devices.sim import SimMapping
 from tidalpool.errors import AttachError, InvalidBlock, NotHostMemory, SessionClosed
 from tidalpool.executor import Block, Executor
 from tidalpool.handles import Grant, request_lease
+from tidalpool.native import HotPath
+from tidalpool.native_executor import NativeExecutor
 from tidalpool.planned import PlanRejected, PlanTable
 from tidalpool.recorder import OP, READ, WRITE, Recorder
 from tidalpool.swap import ScheduledSwap, SwappingExecutor, SwapStats
@@ -96,6 +98,8 @@ def attach(
     swap_limit: int | str | None = None,
     copy_gbps: float | None = None,
     driver: Driver | None = None,
+    allocator: str = "python",
+    native_device: int = 0,
 ) -> Session:
     """Open a session with the daemon of `socket_dir` and map its lease.
 
@@ -105,6 +109,9 @@ def attach(
     lease; `copy_gbps` throttles the swap copies to that bandwidth on sim (on cuda
     the copies run at the link's speed and it only tells the daemon's planner).
     `driver` is the CUDA driver a cuda lease is mapped with (default: cuda-bindings).
+    `allocator="native"`: the session's allocations come from the native hot path
+    (`tidalpool.native`, device index `native_device`), called by a framework such as PyTorch;
+    Python's `malloc`/`op` then refuse, and swapping is not available.
     Raises AttachError when there is no daemon or it refuses (wrong uid, pool
     exhausted, its GPU not visible here).
     """
@@ -114,6 +121,10 @@ def attach(
     swap_bytes = parse_size(swap_limit) if swap_limit is not None else None
     if copy_gbps is not None and copy_gbps <= 0:
         raise ValueError(f"copy_gbps must be positive, got {copy_gbps}")
+    if allocator not in ("python", "native"):
+        raise ValueError(f"allocator must be 'python' or 'native', got {allocator!r}")
+    if allocator == "native" and (swap_bytes is not None or copy_gbps is not None):
+        raise ValueError("the native allocator does not swap: drop swap_limit and copy_gbps")
     name = job_name or os.environ.get("TIDALPOOL_JOB_NAME") or Path(sys.argv[0] or "python").name
     grant = request_lease(directory / "handles.sock", device_bytes, host_bytes, name)
     try:
@@ -129,6 +140,7 @@ def attach(
         swap_limit=swap_bytes,
         copy_gbps=copy_gbps,
         cuda=mapped.cuda,
+        native_device=native_device if allocator == "native" else None,
     )
 
 
@@ -152,6 +164,7 @@ class Session:
         swap_limit: int | None = None,
         copy_gbps: float | None = None,
         cuda: CudaLease | None = None,
+        native_device: int | None = None,
     ) -> None:
         self.id = session_id
         self.device = device
@@ -167,6 +180,15 @@ class Session:
         self.plans_received = 0
         self.plans_rejected = 0
         self._iteration = 0
+        native = None
+        if native_device is not None:  # before Attach: a device already in use refuses here
+            try:
+                native = NativeExecutor(HotPath(native_device), device.address, device.length)
+            except BaseException:
+                self._channel.close()
+                device.retire()
+                host.retire()
+                raise
         try:
             reply = self._stub.Attach(
                 pool_pb2.AttachRequest(
@@ -179,6 +201,8 @@ class Session:
                 timeout=10,
             )
         except grpc.RpcError as e:
+            if native is not None:
+                native.close()
             self._channel.close()
             device.retire()
             host.retire()
@@ -189,13 +213,18 @@ class Session:
         # the session (a shutdown included) reaches this client as a Goodbye on it.
         if (STREAM_OPEN_KEY, "1") not in (self._responses.initial_metadata() or ()):
             code, details = self._responses.code(), self._responses.details()
+            if native is not None:
+                native.close()
             self._channel.close()
             device.retire()
             host.retire()
             raise AttachError(f"session stream refused ({code.name}): {details}")
         self.recorder = Recorder(self._outbox.put, chunk_events=reply.trace_chunk_events or 4096)
-        self.executor: Executor
-        if swap_limit is None and copy_gbps is None:
+        self.executor: Executor | NativeExecutor
+        if native is not None:
+            native.connect(self.recorder)
+            self.executor = native
+        elif swap_limit is None and copy_gbps is None:
             self.executor = Executor(device.length, record=self.recorder.record)
         else:
             self.executor = SwappingExecutor(
@@ -341,6 +370,9 @@ class Session:
 
     def step(self) -> None:
         """An iteration boundary: call it at the start of every training iteration."""
+        if isinstance(self.executor, NativeExecutor):  # its ITER event comes through the ring
+            self._iteration = self.executor.step()
+            return
         self._iteration += 1
         self.executor.begin_iteration()  # where a received plan takes over
         self.recorder.step(self._iteration)
@@ -466,8 +498,13 @@ class Session:
             self.plans_rejected += 1
             log.warning("tidalpool: ignoring a plan: %s", e)
             return
+        try:
+            self.executor.install_plan(table)
+        except PlanRejected as e:  # the native table checks the plan against its lease
+            self.plans_rejected += 1
+            log.warning("tidalpool: ignoring a plan: %s", e)
+            return
         self.plans_received += 1
-        self.executor.install_plan(table)
         if plan.swap_blocks and isinstance(self.executor, SwappingExecutor):
             columns = (
                 plan.swap_blocks,
