@@ -36,7 +36,7 @@ from tidalpool.planned import PlanRejected, PlanTable
 from tidalpool.recorder import ALLOC, FREE, ITER
 from tidalpool.units import ALIGNMENT
 
-ABI = 1
+ABI = 2
 """The library's `TIDALPOOL_ABI` this module is written against."""
 MAX_DEVICES = 64
 ALLOC_SYMBOL = "tidalpool_alloc"
@@ -129,6 +129,7 @@ def load(path: Path | None = None) -> ctypes.CDLL:
         "tidalpool_drain": (i64, [i, _P, u64]),
         "tidalpool_free_ranges": (i64, [i, _P, u64]),
         "tidalpool_stray_calls": (u64, []),
+        "tidalpool_on_failure": (None, [_P]),
         "tidalpool_bench_replay": (i64, [i, _P, u64, _P, _P, u64, _P, u64, u32, _P]),
     }
     for name, (restype, argtypes) in signatures.items():
@@ -340,6 +341,34 @@ class HotPath:
 def stray_calls(library: ctypes.CDLL | None = None) -> int:
     """Allocator calls with a device index out of range, over the process's life."""
     return int((library if library is not None else load()).tidalpool_stray_calls())
+
+
+FailureHandler = ctypes.CFUNCTYPE(
+    None, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_uint32, ctypes.c_char_p
+)
+"""The C type of a failure handler: (function, file, line, message)."""
+
+_failure_handler: object = None  # keeps a ctypes callback alive while the library holds it
+
+
+def on_failure(handler: int | Any | None, library: ctypes.CDLL | None = None) -> None:
+    """What `tidalpool_alloc` calls, once its lock is released, when it returns NULL for a
+    non-zero size: a C function's address (PyTorch's `c10::detail::torchCheckFail`, which
+    throws, so the allocation raises in Python), a `FailureHandler` callback, or None to
+    return NULL silently (the default)."""
+    global _failure_handler
+    lib = library if library is not None else load()
+    if handler is None:
+        lib.tidalpool_on_failure(None)
+    elif isinstance(handler, int):
+        if handler <= 0:
+            raise ValueError(f"failure handler address {handler:#x} is not a function")
+        lib.tidalpool_on_failure(handler)
+    elif isinstance(handler, FailureHandler):
+        lib.tidalpool_on_failure(ctypes.cast(handler, _P))
+    else:
+        raise TypeError(f"a failure handler is an address or a FailureHandler, not {handler!r}")
+    _failure_handler = handler
 
 
 class TraceSink(Protocol):

@@ -30,6 +30,7 @@
 
 #include <sched.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -331,7 +332,8 @@ static int64_t take(pool *p, uint64_t size) {
     return (int64_t)i;
 }
 
-static void *alloc_locked(pool *p, uint64_t size) {
+/* A block of `size` bytes, or NULL; *tables is set when host memory for the tables ran out. */
+static void *alloc_locked(pool *p, uint64_t size, int *tables) {
     if (!p->configured) {
         p->c[TIDALPOOL_ST_FAILURES]++;
         return NULL;
@@ -342,6 +344,7 @@ static void *alloc_locked(pool *p, uint64_t size) {
     }
     if (reserve(p)) {
         p->c[TIDALPOOL_ST_FAILURES]++;
+        *tables = 1;
         return NULL;
     }
     int64_t slot = take(p, size);
@@ -364,6 +367,36 @@ static void *alloc_locked(pool *p, uint64_t size) {
     return (void *)(uintptr_t)(p->base + offset);
 }
 
+static _Atomic(tidalpool_failure_fn) on_failure;
+static _Thread_local char failure_message[320];
+
+void tidalpool_on_failure(tidalpool_failure_fn fn) { atomic_store(&on_failure, fn); }
+
+/* Why allocating `size` failed, into failure_message (under the lock: the numbers agree). */
+static void describe_failure(const pool *p, int device, uint64_t size, int tables) {
+    char *m = failure_message;
+    size_t n = sizeof failure_message;
+    if (!p->configured) {
+        snprintf(m, n, "tidalpool: %llu bytes asked on device %d, which has no lease (no"
+                 " session attached, or it ended)", (unsigned long long)size, device);
+    } else if (tables) {
+        snprintf(m, n, "tidalpool: out of host memory for the allocator's tables (%llu bytes"
+                 " asked on device %d)", (unsigned long long)size, device);
+    } else {
+        uint64_t free_bytes = 0, largest = 0;
+        for (uint64_t i = 0; i < p->nfree; i++) {
+            free_bytes += p->free[i].size;
+            if (p->free[i].size > largest) largest = p->free[i].size;
+        }
+        snprintf(m, n, "tidalpool: out of memory in the lease of device %d: %llu bytes asked;"
+                 " lease %llu bytes, %llu live in %llu blocks, %llu free, largest free range"
+                 " %llu", device, (unsigned long long)size, (unsigned long long)p->capacity,
+                 (unsigned long long)p->c[TIDALPOOL_ST_LIVE_BYTES],
+                 (unsigned long long)p->tab_count, (unsigned long long)free_bytes,
+                 (unsigned long long)largest);
+    }
+}
+
 void *tidalpool_alloc(size_t size, int device, void *stream) {
     (void)stream;
     pool *p = at(device);
@@ -372,8 +405,13 @@ void *tidalpool_alloc(size_t size, int device, void *stream) {
         return NULL;
     }
     lock(&p->lock);
-    void *r = alloc_locked(p, size);
+    int tables = 0;
+    void *r = alloc_locked(p, size, &tables);
+    tidalpool_failure_fn fn = NULL;
+    if (!r && size && (fn = atomic_load_explicit(&on_failure, memory_order_relaxed)))
+        describe_failure(p, device, size, tables);
     unlock(&p->lock);
+    if (fn) fn("tidalpool_alloc", __FILE__, __LINE__, failure_message); /* may throw (C++) */
     return r;
 }
 

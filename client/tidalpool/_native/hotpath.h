@@ -18,7 +18,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define TIDALPOOL_ABI 1            /* bumped whenever a signature, the event or the stats change */
+#define TIDALPOOL_ABI 2            /* bumped whenever a signature, the event or the stats change */
 #define TIDALPOOL_MAX_DEVICES 64
 
 enum {
@@ -64,6 +64,18 @@ void *tidalpool_alloc(size_t size, int device, void *stream);
 /* Returns a block.  NULL is ignored; a pointer that is not a live block (double free, foreign
  * pointer) is counted and ignored.  `size` and `stream` are not used: the block's own are. */
 void tidalpool_free(void *ptr, size_t size, int device, void *stream);
+
+/* What tidalpool_alloc calls when it returns NULL for a non-zero size, after releasing its
+ * lock: (function, file, line, message), the arguments of c10::detail::torchCheckFail.  The
+ * handler may throw a C++ exception through tidalpool_alloc (the library is built with
+ * -fexceptions, so its frames unwind): PyTorch's pluggable allocator does not check for NULL,
+ * and a NULL tensor would fault on the GPU, so the PyTorch glue passes torchCheckFail and the
+ * failed allocation raises in Python.  The message names the device, the size asked and the
+ * lease's state; it lives in thread-local storage until the thread's next failure.  One
+ * handler for the process; NULL (the default) removes it. */
+typedef void (*tidalpool_failure_fn)(const char *func, const char *file, uint32_t line,
+                                     const char *message);
+void tidalpool_on_failure(tidalpool_failure_fn fn);
 
 /* -- control ------------------------------------------------------------------------------ */
 
