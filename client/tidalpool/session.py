@@ -99,7 +99,7 @@ def attach(
     copy_gbps: float | None = None,
     driver: Driver | None = None,
     allocator: str = "python",
-    native_device: int = 0,
+    native_device: int | None = None,
 ) -> Session:
     """Open a session with the daemon of `socket_dir` and map its lease.
 
@@ -110,7 +110,9 @@ def attach(
     the copies run at the link's speed and it only tells the daemon's planner).
     `driver` is the CUDA driver a cuda lease is mapped with (default: cuda-bindings).
     `allocator="native"`: the session's allocations come from the native hot path
-    (`tidalpool.native`, device index `native_device`), called by a framework such as PyTorch;
+    (`tidalpool.native`; `native_device` is the device index the framework passes it, by
+    default the lease's GPU as this process numbers it, 0 on sim), called by a framework such
+    as PyTorch;
     Python's `malloc`/`op` then refuse, and swapping is not available.
     Raises AttachError when there is no daemon or it refuses (wrong uid, pool
     exhausted, its GPU not visible here).
@@ -140,7 +142,8 @@ def attach(
         swap_limit=swap_bytes,
         copy_gbps=copy_gbps,
         cuda=mapped.cuda,
-        native_device=native_device if allocator == "native" else None,
+        allocator=allocator,
+        native_device=native_device,
     )
 
 
@@ -164,6 +167,7 @@ class Session:
         swap_limit: int | None = None,
         copy_gbps: float | None = None,
         cuda: CudaLease | None = None,
+        allocator: str = "python",
         native_device: int | None = None,
     ) -> None:
         self.id = session_id
@@ -181,7 +185,9 @@ class Session:
         self.plans_rejected = 0
         self._iteration = 0
         native = None
-        if native_device is not None:  # before Attach: a device already in use refuses here
+        if allocator == "native":  # before Attach: a device already in use refuses here
+            if native_device is None:
+                native_device = cuda.ordinal if cuda is not None else 0
             try:
                 native = NativeExecutor(HotPath(native_device), device.address, device.length)
             except BaseException:

@@ -162,7 +162,7 @@ def test_offload_all_swaps_out_each_save_and_prefetches_the_next(daemon: LocalDa
 
 
 def test_step_marks_iterations_and_restarts_the_ids(daemon: LocalDaemon) -> None:
-    with pytest.raises(RuntimeError, match="no SavedTensors is active"):
+    with pytest.raises(RuntimeError, match="no SavedTensors is active and no session"):
         tt.step()
     with tidalpool.attach(daemon.socket_dir) as session:  # no swap limit: nothing moves
         with tt.SavedTensors(session, min_bytes=64) as saved:
@@ -176,7 +176,7 @@ def test_step_marks_iterations_and_restarts_the_ids(daemon: LocalDaemon) -> None
             assert isinstance(small, torch.Tensor)
             assert saved.stats().iterations == 2
             assert session.stats().swap is None
-        with pytest.raises(RuntimeError, match="no SavedTensors is active"):
+        with pytest.raises(RuntimeError, match="no SavedTensors is active and no session"):
             tt.step()
 
 

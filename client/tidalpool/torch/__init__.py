@@ -1,5 +1,8 @@
-"""PyTorch integration, the parts that need no GPU.
+"""PyTorch integration.
 
+- `attach(socket_dir, mode="pool" | "planned", optimizer=...)`: PyTorch's CUDA memory comes from
+  a tidalpool lease, through PyTorch's caching allocator ("pool") or replacing it with the
+  native planned allocator ("planned"); see `tidalpool.torch.allocator`.
 - `record(model, example_batch, loss_fn, optimizer, iterations=3, path=...)`: a trace CSV v1
   of real training iterations run on the meta device (no memory, no GPU), for `tidalpool plan`
   and `tidalpool simulate`.
@@ -18,6 +21,14 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("tidalpool.torch needs PyTorch: pip install 'tidalpool[torch]'") from e
 
+from tidalpool.torch.allocator import (
+    TorchAttachError,
+    TorchSession,
+    TorchStats,
+    attach,
+    current,
+    torch_check_fail,
+)
 from tidalpool.torch.record import OptimizerFactory, RecordError, record
 from tidalpool.torch.roofline import Roofline
 from tidalpool.torch.saved import Saved, SavedStats, SavedTensors, SaveOrder, step
@@ -30,6 +41,12 @@ __all__ = [
     "Saved",
     "SavedStats",
     "SavedTensors",
+    "TorchAttachError",
+    "TorchSession",
+    "TorchStats",
+    "attach",
+    "current",
     "record",
     "step",
+    "torch_check_fail",
 ]

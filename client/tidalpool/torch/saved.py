@@ -115,12 +115,22 @@ _active: ContextVar[tuple[SavedTensors, ...]] = ContextVar("tidalpool_saved", de
 
 
 def step() -> None:
-    """Mark an iteration boundary for the innermost active `SavedTensors` (call it after each
-    optimizer step when none was given to it). RuntimeError if none is active."""
+    """Mark an iteration boundary for the innermost active `SavedTensors`, else for the session
+    of `tidalpool.torch.attach` (call it after each optimizer step when no optimizer is
+    watched). RuntimeError if there is neither."""
+    from tidalpool.torch.allocator import current
+
     active = _active.get()
-    if not active:
-        raise RuntimeError("tidalpool.torch.step(): no SavedTensors is active (use `with` first)")
-    active[-1].step()
+    if active:
+        active[-1].step()
+        return
+    attached = current()
+    if attached is None:
+        raise RuntimeError(
+            "tidalpool.torch.step(): no SavedTensors is active and no session is attached"
+            " (tidalpool.torch.attach)"
+        )
+    attached.step()
 
 
 class SavedTensors:

@@ -1,0 +1,236 @@
+"""`tidalpool.torch.attach()`: PyTorch's CUDA memory from a tidalpool lease, in two modes.
+
+    import tidalpool.torch
+    tp = tidalpool.torch.attach(optimizer=opt)   # before the model touches the GPU
+
+**pool** (the default, the most compatible): PyTorch's caching allocator keeps working; its
+segments come from the lease. A `torch.cuda.MemPool` on a `CUDAPluggableAllocator` over the
+native hot path receives every allocation of the device, from every thread (autograd's
+backward thread too), until `close()`. Memory stats, snapshots, `empty_cache` and
+`cudnn.benchmark` work as usual; a segment that does not fit in the lease is refused like a
+failed cudaMalloc: the caching allocator frees its cache, retries, then raises
+`torch.OutOfMemoryError`.
+
+**planned**: the pluggable allocator *replaces* PyTorch's allocator (possible only before the
+first CUDA allocation of the process), so every tensor allocation goes through the native hot
+path: online best-fit while the daemon learns the iteration, then the daemon's offline
+placement (SmartPool). PyTorch's allocator features are gone in this mode: `memory_stats`,
+`memory_snapshot`, `reset_peak_memory_stats` raise, tensors cannot be shared with other
+processes (CUDA IPC), and CUDA graphs cannot use private pools. `TorchSession.stats()` gives
+tidalpool's counters instead. A failed allocation raises `RuntimeError` (PyTorch's
+`torchCheckFail` is the native failure handler) with the lease's state, rather than handing
+PyTorch a NULL tensor. Allocations and frees are stream-ordered only on one stream: a block
+freed on one stream may be handed to another stream at once (PyTorch's `record_stream` is not
+honoured), so planned mode suits jobs that compute on one stream.
+
+Iterations end at each step of the optimizer given (a step post-hook), or at each
+`TorchSession.step()` / `tidalpool.torch.step()`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import logging
+import os
+from contextlib import suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch.optim import Optimizer
+
+import tidalpool
+from tidalpool.errors import TidalpoolError
+from tidalpool.native import ALLOC_SYMBOL, FREE_SYMBOL, NativeStats, library_path, on_failure
+from tidalpool.native_executor import NativeExecutor
+from tidalpool.session import Session, SessionStats
+
+log = logging.getLogger("tidalpool")
+
+Mode = Literal["pool", "planned"]
+
+TORCH_CHECK_FAIL = "_ZN3c106detail14torchCheckFailEPKcS2_jS2_"
+"""c10::detail::torchCheckFail(const char*, const char*, uint32_t, const char*): throws
+c10::Error, which reaches Python as RuntimeError."""
+
+
+class TorchAttachError(TidalpoolError):
+    """PyTorch cannot take memory from tidalpool in the mode asked (no GPU, too late, ...)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TorchStats:
+    mode: Mode
+    session: SessionStats
+    native: NativeStats  # the hot path's counters (in pool mode: segments, not tensors)
+
+
+_current: list[TorchSession] = []  # the attached session of this process (one at most)
+
+
+def torch_check_fail() -> int | None:
+    """The address of PyTorch's torchCheckFail in libc10, or None if it is not exported."""
+    library = Path(torch.__file__).resolve().parent / "lib" / "libc10.so"
+    try:
+        c10 = ctypes.CDLL(str(library))
+        address = ctypes.cast(getattr(c10, TORCH_CHECK_FAIL), ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return None
+    return int(address) if address else None
+
+
+def _check_device(session: Session, index: int) -> None:
+    """Refuse a torch device that is not the daemon's GPU (compared by PCI bus id)."""
+    assert session.cuda is not None
+    if not 0 <= index < torch.cuda.device_count():
+        raise TorchAttachError(f"torch has no CUDA device {index} ({torch.cuda.device_count()})")
+    bus = getattr(torch.cuda.get_device_properties(index), "pci_bus_id", None)
+    theirs = int(session.cuda.pci_bus_id.split(":")[-2], 16)
+    if bus is not None and bus != theirs:
+        raise TorchAttachError(
+            f"torch device {index} is at PCI bus {bus:#04x}, the daemon's GPU at"
+            f" {session.cuda.pci_bus_id}: pass device= the index of the daemon's GPU"
+        )
+
+
+def attach(
+    socket_dir: str | os.PathLike[str] | None = None,
+    *,
+    mode: Mode = "pool",
+    optimizer: Optimizer | None = None,
+    device: int | None = None,
+    device_limit: int | str | None = None,
+    host_limit: int | str | None = None,
+    job_name: str | None = None,
+) -> TorchSession:
+    """Attach to the daemon and make PyTorch allocate the GPU's memory in the session's lease.
+
+    Call before the model touches the GPU (planned mode refuses otherwise). `device`: the
+    torch device index of the daemon's GPU (default: found from the lease). The session is
+    closed by `close()`, by leaving a `with` block, or at interpreter exit.
+    """
+    if mode not in ("pool", "planned"):
+        raise ValueError(f"mode must be 'pool' or 'planned', got {mode!r}")
+    if _current:
+        raise TorchAttachError(
+            f"this process is already attached (session {_current[0].session.id}): close it"
+        )
+    if not torch.cuda.is_available():
+        raise TorchAttachError("tidalpool.torch.attach needs a CUDA GPU that PyTorch can use")
+    session = tidalpool.attach(
+        socket_dir,
+        device_limit=device_limit,
+        host_limit=host_limit,
+        job_name=job_name,
+        allocator="native",
+        native_device=device,
+    )
+    try:
+        if session.cuda is None:
+            raise TorchAttachError(
+                "tidalpool.torch.attach needs a daemon on the cuda backend (this one is sim);"
+                " for CPU tensors on sim see tidalpool.torch.SavedTensors"
+            )
+        index = device if device is not None else session.cuda.ordinal
+        attached = TorchSession(session, mode, index, optimizer)
+    except BaseException:
+        session.close()
+        raise
+    return attached
+
+
+class TorchSession:
+    """A tidalpool session whose lease holds PyTorch's CUDA memory on one device."""
+
+    def __init__(
+        self, session: Session, mode: Mode, device: int, optimizer: Optimizer | None
+    ) -> None:
+        assert isinstance(session.executor, NativeExecutor)
+        self.session = session
+        self.mode: Mode = mode
+        self.device = device
+        self._native = session.executor
+        self._pool: Any = None
+        self._hook: Any = None
+        self._closed = False
+        allocator = torch.cuda.memory.CUDAPluggableAllocator(
+            str(library_path()), ALLOC_SYMBOL, FREE_SYMBOL
+        )
+        if mode == "planned":
+            handler = torch_check_fail()
+            if handler is None:
+                log.warning(
+                    "tidalpool: %s is not exported by this PyTorch: an allocation that does not"
+                    " fit the lease hands PyTorch a NULL pointer",
+                    TORCH_CHECK_FAIL,
+                )
+            try:
+                torch.cuda.memory.change_current_allocator(allocator)
+            except RuntimeError as e:
+                raise TorchAttachError(
+                    "planned mode must replace PyTorch's CUDA allocator before PyTorch"
+                    " initializes CUDA (a CUDA tensor, torch.cuda.get_device_properties, ...),"
+                    " and it has: call tidalpool.torch.attach(mode='planned') first, or use"
+                    " mode='pool'"
+                ) from e
+            on_failure(handler)
+            _check_device(session, device)  # only now: it initializes CUDA in PyTorch
+        else:
+            _check_device(session, device)
+            on_failure(None)  # the caching allocator checks for NULL, retries, then raises OOM
+            self._pool = torch.cuda.MemPool(allocator.allocator())  # type: ignore[no-untyped-call]
+            torch._C._cuda_beginAllocateToPool(device, self._pool.id)
+        if optimizer is not None:
+            self.watch(optimizer)
+        _current.append(self)
+        atexit.register(self.close)
+        self.session.step()  # iteration 1 starts now
+
+    def watch(self, optimizer: Optimizer) -> None:
+        """End an iteration after each step of `optimizer` (in planned mode the optimizer is
+        made after attach, with the model: pass it here)."""
+        if self._hook is not None:
+            self._hook.remove()
+        self._hook = optimizer.register_step_post_hook(lambda *_: self.step())
+
+    def step(self) -> None:
+        """An iteration boundary (automatic after each step of a watched optimizer)."""
+        self.session.step()
+
+    def stats(self) -> TorchStats:
+        return TorchStats(self.mode, self.session.stats(), self._native.stats())
+
+    def close(self) -> None:
+        """Wait for the GPU, stop allocating from the lease and end the session. Tensors still
+        alive point into memory that is given back: free them first (or close at exit). In
+        planned mode PyTorch's allocator cannot be put back: allocations fail afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        with suppress(RuntimeError):
+            torch.cuda.synchronize(self.device)
+        if self._hook is not None:
+            self._hook.remove()
+        if self._pool is not None:
+            torch._C._cuda_endAllocateToPool(self.device, self._pool.id)
+        self.session.close()
+        atexit.unregister(self.close)
+        with suppress(ValueError):
+            _current.remove(self)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> TorchSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def current() -> TorchSession | None:
+    """The attached session of this process, if any."""
+    return _current[0] if _current else None

@@ -1,0 +1,70 @@
+"""tidalpool.torch.attach on a GPU: an MLP trains in a lease of a real cuda daemon, in pool and
+planned mode, with the losses of PyTorch's own allocator bit for bit; a request larger than the
+lease raises in Python (pool: torch.OutOfMemoryError; planned: RuntimeError from the native
+failure handler) and the job goes on."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ..conftest import StartDaemon
+
+CHILD = Path(__file__).with_name("torch_attach_child.py")
+ROOT = Path(__file__).resolve().parents[2]
+LEASE = 1 << 30
+
+
+def run(mode: str, socket_dir: Path) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'client'}:{ROOT / 'daemon'}"}
+    done = subprocess.run(
+        [sys.executable, str(CHILD), mode, str(socket_dir), str(LEASE)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    result: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
+    return result
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    pytest.importorskip("torch")
+    return run("default", tmp_path_factory.mktemp("none"))
+
+
+def test_pool_mode_trains_with_pytorchs_losses_and_its_memory_stats(
+    start_daemon: StartDaemon, reference: dict[str, Any]
+) -> None:
+    d = start_daemon(backend="cuda", device_pool="3GiB", host_pool="256MiB", chunk_size="2MiB")
+    result = run("pool", d.socket_dir)
+    assert result["losses"] == reference["losses"]
+    assert result["inside"]  # the caching allocator's segments come from the lease
+    assert result["allocated"] > 0  # torch.cuda.memory_stats still works
+    assert result["oom"].startswith("OutOfMemoryError")
+    assert math.isfinite(result["after"])  # a forward pass after the refusal
+    assert result["native"]["fallbacks"] == 0
+
+
+def test_planned_mode_trains_on_the_daemons_plan_with_pytorchs_losses(
+    start_daemon: StartDaemon, reference: dict[str, Any]
+) -> None:
+    d = start_daemon(backend="cuda", device_pool="3GiB", host_pool="256MiB", chunk_size="2MiB")
+    result = run("planned", d.socket_dir)
+    assert result["losses"] == reference["losses"]
+    assert result["inside"]
+    assert result["mode"] == "planned", result["native"]
+    assert result["native"]["hits"] > 0
+    assert result["native"]["fallbacks"] == 0
+    assert result["oom"].startswith("RuntimeError: tidalpool: out of memory in the lease")
+    assert result["native"]["failures"] == 0  # counted before the oversized request
+    assert math.isfinite(result["after"])

@@ -1,0 +1,77 @@
+"""A child process for test_torch_attach.py: an MLP trains with Adam on the GPU, on PyTorch's
+own allocator ("default") or attached to a tidalpool daemon ("pool" or "planned"), then asks
+for more memory than the lease holds. Prints one JSON line.
+
+    python tests/gpu/torch_attach_child.py default|pool|planned SOCKET_DIR LEASE_BYTES
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+import torch
+
+STEPS = 30
+
+
+def main() -> None:
+    mode, socket_dir, lease = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    out: dict[str, Any] = {}
+    tp = None
+    if mode != "default":
+        import tidalpool.torch
+
+        tp = tidalpool.torch.attach(socket_dir, mode=mode, device_limit=lease)  # type: ignore[arg-type]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(1024, 4096),
+        torch.nn.ReLU(),
+        torch.nn.Linear(4096, 4096),
+        torch.nn.ReLU(),
+        torch.nn.Linear(4096, 10),
+    ).cuda()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    if tp is not None:
+        tp.watch(opt)
+    x = torch.randn(512, 1024).cuda()
+    y = torch.randint(0, 10, (512,)).cuda()
+    losses = []
+    for _ in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.item()))
+        time.sleep(0.02)  # room for the daemon to learn and plan; the losses do not change
+    torch.cuda.synchronize()
+    out["losses"] = losses
+    if tp is not None:
+        lease_start = tp.session.device.address
+        inside = [lease_start <= p.data_ptr() < lease_start + lease for p in model.parameters()]
+        out["inside"] = all(inside)
+        stats = tp.stats()
+        out["mode"] = stats.session.mode
+        out["native"] = {
+            k: getattr(stats.native, k) for k in ("hits", "misses", "failures", "fallbacks")
+        }
+        if mode == "pool":
+            out["allocated"] = torch.cuda.memory_stats()["allocated_bytes.all.current"]
+        try:
+            torch.empty(2 * lease, dtype=torch.uint8, device="cuda")
+            out["oom"] = "none"
+        except torch.OutOfMemoryError as e:
+            out["oom"] = f"OutOfMemoryError: {e}"
+        except RuntimeError as e:
+            out["oom"] = f"RuntimeError: {e}"
+        # the job goes on after the refusal
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        out["after"] = float(loss.item())
+        tp.close()
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
