@@ -97,6 +97,11 @@ class NativeStats:
     planned: bool  # a plan serves allocations
     free_ranges: int
     largest_free: int
+    streams: int  # streams served (ordered up to 16)
+    cross_stream: int  # allocations on a stream that first had to wait for others' frees
+    stream_waits: int  # GPU waits inserted for them (0 until order_streams is set)
+    stream_errors: int  # driver calls of stream ordering that failed
+    untracked_stream: int  # allocations on a stream beyond the 16 ordered ones
 
 
 _STATS = len(fields(NativeStats))
@@ -130,6 +135,7 @@ def load(path: Path | None = None) -> ctypes.CDLL:
         "tidalpool_free_ranges": (i64, [i, _P, u64]),
         "tidalpool_stray_calls": (u64, []),
         "tidalpool_on_failure": (None, [_P]),
+        "tidalpool_order_streams": (None, [_P, _P, _P, _P]),
         "tidalpool_bench_replay": (i64, [i, _P, u64, _P, _P, u64, _P, u64, u32, _P]),
     }
     for name, (restype, argtypes) in signatures.items():
@@ -221,12 +227,14 @@ class HotPath:
         self._check(int(self._lib.tidalpool_reset(self.device)), "reset")
 
     # -- allocation (what PyTorch calls in C; here for tests, tools and non-torch callers) ----
-    def alloc(self, nbytes: int) -> int | None:
-        """The address of a new block of `nbytes`, or None when it does not fit (counted)."""
+    def alloc(self, nbytes: int, stream: int = 0) -> int | None:
+        """The address of a new block of `nbytes` for work on `stream` (a CUDA stream handle,
+        0 the default stream), or None when it does not fit (counted)."""
         nbytes = _whole(nbytes, "allocation size")
         if not 0 < nbytes < 2**64:
             raise ValueError(f"allocation of {nbytes} bytes: size must be in [1, 2**64)")
-        address = self._lib.tidalpool_alloc(nbytes, self.device, None)
+        stream = _whole(stream, "stream")
+        address = self._lib.tidalpool_alloc(nbytes, self.device, stream or None)
         return int(address) if address else None
 
     def free(self, address: int) -> None:
@@ -369,6 +377,31 @@ def on_failure(handler: int | Any | None, library: ctypes.CDLL | None = None) ->
     else:
         raise TypeError(f"a failure handler is an address or a FailureHandler, not {handler!r}")
     _failure_handler = handler
+
+
+StreamFunctions = tuple[int, int, int, int]
+"""Addresses of cuEventCreate, cuEventRecord, cuStreamWaitEvent, cuEventDestroy_v2 (or
+functions with their signatures)."""
+
+
+def order_streams(functions: StreamFunctions | None, library: ctypes.CDLL | None = None) -> None:
+    """Let the allocator order streams on the GPU (see hotpath.h, "Stream ordering"): the
+    driver's event and stream-wait functions, by address; None turns ordering off."""
+    lib = library if library is not None else load()
+    if functions is None:
+        lib.tidalpool_order_streams(None, None, None, None)
+        return
+    if len(functions) != 4 or not all(isinstance(f, int) and f > 0 for f in functions):
+        raise ValueError(f"order_streams needs four function addresses, got {functions!r}")
+    lib.tidalpool_order_streams(*functions)
+
+
+def cuda_stream_functions() -> StreamFunctions:
+    """The CUDA driver's functions for `order_streams`, from libcuda.so.1."""
+    cuda = ctypes.CDLL("libcuda.so.1")
+    names = ("cuEventCreate", "cuEventRecord", "cuStreamWaitEvent", "cuEventDestroy_v2")
+    found = [ctypes.cast(getattr(cuda, name), ctypes.c_void_p).value for name in names]
+    return (int(found[0] or 0), int(found[1] or 0), int(found[2] or 0), int(found[3] or 0))
 
 
 class TraceSink(Protocol):

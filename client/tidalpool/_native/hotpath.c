@@ -36,7 +36,11 @@
 #include <time.h>
 
 typedef struct { uint64_t start, size; } range;
-typedef struct { uint64_t key, block, size; int32_t slot; } entry; /* key: offset + 1; 0 empty */
+typedef struct {
+    uint64_t key, block, size;       /* key: offset + 1; 0 empty */
+    int32_t slot;
+    int32_t stream;                  /* index in the pool's streams; -1 untracked */
+} entry;
 
 typedef struct {
     uint64_t id, n, height, base;    /* base: the region's offset in the lease, once in use */
@@ -63,6 +67,10 @@ typedef struct {
     plan *plan, *pending;
     uint64_t next_block, iteration, seq;
     uint64_t c[TIDALPOOL_ST_COUNT];  /* the counters kept incrementally */
+    void *streams[TIDALPOOL_MAX_STREAMS];
+    void *events[TIDALPOOL_MAX_STREAMS];  /* created on first need, destroyed by forget */
+    uint32_t owes[TIDALPOOL_MAX_STREAMS]; /* bit j: stream j freed bytes since this one waited */
+    uint32_t nstreams, freers;            /* freers: bit j once stream j has freed bytes */
     tidalpool_event *ring;
     uint64_t ring_mask, tail_seen;   /* tail_seen: the producer's last look at tail */
     _Alignas(64) atomic_uint_fast64_t head;
@@ -332,8 +340,70 @@ static int64_t take(pool *p, uint64_t size) {
     return (int64_t)i;
 }
 
+/* -- streams ------------------------------------------------------------------------------- */
+
+static struct {
+    _Atomic(tidalpool_event_create_fn) create;
+    _Atomic(tidalpool_event_record_fn) record;
+    _Atomic(tidalpool_stream_wait_fn) wait;
+    _Atomic(tidalpool_event_destroy_fn) destroy;
+} cuda;
+
+void tidalpool_order_streams(tidalpool_event_create_fn create, tidalpool_event_record_fn record,
+                             tidalpool_stream_wait_fn wait, tidalpool_event_destroy_fn destroy) {
+    int all = create && record && wait && destroy;
+    atomic_store(&cuda.create, all ? create : NULL);
+    atomic_store(&cuda.record, all ? record : NULL);
+    atomic_store(&cuda.wait, all ? wait : NULL);
+    atomic_store(&cuda.destroy, all ? destroy : NULL);
+}
+
+/* The stream's index, a new one owing every stream that has freed; -1 once the table is full. */
+static int32_t stream_index(pool *p, void *stream) {
+    for (uint32_t i = 0; i < p->nstreams; i++)
+        if (p->streams[i] == stream) return (int32_t)i;
+    if (p->nstreams == TIDALPOOL_MAX_STREAMS) {
+        p->c[TIDALPOOL_ST_UNTRACKED_STREAM]++;
+        return -1;
+    }
+    uint32_t i = p->nstreams++;
+    p->streams[i] = stream;
+    p->owes[i] = p->freers; /* bytes freed before it was seen */
+    return (int32_t)i;
+}
+
+#define CU_EVENT_DISABLE_TIMING 0x2
+
+/* Stream i waits, on the GPU, for the work queued so far on every stream it owes. */
+static void settle(pool *p, int32_t i) {
+    uint32_t owed = p->owes[i];
+    p->owes[i] = 0;
+    p->c[TIDALPOOL_ST_CROSS_STREAM]++;
+    tidalpool_event_record_fn record = atomic_load_explicit(&cuda.record, memory_order_relaxed);
+    tidalpool_stream_wait_fn wait = atomic_load_explicit(&cuda.wait, memory_order_relaxed);
+    tidalpool_event_create_fn create = atomic_load_explicit(&cuda.create, memory_order_relaxed);
+    if (!record || !wait || !create) return;
+    for (uint32_t j = 0; owed; j++, owed >>= 1) {
+        if (!(owed & 1)) continue;
+        if ((!p->events[j] && create(&p->events[j], CU_EVENT_DISABLE_TIMING)) ||
+            record(p->events[j], p->streams[j]) || wait(p->streams[i], p->events[j], 0)) {
+            p->c[TIDALPOOL_ST_STREAM_ERRORS]++;
+            continue;
+        }
+        p->c[TIDALPOOL_ST_STREAM_WAITS]++;
+    }
+}
+
+/* Stream i freed bytes: every other stream owes it a wait. */
+static void freed_on(pool *p, int32_t i) {
+    if (i < 0) return;
+    p->freers |= 1u << i;
+    for (uint32_t k = 0; k < p->nstreams; k++)
+        if ((int32_t)k != i) p->owes[k] |= 1u << i;
+}
+
 /* A block of `size` bytes, or NULL; *tables is set when host memory for the tables ran out. */
-static void *alloc_locked(pool *p, uint64_t size, int *tables) {
+static void *alloc_locked(pool *p, uint64_t size, void *stream, int *tables) {
     if (!p->configured) {
         p->c[TIDALPOOL_ST_FAILURES]++;
         return NULL;
@@ -357,8 +427,10 @@ static void *alloc_locked(pool *p, uint64_t size, int *tables) {
     } else {
         p->c[TIDALPOOL_ST_ONLINE]++;
     }
+    int32_t si = stream_index(p, stream);
+    if (si >= 0 && p->owes[si]) settle(p, si);
     uint64_t block = p->next_block++;
-    p->tab[find(p, offset + 1)] = (entry){offset + 1, block, size, (int32_t)slot};
+    p->tab[find(p, offset + 1)] = (entry){offset + 1, block, size, (int32_t)slot, si};
     p->tab_count++;
     p->c[TIDALPOOL_ST_MALLOCS]++;
     uint64_t live = p->c[TIDALPOOL_ST_LIVE_BYTES] += size;
@@ -398,7 +470,6 @@ static void describe_failure(const pool *p, int device, uint64_t size, int table
 }
 
 void *tidalpool_alloc(size_t size, int device, void *stream) {
-    (void)stream;
     pool *p = at(device);
     if (!p) {
         atomic_fetch_add_explicit(&stray, 1, memory_order_relaxed);
@@ -406,7 +477,7 @@ void *tidalpool_alloc(size_t size, int device, void *stream) {
     }
     lock(&p->lock);
     int tables = 0;
-    void *r = alloc_locked(p, size, &tables);
+    void *r = alloc_locked(p, size, stream, &tables);
     tidalpool_failure_fn fn = NULL;
     if (!r && size && (fn = atomic_load_explicit(&on_failure, memory_order_relaxed)))
         describe_failure(p, device, size, tables);
@@ -436,6 +507,7 @@ static int free_locked(pool *p, uintptr_t ptr) {
     } else {
         fit_release(p, offset, align_up(e.size, p->align));
     }
+    freed_on(p, e.stream);
     p->c[TIDALPOOL_ST_FREES]++;
     p->c[TIDALPOOL_ST_LIVE_BYTES] -= e.size;
     emit(p, TIDALPOOL_EV_FREE, e.slot, e.block, e.size, offset);
@@ -464,6 +536,13 @@ uint32_t tidalpool_abi(void) { return TIDALPOOL_ABI; }
 uint64_t tidalpool_stray_calls(void) { return atomic_load(&stray); }
 
 static void forget(pool *p) { /* under both the lock and the drain flag */
+    tidalpool_event_destroy_fn destroy = atomic_load(&cuda.destroy);
+    for (uint32_t i = 0; i < TIDALPOOL_MAX_STREAMS; i++)
+        if (p->events[i] && destroy) destroy(p->events[i]); /* errors: the context may be gone */
+    memset(p->streams, 0, sizeof p->streams);
+    memset(p->events, 0, sizeof p->events);
+    memset(p->owes, 0, sizeof p->owes);
+    p->nstreams = p->freers = 0;
     plan_free(p->plan), plan_free(p->pending);
     free(p->free), free(p->tab), free(p->ring);
     uint64_t generation = p->generation + 1;
@@ -584,6 +663,7 @@ int tidalpool_stats(int device, uint64_t *out, size_t n) {
     c[TIDALPOOL_ST_PLANNED] = p->plan && p->plan->active;
     c[TIDALPOOL_ST_FREE_RANGES] = p->nfree;
     c[TIDALPOOL_ST_LARGEST_FREE] = largest;
+    c[TIDALPOOL_ST_STREAMS] = p->nstreams;
     unlock(&p->lock);
     if (n > TIDALPOOL_ST_COUNT) n = TIDALPOOL_ST_COUNT;
     if (n && !out) return TIDALPOOL_EINVAL;

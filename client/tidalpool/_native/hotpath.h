@@ -20,6 +20,7 @@
 
 #define TIDALPOOL_ABI 2            /* bumped whenever a signature, the event or the stats change */
 #define TIDALPOOL_MAX_DEVICES 64
+#define TIDALPOOL_MAX_STREAMS 16    /* streams ordered per device; more are counted, not ordered */
 
 enum {
     TIDALPOOL_OK = 0,
@@ -52,18 +53,39 @@ enum {
     TIDALPOOL_ST_BAD_FREES, TIDALPOOL_ST_LIVE_BLOCKS, TIDALPOOL_ST_LIVE_BYTES,
     TIDALPOOL_ST_PEAK_LIVE_BYTES, TIDALPOOL_ST_USED_BYTES, TIDALPOOL_ST_EVENTS,
     TIDALPOOL_ST_OVERFLOW, TIDALPOOL_ST_ITERATION, TIDALPOOL_ST_PLAN_ID, TIDALPOOL_ST_PLANNED,
-    TIDALPOOL_ST_FREE_RANGES, TIDALPOOL_ST_LARGEST_FREE, TIDALPOOL_ST_COUNT
+    TIDALPOOL_ST_FREE_RANGES, TIDALPOOL_ST_LARGEST_FREE, TIDALPOOL_ST_STREAMS,
+    TIDALPOOL_ST_CROSS_STREAM, TIDALPOOL_ST_STREAM_WAITS, TIDALPOOL_ST_STREAM_ERRORS,
+    TIDALPOOL_ST_UNTRACKED_STREAM, TIDALPOOL_ST_COUNT
 };
 
 /* -- the allocator (PyTorch's CUDAPluggableAllocator signatures) -------------------------- */
 
-/* A block of `size` bytes in the device's lease, aligned; NULL when it does not fit, when size
- * is 0 or the device has no lease (all counted).  The stream is not used. */
+/* A block of `size` bytes in the device's lease, aligned, for work on `stream`; NULL when it
+ * does not fit, when size is 0 or the device has no lease (all counted). */
 void *tidalpool_alloc(size_t size, int device, void *stream);
 
 /* Returns a block.  NULL is ignored; a pointer that is not a live block (double free, foreign
  * pointer) is counted and ignored.  `size` and `stream` are not used: the block's own are. */
 void tidalpool_free(void *ptr, size_t size, int device, void *stream);
+
+/* Stream ordering.  A block is allocated for a stream and freed when the framework drops it,
+ * possibly before the stream's queued work that uses it has run: reusing its bytes is safe on
+ * the same stream (stream order) but not on another.  Each device remembers the streams it has
+ * served (up to TIDALPOOL_MAX_STREAMS) and, for each, the streams that freed bytes since it
+ * last waited for them; an allocation on a stream with such a debt first makes its stream
+ * wait, on the GPU, for the work queued so far on each of those streams (an event recorded
+ * there, a stream-wait on it; the host never blocks).  Conservative: it waits for whole
+ * streams, not for the bytes reused.  A stream first seen owes every stream that has freed.
+ * Work of one stream never waits.  The CUDA driver functions (cuEventCreate, cuEventRecord,
+ * cuStreamWaitEvent, cuEventDestroy_v2) are passed in, so no CUDA header or library is
+ * linked; until they are, allocations that would wait are only counted (cross_stream).  One
+ * set for the process; NULLs turn ordering off. */
+typedef int (*tidalpool_event_create_fn)(void **event, unsigned flags);
+typedef int (*tidalpool_event_record_fn)(void *event, void *stream);
+typedef int (*tidalpool_stream_wait_fn)(void *stream, void *event, unsigned flags);
+typedef int (*tidalpool_event_destroy_fn)(void *event);
+void tidalpool_order_streams(tidalpool_event_create_fn create, tidalpool_event_record_fn record,
+                             tidalpool_stream_wait_fn wait, tidalpool_event_destroy_fn destroy);
 
 /* What tidalpool_alloc calls when it returns NULL for a non-zero size, after releasing its
  * lock: (function, file, line, message), the arguments of c10::detail::torchCheckFail.  The

@@ -19,9 +19,11 @@ placement (SmartPool). PyTorch's allocator features are gone in this mode: `memo
 processes (CUDA IPC), and CUDA graphs cannot use private pools. `TorchSession.stats()` gives
 tidalpool's counters instead. A failed allocation raises `RuntimeError` (PyTorch's
 `torchCheckFail` is the native failure handler) with the lease's state, rather than handing
-PyTorch a NULL tensor. Allocations and frees are stream-ordered only on one stream: a block
-freed on one stream may be handed to another stream at once (PyTorch's `record_stream` is not
-honoured), so planned mode suits jobs that compute on one stream.
+PyTorch a NULL tensor. Streams: bytes freed on one stream are reused on another only after
+that stream waits, on the GPU, for the first one's work queued so far (the native allocator
+records an event and inserts a stream wait through the CUDA driver); PyTorch's `record_stream`
+is not honoured, so a tensor used on a second stream must be kept alive until that stream is
+done with it.
 
 Iterations end at each step of the optimizer given (a step post-hook), or at each
 `TorchSession.step()` / `tidalpool.torch.step()`.
@@ -43,7 +45,15 @@ from torch.optim import Optimizer
 
 import tidalpool
 from tidalpool.errors import TidalpoolError
-from tidalpool.native import ALLOC_SYMBOL, FREE_SYMBOL, NativeStats, library_path, on_failure
+from tidalpool.native import (
+    ALLOC_SYMBOL,
+    FREE_SYMBOL,
+    NativeStats,
+    cuda_stream_functions,
+    library_path,
+    on_failure,
+    order_streams,
+)
 from tidalpool.native_executor import NativeExecutor
 from tidalpool.session import Session, SessionStats
 
@@ -176,10 +186,12 @@ class TorchSession:
                     " mode='pool'"
                 ) from e
             on_failure(handler)
+            order_streams(cuda_stream_functions())
             _check_device(session, device)  # only now: it initializes CUDA in PyTorch
         else:
             _check_device(session, device)
             on_failure(None)  # the caching allocator checks for NULL, retries, then raises OOM
+            order_streams(None)  # and orders its own blocks across streams
             self._pool = torch.cuda.MemPool(allocator.allocator())  # type: ignore[no-untyped-call]
             torch._C._cuda_beginAllocateToPool(device, self._pool.id)
         if optimizer is not None:

@@ -1,0 +1,174 @@
+"""Stream ordering in the native hot path, against fake CUDA driver functions that log calls:
+an allocation on a stream waits (on the GPU) for the streams that freed bytes since it last
+waited, and only then; work on one stream never waits."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterator
+
+import pytest
+from tidalpool.native import HotPath, order_streams
+
+DEVICE = 43
+BASE = 1 << 32
+S1, S2, S3 = 0x5100, 0x5200, 0x5300
+
+Create = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint)
+Record = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+Wait = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
+Destroy = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+
+
+class FakeDriver:
+    """cuEventCreate/Record/StreamWaitEvent/EventDestroy that log and can be told to fail."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[object, ...]] = []
+        self.fail_record = False
+        self._next = 0xE000
+
+        def create(event: ctypes._Pointer[ctypes.c_void_p], flags: int) -> int:
+            self._next += 1
+            event[0] = self._next
+            self.calls.append(("create", self._next, flags))
+            return 0
+
+        def record(event: int, stream: int | None) -> int:
+            self.calls.append(("record", event, stream or 0))
+            return 700 if self.fail_record else 0  # any non-zero CUresult
+
+        def wait(stream: int | None, event: int, flags: int) -> int:
+            self.calls.append(("wait", stream or 0, event))
+            return 0
+
+        def destroy(event: int) -> int:
+            self.calls.append(("destroy", event))
+            return 0
+
+        self.functions = (Create(create), Record(record), Wait(wait), Destroy(destroy))
+
+    def addresses(self) -> tuple[int, int, int, int]:
+        a = [ctypes.cast(f, ctypes.c_void_p).value for f in self.functions]
+        return (int(a[0] or 0), int(a[1] or 0), int(a[2] or 0), int(a[3] or 0))
+
+    def take(self) -> list[tuple[object, ...]]:
+        calls, self.calls = self.calls, []
+        return calls
+
+
+@pytest.fixture
+def driver() -> Iterator[FakeDriver]:
+    fake = FakeDriver()
+    order_streams(fake.addresses())
+    HotPath(DEVICE).configure(BASE, 1 << 20)
+    yield fake
+    HotPath(DEVICE).reset()
+    order_streams(None)
+
+
+def test_one_stream_never_waits(driver: FakeDriver) -> None:
+    hp = HotPath(DEVICE)
+    for _ in range(50):
+        blocks = [hp.alloc(4096, S1) for _ in range(4)]
+        for b in blocks:
+            assert b is not None
+            hp.free(b)
+    s = hp.stats()
+    assert (s.streams, s.cross_stream, s.stream_waits) == (1, 0, 0)
+    assert driver.take() == []
+
+
+def test_an_allocation_after_another_streams_free_waits_for_that_stream(
+    driver: FakeDriver,
+) -> None:
+    hp = HotPath(DEVICE)
+    a = hp.alloc(4096, S1)
+    assert a is not None
+    hp.free(a)  # S1's queued work may still use these bytes
+    b = hp.alloc(4096, S2)
+    assert b == a  # best-fit reuses them...
+    ((_, event, flags), *rest) = driver.take()  # ...after S2 waits for S1's work so far
+    assert flags == 0x2  # CU_EVENT_DISABLE_TIMING
+    assert rest == [("record", event, S1), ("wait", S2, event)]
+    assert hp.alloc(4096, S2) is not None  # nothing freed since: no wait
+    assert hp.alloc(4096, S1) is not None  # S2 freed nothing: S1 owes nothing
+    assert driver.take() == []
+    hp.free(b)
+    assert hp.alloc(4096, S1) is not None
+    ((_, event2, _), *rest) = driver.take()  # S2's event is created once, on first need
+    assert rest == [("record", event2, S2), ("wait", S1, event2)]
+    c = hp.alloc(4096, S1)
+    assert c is not None
+    hp.free(c)
+    assert hp.alloc(4096, S2) is not None
+    assert driver.take() == [("record", event, S1), ("wait", S2, event)]  # S1's event again
+    s = hp.stats()
+    assert (s.streams, s.cross_stream, s.stream_waits, s.stream_errors) == (2, 3, 3, 0)
+
+
+def test_a_new_stream_waits_for_the_streams_that_have_freed(driver: FakeDriver) -> None:
+    hp = HotPath(DEVICE)
+    blocks = [hp.alloc(4096, stream) for stream in (S1, S2)]
+    assert None not in blocks
+    hp.free(blocks[0])  # S1 freed; S2 did not
+    assert hp.alloc(4096, S3) is not None
+    calls = driver.take()
+    assert [c[0] for c in calls] == ["create", "record", "wait"]
+    assert calls[1][2] == S1 and calls[2][1] == S3
+
+
+def test_reset_destroys_the_events_it_created(driver: FakeDriver) -> None:
+    hp = HotPath(DEVICE)
+    a = hp.alloc(4096, S1)
+    assert a is not None
+    hp.free(a)
+    hp.alloc(4096, S2)
+    created = [c[1] for c in driver.take() if c[0] == "create"]
+    hp.reset()
+    assert driver.take() == [("destroy", e) for e in created]
+    hp.configure(BASE, 1 << 20)
+    assert hp.stats().streams == 0
+
+
+def test_a_failed_driver_call_is_counted_and_the_allocation_still_served(
+    driver: FakeDriver,
+) -> None:
+    hp = HotPath(DEVICE)
+    a = hp.alloc(4096, S1)
+    assert a is not None
+    hp.free(a)
+    driver.fail_record = True
+    assert hp.alloc(4096, S2) is not None
+    s = hp.stats()
+    assert (s.cross_stream, s.stream_waits, s.stream_errors) == (1, 0, 1)
+
+
+def test_without_driver_functions_the_debt_is_only_counted() -> None:
+    order_streams(None)
+    hp = HotPath(DEVICE)
+    hp.configure(BASE, 1 << 20)
+    try:
+        a = hp.alloc(4096, S1)
+        assert a is not None
+        hp.free(a)
+        assert hp.alloc(4096, S2) is not None
+        s = hp.stats()
+        assert (s.streams, s.cross_stream, s.stream_waits) == (2, 1, 0)
+    finally:
+        hp.reset()
+
+
+def test_streams_beyond_sixteen_are_counted_as_untracked(driver: FakeDriver) -> None:
+    hp = HotPath(DEVICE)
+    for k in range(18):
+        assert hp.alloc(256, 0x9000 + k) is not None
+    s = hp.stats()
+    assert (s.streams, s.untracked_stream) == (16, 2)
+
+
+def test_order_streams_refuses_what_is_not_four_addresses() -> None:
+    with pytest.raises(ValueError, match="four function addresses"):
+        order_streams((1, 2, 3))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="four function addresses"):
+        order_streams((1, 2, 3, 0))
