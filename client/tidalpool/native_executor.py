@@ -55,7 +55,7 @@ class NativeExecutor:
         *,
         ring_events: int = 1 << 20,
         max_iteration_misses: int = 8,
-        timestamps: bool = True,
+        timestamps: bool = False,  # the recorder does not send event times: skip the clock
     ) -> None:
         with _serving_lock:
             if hotpath.device in _serving:

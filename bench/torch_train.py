@@ -1,0 +1,400 @@
+"""PyTorch training on tidalpool vs plain PyTorch (needs an NVIDIA GPU and a cuda daemon).
+
+    PYTHONPATH=client:daemon python bench/torch_train.py [--models gpt2,resnet50]
+        [--dtypes fp32,bf16] [--steps 20] [--skip throughput,limit,batch,latency] [--json PATH]
+
+Every configuration runs in its own process (planned mode replaces PyTorch's allocator for the
+whole process), started by this script; the tidalpool ones attach to a `tidalpoold --backend
+cuda` started here. Models, built from torch.nn with random weights:
+  gpt2      GPT-2 small: 12 pre-norm blocks of width 768, 12 heads, MLP 3072, vocabulary
+            50,257 (tied head), sequence 1,024, causal; batch 8
+  resnet50  ResNet-50 v1.5 (torchvision's layout: bottlenecks 3-4-6-3, stride on the 3x3),
+            224x224 inputs, 1,000 classes; batch 64
+each in fp32 and in bf16 autocast, AdamW, cross-entropy. A step is forward, backward, optimizer
+step; step time is the median of `--steps` steps after warm-up (in planned mode, after the
+daemon's plan serves the iteration), each ended by torch.cuda.synchronize().
+
+  throughput  plain PyTorch vs pool mode vs planned mode, same batch: ratio of steps/s
+  limit       at half of plain PyTorch's peak (max_memory_allocated): the overhead vs
+              unconstrained of save_on_cpu(pin_memory=True) and of checkpointing every block,
+              same batch; tidalpool's own swapping of CUDA tensors is not built, so it has no
+              row (reported as such)
+  batch       the largest batch that trains 3 steps in 8 GiB: plain PyTorch capped by
+              set_per_process_memory_fraction vs planned mode in an 8 GiB lease (doubling, then
+              bisection)
+  latency     torch.empty + release of 64 tensors (4 KiB to 64 MiB) per iteration: ns per pair,
+              PyTorch's caching allocator vs planned mode once its plan serves the iteration
+
+    python bench/torch_train.py child --model gpt2 --mode plain ...   (one configuration)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+GiB = 1 << 30
+ROOT = Path(__file__).resolve().parents[1]
+MODES = ("plain", "pool", "planned", "save_on_cpu", "checkpoint")
+
+
+def log(*args: object) -> None:
+    print(*args, file=sys.stderr, flush=True)
+
+
+# -- models (imported lazily: the parent process does not need torch) ---------------------------
+
+
+def build(name: str, tiny: bool) -> tuple[Any, Callable[[int], tuple[Any, Any]], list[Any]]:
+    """(model, batch maker, the blocks to checkpoint) on the CPU."""
+    import torch
+    from torch import nn
+
+    if name == "gpt2":
+        width, heads, depth, vocab, seq = (64, 4, 2, 97, 32) if tiny else (768, 12, 12, 50257, 1024)
+
+        class GPT2(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.tokens = nn.Embedding(vocab, width)
+                self.positions = nn.Embedding(seq, width)
+                self.blocks = nn.ModuleList(
+                    nn.TransformerEncoderLayer(
+                        width,
+                        heads,
+                        4 * width,
+                        dropout=0.0,
+                        activation="gelu",
+                        batch_first=True,
+                        norm_first=True,
+                    )
+                    for _ in range(depth)
+                )
+                self.norm = nn.LayerNorm(width)
+                self.head = nn.Linear(width, vocab, bias=False)
+                self.head.weight = self.tokens.weight
+
+            def forward(self, idx: torch.Tensor) -> torch.Tensor:
+                n = idx.shape[1]
+                x = self.tokens(idx) + self.positions(torch.arange(n, device=idx.device))
+                mask = nn.Transformer.generate_square_subsequent_mask(n, device=idx.device)
+                for block in self.blocks:
+                    x = block(x, src_mask=mask, is_causal=True)
+                return self.head(self.norm(x)).flatten(0, 1)
+
+        model = GPT2()
+
+        def batch(b: int) -> tuple[Any, Any]:
+            idx = torch.randint(0, vocab, (b, seq))
+            return idx, torch.randint(0, vocab, (b * seq,))
+
+        return model, batch, list(model.blocks)
+
+    if name == "resnet50":
+
+        class Bottleneck(nn.Module):
+            def __init__(self, cin: int, mid: int, stride: int) -> None:
+                super().__init__()
+                cout = 4 * mid
+                self.body = nn.Sequential(
+                    nn.Conv2d(cin, mid, 1, bias=False),
+                    nn.BatchNorm2d(mid),
+                    nn.ReLU(True),
+                    nn.Conv2d(mid, mid, 3, stride, 1, bias=False),
+                    nn.BatchNorm2d(mid),
+                    nn.ReLU(True),
+                    nn.Conv2d(mid, cout, 1, bias=False),
+                    nn.BatchNorm2d(cout),
+                )
+                self.down = (
+                    nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+                    if stride != 1 or cin != cout
+                    else nn.Identity()
+                )
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return torch.relu(self.body(x) + self.down(x))
+
+        blocks: list[nn.Module] = []
+        cin = 64
+        for mid, count, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
+            for k in range(count):
+                blocks.append(Bottleneck(cin, mid, stride if k == 0 else 1))
+                cin = 4 * mid
+        side, classes = (32, 10) if tiny else (224, 1000)
+        model = nn.Sequential(
+            nn.Conv2d(3, 64, 7, 2, 3, bias=False),
+            nn.BatchNorm2d(64),
+            nn.ReLU(True),
+            nn.MaxPool2d(3, 2, 1),
+            *blocks,
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(2048, classes),
+        )
+
+        def batch(b: int) -> tuple[Any, Any]:
+            return torch.randn(b, 3, side, side), torch.randint(0, classes, (b,))
+
+        return model, batch, blocks
+    raise SystemExit(f"unknown model {name!r} (gpt2, resnet50)")
+
+
+class Checkpointed:
+    """Runs a block under torch.utils.checkpoint (its activations recomputed in backward)."""
+
+    def __init__(self, block: Any) -> None:
+        self.block = block
+        self.forward = block.forward
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
+
+
+# -- one configuration (child process) --------------------------------------------------------
+
+
+def child(a: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    out: dict[str, Any] = {"model": a.model, "mode": a.mode, "dtype": a.dtype, "batch": a.batch}
+    tp = None
+    cuda = a.device == "cuda"
+    if a.mode in ("pool", "planned"):
+        import tidalpool.torch
+
+        tp = tidalpool.torch.attach(a.socket_dir, mode=a.mode, device_limit=a.lease)
+    elif cuda and a.memory_bytes:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(a.memory_bytes / total)
+    torch.manual_seed(0)
+    model, make_batch, blocks = build(a.model, a.tiny)
+    if a.mode == "checkpoint":
+        for block in blocks:
+            block.forward = Checkpointed(block)
+    model = model.to(a.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if tp is not None:
+        tp.watch(opt)
+    x, y = (t.to(a.device) for t in make_batch(a.batch))
+    autocast = torch.autocast(a.device, dtype=torch.bfloat16, enabled=a.dtype == "bf16")
+    saving = (
+        torch.autograd.graph.save_on_cpu(pin_memory=cuda)
+        if a.mode == "save_on_cpu"
+        else contextlib.nullcontext()
+    )
+
+    def step() -> float:
+        t = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        with autocast, saving:
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    try:
+        warm = 0
+        while warm < a.warmup or (
+            a.mode == "planned"
+            and tp is not None
+            and tp.stats().session.mode != "planned"
+            and warm < a.max_warmup
+        ):
+            step()
+            warm += 1
+        times = [step() for _ in range(a.steps)]
+    except (RuntimeError, torch.OutOfMemoryError) as e:
+        out["error"] = str(e).splitlines()[0][:300]
+        return out
+    out["warmup_steps"] = warm
+    out["step_ms"] = 1e3 * statistics.median(times)
+    if cuda and tp is None:
+        out["peak_bytes"] = torch.cuda.max_memory_allocated()
+    if tp is not None:
+        s = tp.stats()
+        out["native"] = {
+            k: getattr(s.native, k)
+            for k in ("hits", "misses", "fallbacks", "peak_live_bytes", "stream_waits")
+        }
+        out["session_mode"] = s.session.mode  # "learning" if no plan came within max_warmup
+        if a.latency:
+            out["latency_ns"] = latency(tp.step)
+        tp.close()
+    elif a.latency:
+        out["latency_ns"] = latency(lambda: None)
+    return out
+
+
+def latency(step: Callable[[], None], iterations: int = 300) -> float:
+    """ns per torch.empty + release, 64 tensors per iteration, the last 100 iterations."""
+    import torch
+
+    sizes = [4096 << (k % 15) for k in range(64)]  # 4 KiB .. 64 MiB
+    per_iteration = []
+    for _ in range(iterations):
+        step()
+        t = time.perf_counter_ns()
+        for n in sizes:
+            del_me = torch.empty(n, dtype=torch.uint8, device="cuda")
+            del del_me
+        per_iteration.append((time.perf_counter_ns() - t) / len(sizes))
+        time.sleep(0.001)  # the recorder's thread drains the ring; the daemon plans
+    return statistics.median(per_iteration[-100:])
+
+
+# -- the parent --------------------------------------------------------------------------------
+
+
+def run_child(**options: Any) -> dict[str, Any]:
+    command = [sys.executable, __file__, "child"]
+    for key, value in options.items():
+        if value is True:
+            command.append(f"--{key.replace('_', '-')}")
+        elif value not in (None, False):
+            command += [f"--{key.replace('_', '-')}", str(value)]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'client'}:{ROOT / 'daemon'}"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
+    if done.returncode != 0:
+        return {**options, "error": done.stderr.strip().splitlines()[-1][:300]}
+    result: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
+    log("  ", json.dumps(result))
+    return result
+
+
+BATCH = {"gpt2": 8, "resnet50": 64}
+
+
+def largest_batch(fits: Callable[[int], bool], start: int) -> int:
+    """The largest b with fits(b), doubling from `start` then bisecting (0 if start fails)."""
+    if not fits(start):
+        return 0
+    low, high = start, 2 * start
+    while fits(high):
+        low, high = high, 2 * high
+    while high - low > max(1, low // 16):
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command")
+    c = sub.add_parser("child")
+    c.add_argument("--model", required=True)
+    c.add_argument("--mode", choices=MODES, required=True)
+    c.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    c.add_argument("--batch", type=int, required=True)
+    c.add_argument("--steps", type=int, default=20)
+    c.add_argument("--warmup", type=int, default=3)
+    c.add_argument("--max-warmup", type=int, default=200, help="steps to wait for a plan")
+    c.add_argument("--socket-dir")
+    c.add_argument("--lease", type=int, help="device lease bytes (pool, planned)")
+    c.add_argument("--memory-bytes", type=int, help="cap plain PyTorch at this many bytes")
+    c.add_argument("--latency", action="store_true")
+    c.add_argument("--tiny", action="store_true", help="a small model (tests)")
+    c.add_argument("--device", default="cuda")
+    parser.add_argument("--models", default="gpt2,resnet50")
+    parser.add_argument("--dtypes", default="fp32,bf16")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--skip", default="")
+    parser.add_argument("--json", type=Path)
+    a = parser.parse_args()
+    if a.command == "child":
+        print(json.dumps(child(a)))
+        return
+    from tidalpool.local import LocalDaemon
+
+    skip = set(a.skip.split(",")) - {""}
+    results: dict[str, Any] = {"throughput": [], "limit": [], "batch": [], "latency": []}
+    with (
+        tempfile.TemporaryDirectory(prefix="tp-", dir="/tmp") as tmp,
+        LocalDaemon.start(
+            Path(tmp), device_pool="60GiB", host_pool="4GiB", backend="cuda", timeout=300
+        ) as d,
+    ):
+        sock = str(d.socket_dir)
+        for model in a.models.split(","):
+            for dtype in a.dtypes.split(","):
+                common = {"model": model, "dtype": dtype, "steps": a.steps}
+                b = BATCH[model]
+                log(f"{model} {dtype}")
+                plain = run_child(mode="plain", batch=b, **common)
+                if "throughput" not in skip:
+                    row = {"model": model, "dtype": dtype, "batch": b, "plain": plain}
+                    for mode in ("pool", "planned"):
+                        r = run_child(mode=mode, batch=b, socket_dir=sock, lease=40 * GiB, **common)
+                        row[mode] = r
+                        if "step_ms" in r and "step_ms" in plain:
+                            row[f"{mode}_vs_plain"] = plain["step_ms"] / r["step_ms"]
+                    results["throughput"].append(row)
+                if "limit" not in skip and "peak_bytes" in plain:
+                    cap = plain["peak_bytes"] // 2
+                    row = {"model": model, "dtype": dtype, "batch": b, "limit_bytes": cap}
+                    for mode in ("save_on_cpu", "checkpoint"):
+                        r = run_child(mode=mode, batch=b, memory_bytes=cap, **common)
+                        row[mode] = r
+                        if "step_ms" in r:
+                            row[f"{mode}_overhead"] = r["step_ms"] / plain["step_ms"] - 1
+                    row["tidalpool"] = "not built: swapping CUDA tensors (SavedTensors on cuda)"
+                    results["limit"].append(row)
+                if "batch" not in skip:
+
+                    def fits(batch: int, common: dict[str, Any] = common, **extra: Any) -> bool:
+                        r = run_child(
+                            batch=batch, **{**common, "steps": 3, "max_warmup": 30, **extra}
+                        )
+                        return "step_ms" in r
+
+                    plain_max = largest_batch(
+                        lambda n: fits(n, mode="plain", memory_bytes=8 * GiB), b // 2
+                    )
+                    planned_max = largest_batch(
+                        lambda n: fits(n, mode="planned", socket_dir=sock, lease=8 * GiB), b // 2
+                    )
+                    results["batch"].append(
+                        {
+                            "model": model,
+                            "dtype": dtype,
+                            "plain": plain_max,
+                            "planned": planned_max,
+                            "ratio": planned_max / plain_max if plain_max else math.nan,
+                        }
+                    )
+                if "latency" not in skip and dtype == a.dtypes.split(",")[0]:
+                    tiny = {"model": model, "dtype": dtype, "steps": 1, "tiny": True, "batch": 2}
+                    p = run_child(mode="plain", latency=True, **tiny)
+                    q = run_child(
+                        mode="planned", latency=True, socket_dir=sock, lease=4 * GiB, **tiny
+                    )
+                    results["latency"].append(
+                        {
+                            "plain_ns": p.get("latency_ns"),
+                            "planned_ns": q.get("latency_ns"),
+                            "planned_session_mode": q.get("session_mode"),
+                        }
+                    )
+    text = json.dumps(results, indent=2)
+    print(text)
+    if a.json:
+        a.json.write_text(text)
+
+
+if __name__ == "__main__":
+    main()

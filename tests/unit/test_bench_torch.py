@@ -1,0 +1,55 @@
+"""bench/torch_train.py without a GPU: its models train on the CPU in small sizes, in the
+configurations that need no daemon, and its batch search finds the largest batch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+sys.path.insert(0, str(BENCH))
+from torch_train import largest_batch  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    ("model", "mode", "dtype"),
+    [
+        ("gpt2", "plain", "fp32"),
+        ("gpt2", "checkpoint", "bf16"),
+        ("resnet50", "save_on_cpu", "fp32"),
+    ],
+)
+def test_a_small_model_trains_on_the_cpu(model: str, mode: str, dtype: str) -> None:
+    command = [sys.executable, str(BENCH / "torch_train.py"), "child", "--model", model]
+    command += ["--mode", mode, "--dtype", dtype, "--batch", "2", "--steps", "2", "--warmup", "1"]
+    command += ["--tiny", "--device", "cpu"]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert "error" not in result, result
+    assert result["step_ms"] > 0 and result["warmup_steps"] == 1
+
+
+@pytest.mark.parametrize(("limit", "start"), [(1, 1), (37, 4), (64, 8), (1000, 3), (5, 8)])
+def test_the_batch_search_finds_the_largest_fitting_batch(limit: int, start: int) -> None:
+    tried: list[int] = []
+
+    def fits(batch: int) -> bool:
+        tried.append(batch)
+        return batch <= limit
+
+    found = largest_batch(fits, start)
+    if start > limit:
+        assert found == 0
+        return
+    assert found <= limit
+    assert limit - found <= max(1, found // 16)  # within the search's resolution
+    assert len(tried) < 30
