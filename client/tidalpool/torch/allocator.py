@@ -227,6 +227,7 @@ class TorchSession:
             self._hook.remove()
         if self._pool is not None:
             torch._C._cuda_endAllocateToPool(self.device, self._pool.id)
+            torch._C._cuda_releasePool(self.device, self._pool.id)
         self.session.close()
         atexit.unregister(self.close)
         with suppress(ValueError):
