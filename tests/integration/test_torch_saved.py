@@ -180,12 +180,18 @@ def test_step_marks_iterations_and_restarts_the_ids(daemon: LocalDaemon) -> None
             tt.step()
 
 
-def test_a_cuda_session_and_an_unknown_policy_are_refused() -> None:
-    class Stand:  # what SavedTensors looks at before it uses a session
-        cuda = object()
+def test_a_cuda_session_keeps_cpu_tensors_and_an_unknown_policy_is_refused() -> None:
+    class Lease:
+        ordinal = 3
 
-    with pytest.raises(NotImplementedError, match="cuda session needs the GPU path"):
-        tt.SavedTensors(cast(Session, Stand()))
+    class Stand:  # what SavedTensors looks at of a cuda session before it uses it
+        cuda = Lease()
+
+    saved = tt.SavedTensors(cast(Session, Stand()))
+    assert saved.device == torch.device("cuda", 3)
+    cpu = torch.randn(64)
+    assert saved.pack(cpu) is cpu  # not on the session's GPU: kept as it is
+    assert saved.stats().kept == 1 and saved.stats().saved == 0
     with pytest.raises(ValueError, match="offload must be 'lru' or 'all', got 'some'"):
         sim = cast(Session, type("Sim", (), {"cuda": None})())
         tt.SavedTensors(sim, offload="some")  # type: ignore[arg-type]

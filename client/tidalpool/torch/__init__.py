@@ -8,8 +8,8 @@
   and `tidalpool simulate`.
 - `Roofline`: the GPU whose op durations a recorded trace estimates (default: an H100 SXM).
 - `SavedTensors(session, optimizer)`: while active, the tensors autograd saves for backward
-  live in the session (sim backend, CPU tensors), where the swap engine can move them out to
-  the host lease under the session's swap limit; `step()` marks an iteration boundary.
+  live in the session (CPU tensors on sim, CUDA tensors on cuda), where the swap engine moves
+  them to the host lease under the session's swap limit; `step()` marks an iteration boundary.
 
 Needs PyTorch: `pip install 'tidalpool[torch]'`.
 """

@@ -19,10 +19,16 @@ the reverse order of saving). Each pack and unpack is an op of the session and e
 tensor a block, so the daemon learns this iteration like any other, and a swap schedule it
 sends applies to these blocks.
 
+On a cuda session the saves are CUDA tensors of the session's GPU: pack and unpack are
+device-to-device copies between PyTorch's memory and the session's device lease (through DLPack
+views of the lease), and the swap engine moves the session's copies to the pinned host lease
+and back on its own CUDA streams, ordered against the compute stream (the default stream, which
+PyTorch's forward and backward use unless told otherwise).
+
 Kept as they are, not copied: parameters and views of them (they stay in memory anyway), tensors
-not in host memory (on sim the device lease is host memory; a cuda session needs the GPU path,
-not built yet), non-strided, quantized, conjugate or negative-bit tensors, empty ones, and those
-under `min_bytes`. Iterations end at each step of the optimizer given (a step post-hook) or at
+on another device than the session's (CPU tensors on sim, CUDA tensors of its GPU on cuda),
+non-strided, quantized, conjugate or negative-bit tensors, empty ones, and those under
+`min_bytes`. Iterations end at each step of the optimizer given (a step post-hook) or at
 each `step()`.
 """
 
@@ -37,6 +43,7 @@ from typing import Literal
 import torch
 from torch import nn
 from torch.optim import Optimizer
+from torch.utils.dlpack import from_dlpack
 
 from tidalpool.errors import LeaseExceeded
 from tidalpool.numpy import Tensor as SessionTensor
@@ -159,16 +166,17 @@ class SavedTensors:
         lookahead: int = 2,
         min_bytes: int = 0,
     ) -> None:
-        if session.cuda is not None:
-            raise NotImplementedError(
-                "SavedTensors on a cuda session needs the GPU path of the torch integration,"
-                " which is not built yet: use a sim session and CPU tensors"
-            )
         if offload not in ("lru", "all"):
             raise ValueError(f"offload must be 'lru' or 'all', got {offload!r}")
         if min_bytes < 0:
             raise ValueError(f"min_bytes must not be negative, got {min_bytes}")
         self.session = session
+        # where the tensors it takes live: the CPU on sim, the session's GPU on cuda
+        self.device = (
+            torch.device("cuda", session.cuda.ordinal)
+            if session.cuda is not None
+            else torch.device("cpu")
+        )
         self.optimizer = optimizer
         self.offload = offload
         self.min_bytes = min_bytes
@@ -241,7 +249,10 @@ class SavedTensors:
         held = self.session.tensor((nbytes,), "uint8")
         flat = t.detach().as_strided((span,), (1,), t.storage_offset())
         with self.session.op(writes=[held], name="tidalpool.torch.pack") as (dst,):
-            dst[:] = flat.view(torch.uint8).numpy()
+            if self.device.type == "cuda":  # dst: a CuPy array over the lease's device bytes
+                from_dlpack(dst).copy_(flat.view(torch.uint8))
+            else:
+                dst[:] = flat.view(torch.uint8).numpy()
         saved = Saved(
             self.order.save(), self._iteration, held, t.dtype, tuple(t.shape), t.stride(), span
         )
@@ -261,15 +272,18 @@ class SavedTensors:
             return saved
         self._unpacked += 1
         expected = self.order.use(saved.ident) if saved.iteration == self._iteration else []
-        out = torch.empty(saved.span * saved.dtype.itemsize, dtype=torch.uint8)
+        out = torch.empty(saved.span * saved.dtype.itemsize, dtype=torch.uint8, device=self.device)
         with self.session.op(reads=[saved.tensor], name="tidalpool.torch.unpack") as (src,):
             self._prefetch(expected)  # while this one is locked on the device
-            out.numpy()[:] = src
+            if self.device.type == "cuda":
+                out.copy_(from_dlpack(src))
+            else:
+                out.numpy()[:] = src
         return out.view(saved.dtype).as_strided(saved.shape, saved.stride)
 
     # -- helpers --------------------------------------------------------------------------------
     def _offloadable(self, t: torch.Tensor) -> bool:
-        if t.device.type != "cpu" or t.layout != torch.strided or t.numel() == 0:
+        if t.device != self.device or t.layout != torch.strided or t.numel() == 0:
             return False
         if t.is_quantized or t.is_conj() or t.is_neg():
             return False
