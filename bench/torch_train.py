@@ -16,9 +16,9 @@ daemon's plan serves the iteration), each ended by torch.cuda.synchronize().
 
   throughput  plain PyTorch vs pool mode vs planned mode, same batch: ratio of steps/s
   limit       at half of plain PyTorch's peak (max_memory_allocated): the overhead vs
-              unconstrained of save_on_cpu(pin_memory=True) and of checkpointing every block,
-              same batch; tidalpool's own swapping of CUDA tensors is not built, so it has no
-              row (reported as such)
+              unconstrained of save_on_cpu(pin_memory=True), of checkpointing every block, and
+              of tidalpool's SavedTensors on a cuda session (swap limit a quarter of the cap,
+              PyTorch capped at the rest), same batch
   batch       the largest batch that trains 3 steps in 8 GiB: plain PyTorch capped by
               set_per_process_memory_fraction vs planned mode in an 8 GiB lease (doubling, then
               bisection)
@@ -46,7 +46,7 @@ from typing import Any
 
 GiB = 1 << 30
 ROOT = Path(__file__).resolve().parents[1]
-MODES = ("plain", "pool", "planned", "save_on_cpu", "checkpoint")
+MODES = ("plain", "pool", "planned", "save_on_cpu", "checkpoint", "saved")
 
 
 def log(*args: object) -> None:
@@ -179,7 +179,8 @@ def child(a: argparse.Namespace) -> dict[str, Any]:
         tp = tidalpool.torch.attach(a.socket_dir, mode=a.mode, device_limit=a.lease)
     elif cuda and a.memory_bytes:
         total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(a.memory_bytes / total)
+        own = a.memory_bytes - (a.swap_limit or 0)  # SavedTensors' lease holds the rest
+        torch.cuda.set_per_process_memory_fraction(own / total)
     torch.manual_seed(0)
     model, make_batch, blocks = build(a.model, a.tiny)
     if a.mode == "checkpoint":
@@ -191,11 +192,20 @@ def child(a: argparse.Namespace) -> dict[str, Any]:
         tp.watch(opt)
     x, y = (t.to(a.device) for t in make_batch(a.batch))
     autocast = torch.autocast(a.device, dtype=torch.bfloat16, enabled=a.dtype == "bf16")
-    saving = (
-        torch.autograd.graph.save_on_cpu(pin_memory=cuda)
-        if a.mode == "save_on_cpu"
-        else contextlib.nullcontext()
-    )
+    saving: Any = contextlib.nullcontext()
+    session = None
+    if a.mode == "save_on_cpu":
+        saving = torch.autograd.graph.save_on_cpu(pin_memory=cuda)
+    elif a.mode == "saved":
+        import tidalpool
+        import tidalpool.torch
+
+        limit = a.swap_limit
+        session = tidalpool.attach(
+            a.socket_dir, device_limit=2 * limit, host_limit=a.host_lease, swap_limit=limit
+        )
+        saved = tidalpool.torch.SavedTensors(session, opt)
+        saved.__enter__()
 
     def step() -> float:
         t = time.perf_counter()
@@ -226,6 +236,17 @@ def child(a: argparse.Namespace) -> dict[str, Any]:
     out["step_ms"] = 1e3 * statistics.median(times)
     if cuda and tp is None:
         out["peak_bytes"] = torch.cuda.max_memory_allocated()
+    if session is not None:
+        swap = session.stats().swap
+        assert swap is not None
+        out["swap"] = {
+            "limit": swap.limit,
+            "peak_resident_bytes": swap.peak_resident_bytes,
+            "out_bytes_per_step": swap.swapped_out_bytes // (warm + a.steps),
+            "stall_ms_per_step": swap.stall_ns / 1e6 / (warm + a.steps),
+        }
+        saved.__exit__(None, None, None)
+        session.close()
     if tp is not None:
         s = tp.stats()
         out["native"] = {
@@ -307,6 +328,8 @@ def main() -> None:
     c.add_argument("--socket-dir")
     c.add_argument("--lease", type=int, help="device lease bytes (pool, planned)")
     c.add_argument("--memory-bytes", type=int, help="cap plain PyTorch at this many bytes")
+    c.add_argument("--swap-limit", type=int, help="SavedTensors' swap limit (mode saved)")
+    c.add_argument("--host-lease", type=int, default=16 * GiB, help="host lease (mode saved)")
     c.add_argument("--latency", action="store_true")
     c.add_argument("--tiny", action="store_true", help="a small model (tests)")
     c.add_argument("--device", default="cuda")
@@ -326,7 +349,7 @@ def main() -> None:
     with (
         tempfile.TemporaryDirectory(prefix="tp-", dir="/tmp") as tmp,
         LocalDaemon.start(
-            Path(tmp), device_pool="60GiB", host_pool="4GiB", backend="cuda", timeout=300
+            Path(tmp), device_pool="60GiB", host_pool="24GiB", backend="cuda", timeout=300
         ) as d,
     ):
         sock = str(d.socket_dir)
@@ -347,12 +370,14 @@ def main() -> None:
                 if "limit" not in skip and "peak_bytes" in plain:
                     cap = plain["peak_bytes"] // 2
                     row = {"model": model, "dtype": dtype, "batch": b, "limit_bytes": cap}
-                    for mode in ("save_on_cpu", "checkpoint"):
-                        r = run_child(mode=mode, batch=b, memory_bytes=cap, **common)
+                    for mode in ("save_on_cpu", "checkpoint", "saved"):
+                        extra = (
+                            {"socket_dir": sock, "swap_limit": cap // 4} if mode == "saved" else {}
+                        )
+                        r = run_child(mode=mode, batch=b, memory_bytes=cap, **common, **extra)
                         row[mode] = r
                         if "step_ms" in r:
                             row[f"{mode}_overhead"] = r["step_ms"] / plain["step_ms"] - 1
-                    row["tidalpool"] = "not built: swapping CUDA tensors (SavedTensors on cuda)"
                     results["limit"].append(row)
                 if "batch" not in skip:
 
