@@ -55,6 +55,7 @@ bench: $(STAMP)
 	$(PY) bench/placement.py
 	$(PY) bench/swap.py
 	$(PY) bench/native.py
+	$(PY) bench/torch_saved.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info client/*.egg-info .pytest_cache .mypy_cache .ruff_cache

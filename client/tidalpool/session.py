@@ -374,6 +374,15 @@ class Session:
             record(OP, 0, 0, time.perf_counter_ns() - start, name_id)
             self.executor.end_op(blocks)
 
+    def record_op(self, name: str, duration_ns: int) -> None:
+        """Tell the daemon about an op it cannot see (compute outside the session's ops) that
+        took `duration_ns`, at this point of the iteration; it touches no block."""
+        if duration_ns < 0:
+            raise ValueError(f"an op cannot take negative time ({duration_ns} ns)")
+        if self._released:
+            raise SessionClosed(self._why_closed())
+        self.recorder.record(OP, 0, 0, duration_ns, self.recorder.name_id(name))
+
     def step(self) -> None:
         """An iteration boundary: call it at the start of every training iteration."""
         if isinstance(self.executor, NativeExecutor):  # its ITER event comes through the ring

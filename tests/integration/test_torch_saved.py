@@ -195,3 +195,40 @@ def test_a_cuda_session_keeps_cpu_tensors_and_an_unknown_policy_is_refused() -> 
     with pytest.raises(ValueError, match="offload must be 'lru' or 'all', got 'some'"):
         sim = cast(Session, type("Sim", (), {"cuda": None})())
         tt.SavedTensors(sim, offload="some")  # type: ignore[arg-type]
+
+
+def test_each_pack_and_unpack_tells_the_daemon_the_compute_since_the_last(
+    daemon: LocalDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, optimizer, batches = setup()
+    with (
+        tidalpool.attach(daemon.socket_dir, device_limit="1MiB", host_limit="1MiB") as session,
+        tt.SavedTensors(session, optimizer) as saved,
+    ):
+        ops: list[tuple[str, int]] = []
+        record = session.record_op
+        monkeypatch.setattr(
+            session, "record_op", lambda name, ns: (ops.append((name, ns)), record(name, ns))
+        )
+        train(model, optimizer, batches)
+        stats = saved.stats()
+    # one compute op before every pack that copies and every unpack of a copy, none for kept
+    # and shared saves, always recorded (0 at the very first), so iterations repeat exactly
+    assert len(ops) == stats.saved + stats.unpacked == (6 + 9) * ITERATIONS
+    assert {name for name, _ in ops} == {tt.COMPUTE_OP}
+    assert ops[0][1] == 0
+    assert all(ns > 0 for _, ns in ops[1:])  # wall time between hooks on the CPU
+
+
+def test_compute_gaps_on_the_cpu_are_the_wall_time_between_hooks() -> None:
+    import time
+
+    gaps = tt.ComputeGaps(torch.device("cpu"))
+    assert gaps.begin() == 0  # nothing before the first hook
+    gaps.end()
+    time.sleep(0.02)
+    assert gaps.begin() >= 20_000_000
+    gaps.end()
+    gaps.step()  # the time across a boundary (the optimizer's step) counts too
+    time.sleep(0.01)
+    assert 10_000_000 <= gaps.begin() < 10_000_000_000

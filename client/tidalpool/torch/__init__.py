@@ -31,9 +31,19 @@ from tidalpool.torch.allocator import (
 )
 from tidalpool.torch.record import OptimizerFactory, RecordError, record
 from tidalpool.torch.roofline import Roofline
-from tidalpool.torch.saved import Saved, SavedStats, SavedTensors, SaveOrder, step
+from tidalpool.torch.saved import (
+    COMPUTE_OP,
+    ComputeGaps,
+    Saved,
+    SavedStats,
+    SavedTensors,
+    SaveOrder,
+    step,
+)
 
 __all__ = [
+    "COMPUTE_OP",
+    "ComputeGaps",
     "OptimizerFactory",
     "RecordError",
     "Roofline",

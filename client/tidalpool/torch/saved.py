@@ -25,6 +25,10 @@ views of the lease), and the swap engine moves the session's copies to the pinne
 and back on its own CUDA streams, ordered against the compute stream (the default stream, which
 PyTorch's forward and backward use unless told otherwise).
 
+Before each pack and unpack, an op named `tidalpool.torch.compute` tells the daemon how long
+the program computed since the previous one (`ComputeGaps`: wall time on the CPU, CUDA events on
+a GPU), so that its swap schedule can hide copies behind that compute.
+
 Kept as they are, not copied: parameters and views of them (they stay in memory anyway), tensors
 on another device than the session's (CPU tensors on sim, CUDA tensors of its GPU on cuda),
 non-strided, quantized, conjugate or negative-bit tensors, empty ones, and those under
@@ -34,6 +38,7 @@ each `step()`.
 
 from __future__ import annotations
 
+import time
 import weakref
 from contextlib import ExitStack
 from contextvars import ContextVar, Token
@@ -91,6 +96,71 @@ class SaveOrder:
         for place, ident in enumerate(self.previous):
             self._place.setdefault(ident, place)
         self.saves = 0
+
+
+COMPUTE_OP = "tidalpool.torch.compute"
+"""The op a `SavedTensors` records before each of its packs and unpacks: the time since its
+previous one, which is the model's own compute the session does not otherwise see."""
+
+
+class ComputeGaps:
+    """How long the program computed between consecutive saved-tensor hooks.
+
+    On the CPU (sim) that is wall time, known at once. On a GPU the hooks run ahead of the
+    kernels, so the time comes from CUDA events recorded on the current stream at each hook's
+    end and the next one's start; they are read at a later iteration boundary, once done (never
+    waited for), and the gap at position k of an iteration is reported from the latest
+    iteration whose events are done (0 until one is).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._last_end: int | None = None  # sim: perf_counter_ns at the previous hook's end
+        self._last_event: torch.cuda.Event | None = None  # cuda: recorded at that end
+        Pair = tuple[int, torch.cuda.Event, torch.cuda.Event]  # position, previous end, start
+        self._pairs: list[Pair] = []  # this iteration's
+        self._pending: list[list[Pair]] = []  # earlier iterations', oldest first
+        self._known: dict[int, int] = {}  # ns by position, from the latest finished iteration
+        self._k = 0  # the next hook's position in the iteration
+
+    def begin(self) -> int:
+        """At a hook's start: the gap to report for it, in ns."""
+        k, self._k = self._k, self._k + 1
+        if not self.cuda:
+            now = time.perf_counter_ns()
+            return now - self._last_end if self._last_end is not None else 0
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        start.record()
+        if self._last_event is not None:
+            self._pairs.append((k, self._last_event, start))
+        return self._known.get(k, 0)
+
+    def end(self) -> None:
+        """At a hook's end."""
+        if not self.cuda:
+            self._last_end = time.perf_counter_ns()
+            return
+        self._last_event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        self._last_event.record()
+
+    def step(self) -> None:
+        """An iteration boundary (the gap across it, the optimizer's step, counts as the next
+        iteration's first)."""
+        self._k = 0
+        if not self.cuda:
+            return
+        if self._pairs:
+            self._pending.append(self._pairs)
+            self._pairs = []
+        while self._pending and all(_finished(start) for _, _, start in self._pending[0]):
+            done = self._pending.pop(0)
+            self._known = {k: round(a.elapsed_time(b) * 1e6) for k, a, b in done}
+        del self._pending[:-2]  # at most two iterations in flight: older ones are dropped
+
+
+def _finished(event: torch.cuda.Event) -> bool:
+    """Whether the GPU has passed the event (no wait)."""
+    return bool(event.query())  # type: ignore[no-untyped-call]
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +248,7 @@ class SavedTensors:
             else torch.device("cpu")
         )
         self.optimizer = optimizer
+        self.gaps = ComputeGaps(self.device)
         self.offload = offload
         self.min_bytes = min_bytes
         self.order = SaveOrder(lookahead)
@@ -216,6 +287,7 @@ class SavedTensors:
         """An iteration boundary: the session's, and where save ids start again from 0."""
         self.session.step()
         self.order.step()
+        self.gaps.step()
         self._current = {}
         self._by_tensor = {}
         self._iteration += 1
@@ -244,6 +316,7 @@ class SavedTensors:
             if tensor_ref() is t and version == t._version and saved is not None:
                 self._shared += 1  # e.g. a ReLU's output, saved by the ReLU and the next layer
                 return saved
+        self.session.record_op(COMPUTE_OP, self.gaps.begin())
         span = _span(t)
         nbytes = span * t.element_size()
         held = self.session.tensor((nbytes,), "uint8")
@@ -263,6 +336,7 @@ class SavedTensors:
         executor = self.session.executor
         if self.offload == "all" and isinstance(executor, SwappingExecutor):
             executor.swap_out(held.block)
+        self.gaps.end()
         return saved
 
     def unpack(self, saved: Saved | torch.Tensor) -> torch.Tensor:
@@ -271,6 +345,7 @@ class SavedTensors:
         if isinstance(saved, torch.Tensor):
             return saved
         self._unpacked += 1
+        self.session.record_op(COMPUTE_OP, self.gaps.begin())
         expected = self.order.use(saved.ident) if saved.iteration == self._iteration else []
         out = torch.empty(saved.span * saved.dtype.itemsize, dtype=torch.uint8, device=self.device)
         with self.session.op(reads=[saved.tensor], name="tidalpool.torch.unpack") as (src,):
@@ -279,6 +354,7 @@ class SavedTensors:
                 out.copy_(from_dlpack(src))
             else:
                 out.numpy()[:] = src
+        self.gaps.end()
         return out.view(saved.dtype).as_strided(saved.shape, saved.stride)
 
     # -- helpers --------------------------------------------------------------------------------
