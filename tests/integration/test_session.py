@@ -62,6 +62,21 @@ def test_trace_reaches_the_daemon(daemon: LocalDaemon) -> None:
         assert sessions.sessions[0].iterations_seen == 3
 
 
+def test_an_op_the_session_cannot_see_is_recorded_with_its_duration(daemon: LocalDaemon) -> None:
+    s = tidalpool.attach(daemon.socket_dir)
+    sent: list[tuple[int, ...]] = []
+    record = s.recorder.record
+    s.recorder.record = lambda *event: (sent.append(event), record(*event))  # type: ignore[method-assign]
+    s.record_op("forward", 1_500_000)
+    (event,) = sent
+    assert event == (tidalpool.recorder.OP, 0, 0, 1_500_000, s.recorder.name_id("forward"))
+    with pytest.raises(ValueError, match="negative time"):
+        s.record_op("forward", -1)
+    s.close()
+    with pytest.raises(tidalpool.SessionClosed):
+        s.record_op("forward", 10)
+
+
 def test_array_is_freed_when_it_and_its_views_are_gone(daemon: LocalDaemon) -> None:
     with tidalpool.attach(daemon.socket_dir) as s:
         a = s.array((4, 4), "int64")
