@@ -1,7 +1,8 @@
 """tidalpool.torch.attach on a GPU: an MLP trains in a lease of a real cuda daemon, in pool and
 planned mode, with the losses of PyTorch's own allocator bit for bit; a request larger than the
 lease raises in Python (pool: torch.OutOfMemoryError; planned: RuntimeError from the native
-failure handler) and the job goes on."""
+failure handler) and the job goes on. With a swap limit the saved tensors swap through a second
+session, and the losses stay PyTorch's."""
 
 from __future__ import annotations
 
@@ -68,3 +69,15 @@ def test_planned_mode_trains_on_the_daemons_plan_with_pytorchs_losses(
     assert result["oom"].startswith("RuntimeError: tidalpool: out of memory in the lease")
     assert result["native"]["failures"] == 0  # counted before the oversized request
     assert math.isfinite(result["after"])
+
+
+@pytest.mark.parametrize("mode", ["pool+swap", "planned+swap"])
+def test_with_a_swap_limit_saved_tensors_swap_and_the_losses_stay_pytorchs(
+    start_daemon: StartDaemon, reference: dict[str, Any], mode: str
+) -> None:
+    d = start_daemon(backend="cuda", device_pool="3GiB", host_pool="512MiB", chunk_size="2MiB")
+    result = run(mode, d.socket_dir)
+    assert result["losses"] == reference["losses"]
+    swap = result["swap"]
+    assert swap["out"] > 0 and swap["in"] > 0
+    assert swap["peak"] <= 8 << 20

@@ -2,7 +2,7 @@
 own allocator ("default") or attached to a tidalpool daemon ("pool" or "planned"), then asks
 for more memory than the lease holds. Prints one JSON line.
 
-    python tests/gpu/torch_attach_child.py default|pool|planned SOCKET_DIR LEASE_BYTES
+    python tests/gpu/torch_attach_child.py default|pool|planned[+swap] SOCKET_DIR LEASE_BYTES
 """
 
 from __future__ import annotations
@@ -24,7 +24,14 @@ def main() -> None:
     if mode != "default":
         import tidalpool.torch
 
-        tp = tidalpool.torch.attach(socket_dir, mode=mode, device_limit=lease)  # type: ignore[arg-type]
+        swap = 8 << 20 if mode.endswith("+swap") else None  # below one iteration's 18 MiB saved
+        tp = tidalpool.torch.attach(
+            socket_dir,
+            mode=mode.removesuffix("+swap"),  # type: ignore[arg-type]
+            device_limit=lease,
+            swap_limit=swap,
+            host_limit=256 << 20,
+        )
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(1024, 4096),
@@ -57,8 +64,15 @@ def main() -> None:
         out["native"] = {
             k: getattr(stats.native, k) for k in ("hits", "misses", "failures", "fallbacks")
         }
-        if mode == "pool":
+        if mode.startswith("pool"):
             out["allocated"] = torch.cuda.memory_stats()["allocated_bytes.all.current"]
+        if stats.saves_session is not None and stats.saves_session.swap is not None:
+            swap_stats = stats.saves_session.swap
+            out["swap"] = {
+                "out": swap_stats.swapped_out_bytes,
+                "in": swap_stats.swapped_in_bytes,
+                "peak": swap_stats.peak_resident_bytes,
+            }
         try:
             torch.empty(2 * lease, dtype=torch.uint8, device="cuda")
             out["oom"] = "none"

@@ -56,6 +56,8 @@ from tidalpool.native import (
 )
 from tidalpool.native_executor import NativeExecutor
 from tidalpool.session import Session, SessionStats
+from tidalpool.torch.saved import SavedStats, SavedTensors
+from tidalpool.units import ALIGNMENT, parse_size
 
 log = logging.getLogger("tidalpool")
 
@@ -75,6 +77,8 @@ class TorchStats:
     mode: Mode
     session: SessionStats
     native: NativeStats  # the hot path's counters (in pool mode: segments, not tensors)
+    saved: SavedStats | None = None  # with a swap limit: the saved tensors' session
+    saves_session: SessionStats | None = None
 
 
 _current: list[TorchSession] = []  # the attached session of this process (one at most)
@@ -114,12 +118,16 @@ def attach(
     device_limit: int | str | None = None,
     host_limit: int | str | None = None,
     job_name: str | None = None,
+    swap_limit: int | str | None = None,
 ) -> TorchSession:
     """Attach to the daemon and make PyTorch allocate the GPU's memory in the session's lease.
 
     Call before the model touches the GPU (planned mode refuses otherwise). `device`: the
-    torch device index of the daemon's GPU (default: found from the lease). The session is
-    closed by `close()`, by leaving a `with` block, or at interpreter exit.
+    torch device index of the daemon's GPU (default: found from the lease). `swap_limit`: also
+    keep the tensors autograd saves for backward in a second session, swapped to its host lease
+    (`host_limit` bytes) so that they hold at most this many device bytes (`SavedTensors`);
+    its iterations follow this session's. The sessions are closed by `close()`, by leaving a
+    `with` block, or at interpreter exit.
     """
     if mode not in ("pool", "planned"):
         raise ValueError(f"mode must be 'pool' or 'planned', got {mode!r}")
@@ -129,10 +137,13 @@ def attach(
         )
     if not torch.cuda.is_available():
         raise TorchAttachError("tidalpool.torch.attach needs a CUDA GPU that PyTorch can use")
+    limit = parse_size(swap_limit) if swap_limit is not None else None
+    if limit is not None and limit <= 0:
+        raise ValueError(f"swap_limit must be positive, got {swap_limit!r}")
     session = tidalpool.attach(
         socket_dir,
         device_limit=device_limit,
-        host_limit=host_limit,
+        host_limit=ALIGNMENT,  # this session never uses host memory: the smallest lease
         job_name=job_name,
         allocator="native",
         native_device=device,
@@ -148,6 +159,19 @@ def attach(
     except BaseException:
         session.close()
         raise
+    if limit is not None:
+        try:
+            saves = tidalpool.attach(
+                socket_dir,
+                device_limit=limit + limit // 4,  # room for fragmentation above the limit
+                host_limit=host_limit,
+                job_name=f"{job_name or 'torch'}-saved",
+                swap_limit=limit,
+            )
+        except BaseException:
+            attached.close()
+            raise
+        attached.keep_saves_in(saves)
     return attached
 
 
@@ -165,6 +189,7 @@ class TorchSession:
         self._pool: Any = None
         self._hook: Any = None
         self._closed = False
+        self.saved: SavedTensors | None = None  # with a swap limit (keep_saves_in)
         allocator = torch.cuda.memory.CUDAPluggableAllocator(
             str(library_path()), ALLOC_SYMBOL, FREE_SYMBOL
         )
@@ -205,14 +230,34 @@ class TorchSession:
         made after attach, with the model: pass it here)."""
         if self._hook is not None:
             self._hook.remove()
+        if self.saved is not None:
+            self.saved.__exit__(None, None, None)
+            self.saved.session.close()
         self._hook = optimizer.register_step_post_hook(lambda *_: self.step())
+
+    def keep_saves_in(self, session: Session) -> None:
+        """Keep autograd's saved tensors in `session` (one with a swap limit) from now until
+        `close()`, which closes that session too."""
+        if self.saved is not None:
+            raise TorchAttachError("saved tensors already go to a session")
+        self.saved = SavedTensors(session)  # its iterations are this session's steps
+        self.saved.__enter__()
 
     def step(self) -> None:
         """An iteration boundary (automatic after each step of a watched optimizer)."""
         self.session.step()
+        if self.saved is not None:
+            self.saved.step()
 
     def stats(self) -> TorchStats:
-        return TorchStats(self.mode, self.session.stats(), self._native.stats())
+        saved = self.saved
+        return TorchStats(
+            self.mode,
+            self.session.stats(),
+            self._native.stats(),
+            saved.stats() if saved is not None else None,
+            saved.session.stats() if saved is not None else None,
+        )
 
     def close(self) -> None:
         """Wait for the GPU, stop allocating from the lease and end the session. Tensors still
@@ -225,6 +270,9 @@ class TorchSession:
             torch.cuda.synchronize(self.device)
         if self._hook is not None:
             self._hook.remove()
+        if self.saved is not None:
+            self.saved.__exit__(None, None, None)
+            self.saved.session.close()
         if self._pool is not None:
             torch._C._cuda_endAllocateToPool(self.device, self._pool.id)
             torch._C._cuda_releasePool(self.device, self._pool.id)
