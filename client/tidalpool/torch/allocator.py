@@ -230,9 +230,6 @@ class TorchSession:
         made after attach, with the model: pass it here)."""
         if self._hook is not None:
             self._hook.remove()
-        if self.saved is not None:
-            self.saved.__exit__(None, None, None)
-            self.saved.session.close()
         self._hook = optimizer.register_step_post_hook(lambda *_: self.step())
 
     def keep_saves_in(self, session: Session) -> None:
