@@ -232,3 +232,25 @@ def test_compute_gaps_on_the_cpu_are_the_wall_time_between_hooks() -> None:
     gaps.step()  # the time across a boundary (the optimizer's step) counts too
     time.sleep(0.01)
     assert 10_000_000 <= gaps.begin() < 10_000_000_000
+
+
+def test_a_save_larger_than_the_swap_limit_stays_where_it_is(
+    daemon: LocalDaemon, caplog: pytest.LogCaptureFixture
+) -> None:
+    model, optimizer, batches = setup()
+    plain = train(model, optimizer, batches)
+    hooked_model, hooked_optimizer, _ = setup()
+    with (
+        tidalpool.attach(daemon.socket_dir, host_limit="1MiB", swap_limit="16KiB") as session,
+        tt.SavedTensors(session, hooked_optimizer) as saved,
+    ):
+        hooked = train(hooked_model, hooked_optimizer, batches)
+        stats = saved.stats()
+    assert hooked == plain
+    # the two 32 KiB ReLU outputs of each iteration stay in PyTorch's memory, each saved twice
+    # (by the ReLU and by the next Linear): four more kept, two fewer saved and shared
+    assert stats.saved == (SAVED_PER_ITERATION - 2) * ITERATIONS
+    assert stats.kept == (KEPT_PER_ITERATION + 4) * ITERATIONS
+    assert stats.shared == (SHARED_PER_ITERATION - 2) * ITERATIONS
+    warnings = [r.getMessage() for r in caplog.records if "stays where it is" in r.getMessage()]
+    assert len(warnings) == 1 and "exceed the swap limit of 16 KiB" in warnings[0]

@@ -131,15 +131,15 @@ def attach(
     """
     if mode not in ("pool", "planned"):
         raise ValueError(f"mode must be 'pool' or 'planned', got {mode!r}")
+    limit = parse_size(swap_limit) if swap_limit is not None else None
+    if limit is not None and limit <= 0:
+        raise ValueError(f"swap_limit must be positive, got {swap_limit!r}")
     if _current:
         raise TorchAttachError(
             f"this process is already attached (session {_current[0].session.id}): close it"
         )
     if not torch.cuda.is_available():
         raise TorchAttachError("tidalpool.torch.attach needs a CUDA GPU that PyTorch can use")
-    limit = parse_size(swap_limit) if swap_limit is not None else None
-    if limit is not None and limit <= 0:
-        raise ValueError(f"swap_limit must be positive, got {swap_limit!r}")
     session = tidalpool.attach(
         socket_dir,
         device_limit=device_limit,

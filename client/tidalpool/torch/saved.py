@@ -31,13 +31,15 @@ a GPU), so that its swap schedule can hide copies behind that compute.
 
 Kept as they are, not copied: parameters and views of them (they stay in memory anyway), tensors
 on another device than the session's (CPU tensors on sim, CUDA tensors of its GPU on cuda),
-non-strided, quantized, conjugate or negative-bit tensors, empty ones, and those under
-`min_bytes`. Iterations end at each step of the optimizer given (a step post-hook) or at
+non-strided, quantized, conjugate or negative-bit tensors, empty ones, those under
+`min_bytes`, and those that do not fit (larger than the swap limit, or the lease is full: a
+warning says so once). Iterations end at each step of the optimizer given (a step post-hook) or at
 each `step()`.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import weakref
 from contextlib import ExitStack
@@ -54,6 +56,8 @@ from tidalpool.errors import LeaseExceeded
 from tidalpool.numpy import Tensor as SessionTensor
 from tidalpool.session import Session
 from tidalpool.swap import HOST, LEAVING, SwappingExecutor
+
+log = logging.getLogger("tidalpool")
 
 Offload = Literal["lru", "all"]
 
@@ -260,6 +264,7 @@ class SavedTensors:
         self._token: Token[tuple[SavedTensors, ...]] | None = None
         self._saved = self._saved_bytes = self._shared = self._kept = 0
         self._unpacked = self._prefetches = 0
+        self._warned = False  # about a save that does not fit
 
     # -- the context --------------------------------------------------------------------------
     def __enter__(self) -> SavedTensors:
@@ -319,7 +324,16 @@ class SavedTensors:
         self.session.record_op(COMPUTE_OP, self.gaps.begin())
         span = _span(t)
         nbytes = span * t.element_size()
-        held = self.session.tensor((nbytes,), "uint8")
+        try:
+            held = self.session.tensor((nbytes,), "uint8")
+        except LeaseExceeded as e:  # larger than the swap limit, or the lease is full
+            self._kept += 1
+            if not self._warned:
+                self._warned = True
+                log.warning(
+                    "tidalpool: a saved tensor of %d bytes stays where it is: %s", nbytes, e
+                )
+            return t
         flat = t.detach().as_strided((span,), (1,), t.storage_offset())
         with self.session.op(writes=[held], name="tidalpool.torch.pack") as (dst,):
             if self.device.type == "cuda":  # dst: a CuPy array over the lease's device bytes

@@ -1,0 +1,196 @@
+"""tidalpool.torch.attach's wiring without a GPU: a real sim daemon and real native sessions,
+with PyTorch's CUDA entry points replaced by recorders (they need a GPU). What is checked: which
+PyTorch calls each mode makes and with what, that the optimizer hook steps the sessions, that a
+swap limit sends autograd's saved tensors (CPU tensors here) through a second session under that
+limit with bit-identical losses, that close undoes all of it, and the refusals."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import tidalpool  # noqa: E402
+import tidalpool.torch as tt  # noqa: E402
+from tidalpool.local import LocalDaemon  # noqa: E402
+from tidalpool.native import ALLOC_SYMBOL, FREE_SYMBOL, HotPath, library_path  # noqa: E402
+from tidalpool.status import fetch  # noqa: E402
+from tidalpool.torch import allocator  # noqa: E402
+
+from ..conftest import StartDaemon  # noqa: E402
+
+BUS = "00000000:18:00.0"
+nn = torch.nn
+
+
+@dataclass
+class FakeLease:  # what attach reads of a cuda session's lease
+    ordinal: int = 0
+    pci_bus_id: str = BUS
+
+
+class FakePluggable:
+    def __init__(self, path: str, alloc: str, free: str) -> None:
+        self.args = (path, alloc, free)
+
+    def allocator(self) -> str:
+        return "the C++ allocator"
+
+
+class FakePool:
+    def __init__(self, cxx_allocator: str) -> None:
+        self.cxx_allocator = cxx_allocator
+        self.id = (7, 8)
+
+
+class FakeCuda:
+    """PyTorch's CUDA entry points attach uses, recording each call."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        self.initialized = False
+        self.bus = 0x18
+        calls = self.calls
+
+        def change(a: FakePluggable) -> None:
+            if self.initialized:
+                raise RuntimeError("Can't swap an already initialized allocator")
+            calls.append(("change_current_allocator", a.args))
+
+        def properties(index: int) -> Any:
+            return type("Props", (), {"pci_bus_id": self.bus})()
+
+        m = monkeypatch
+        m.setattr(torch.cuda, "is_available", lambda: True)
+        m.setattr(torch.cuda, "device_count", lambda: 1)
+        m.setattr(torch.cuda, "get_device_properties", properties)
+        m.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("sync", device)))
+        m.setattr(torch.cuda.memory, "CUDAPluggableAllocator", FakePluggable)
+        m.setattr(torch.cuda.memory, "change_current_allocator", change)
+        m.setattr(torch.cuda, "MemPool", FakePool)
+        for name in ("_cuda_beginAllocateToPool", "_cuda_endAllocateToPool", "_cuda_releasePool"):
+            m.setattr(torch._C, name, lambda d, i, name=name: calls.append((name, d, i)))
+        m.setattr(allocator, "on_failure", lambda h: calls.append(("on_failure", h)))
+        m.setattr(allocator, "order_streams", lambda f: calls.append(("order_streams", f)))
+        m.setattr(allocator, "cuda_stream_functions", lambda: (11, 12, 13, 14))
+        real_attach = tidalpool.attach
+
+        def attach(*args: Any, **kwargs: Any) -> tidalpool.Session:
+            session = real_attach(*args, **kwargs)
+            if kwargs.get("allocator") == "native":
+                session.cuda = FakeLease()  # type: ignore[assignment]
+            return session
+
+        m.setattr(tidalpool, "attach", attach)
+
+    def names(self) -> list[str]:
+        return [c[0] for c in self.calls]
+
+
+@pytest.fixture
+def cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCuda]:
+    fake = FakeCuda(monkeypatch)
+    yield fake
+    attached = tt.current()
+    if attached is not None:
+        attached.close()
+
+
+@pytest.fixture
+def daemon(start_daemon: StartDaemon) -> LocalDaemon:
+    return start_daemon()
+
+
+def model_and_data() -> tuple[Any, Any, Any, Any]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return model, opt, torch.randn(32, 64), torch.randint(0, 10, (32,))
+
+
+def train(model: Any, opt: Any, x: Any, y: Any, steps: int = 4) -> list[float]:
+    losses = []
+    for _ in range(steps):
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_planned_mode_replaces_the_allocator_and_swaps_saves_under_the_limit(
+    cuda: FakeCuda, daemon: LocalDaemon
+) -> None:
+    reference = train(*model_and_data())
+    model, opt, x, y = model_and_data()
+    tp = tt.attach(
+        daemon.socket_dir, mode="planned", optimizer=opt, swap_limit="40KiB", host_limit="1MiB"
+    )
+    assert tt.current() is tp
+    assert cuda.calls[:3] == [
+        ("change_current_allocator", (str(library_path()), ALLOC_SYMBOL, FREE_SYMBOL)),
+        ("on_failure", tt.torch_check_fail()),
+        ("order_streams", (11, 12, 13, 14)),
+    ]
+    losses = train(model, opt, x, y)
+    stats = tp.stats()
+    assert losses == reference  # the saves went out to the host lease and came back exact
+    assert stats.mode == "planned"
+    assert stats.native.iteration == 1 + 4  # attach, then each optimizer step
+    assert stats.saved is not None and stats.saved.iterations == 1 + 4
+    assert stats.saves_session is not None and stats.saves_session.swap is not None
+    swap = stats.saves_session.swap
+    assert swap.limit == 40 * 1024 and swap.peak_resident_bytes <= swap.limit
+    assert swap.swapped_out_bytes > 0 and swap.swapped_in_bytes > 0
+    tp.close()
+    assert ("sync", 0) in cuda.calls
+    assert tt.current() is None
+    opt.step()  # the hook is gone: nothing steps a closed session
+    assert HotPath(0).alloc(256) is None  # the native device forgot the lease
+    assert not fetch(daemon.socket_dir)[1].sessions  # both sessions detached
+
+
+def test_pool_mode_routes_the_device_to_a_pool_over_the_library_until_close(
+    cuda: FakeCuda, daemon: LocalDaemon
+) -> None:
+    tp = tt.attach(daemon.socket_dir, mode="pool")
+    assert cuda.calls == [
+        ("on_failure", None),  # the caching allocator checks NULL itself
+        ("order_streams", None),
+        ("_cuda_beginAllocateToPool", 0, (7, 8)),
+    ]
+    assert tp.stats().saved is None
+    tp.step()
+    assert tp.stats().native.iteration == 2
+    tp.close()
+    assert cuda.names()[-3:] == ["sync", "_cuda_endAllocateToPool", "_cuda_releasePool"]
+
+
+def test_planned_mode_after_cuda_init_is_refused_and_leaves_no_session(
+    cuda: FakeCuda, daemon: LocalDaemon
+) -> None:
+    cuda.initialized = True
+    with pytest.raises(tt.TorchAttachError, match="before PyTorch initializes CUDA"):
+        tt.attach(daemon.socket_dir, mode="planned")
+    assert tt.current() is None
+    assert not fetch(daemon.socket_dir)[1].sessions
+    HotPath(0).configure(1 << 30, 4096)  # the native device is free again
+    HotPath(0).reset()
+
+
+def test_another_gpu_and_a_second_attach_are_refused(cuda: FakeCuda, daemon: LocalDaemon) -> None:
+    cuda.bus = 0x3B
+    with pytest.raises(tt.TorchAttachError, match="PCI bus 0x3b, the daemon's GPU at"):
+        tt.attach(daemon.socket_dir, mode="pool")
+    cuda.bus = 0x18
+    tp = tt.attach(daemon.socket_dir, mode="pool")
+    with pytest.raises(tt.TorchAttachError, match="already attached"):
+        tt.attach(daemon.socket_dir, mode="pool")
+    with pytest.raises(ValueError, match="swap_limit must be positive"):
+        tt.attach(daemon.socket_dir, swap_limit=0)
+    tp.close()
