@@ -19,7 +19,7 @@ import tidalpool.torch as tt  # noqa: E402
 from tidalpool.local import LocalDaemon  # noqa: E402
 from tidalpool.native import ALLOC_SYMBOL, FREE_SYMBOL, HotPath, library_path  # noqa: E402
 from tidalpool.status import fetch  # noqa: E402
-from tidalpool.torch import allocator  # noqa: E402
+from tidalpool.torch import allocator, oom  # noqa: E402
 
 from ..conftest import StartDaemon  # noqa: E402
 
@@ -92,7 +92,8 @@ class FakeCuda:
 
 
 @pytest.fixture
-def cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCuda]:
+def cuda(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Iterator[FakeCuda]:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # where planned mode builds its shim
     fake = FakeCuda(monkeypatch)
     yield fake
     attached = tt.current()
@@ -134,7 +135,7 @@ def test_planned_mode_replaces_the_allocator_and_swaps_saves_under_the_limit(
     assert tt.current() is tp
     assert cuda.calls[:3] == [
         ("change_current_allocator", (str(library_path()), ALLOC_SYMBOL, FREE_SYMBOL)),
-        ("on_failure", tt.torch_check_fail()),
+        ("on_failure", oom.handler()),  # c10::OutOfMemoryError from the cached shim
         ("order_streams", (11, 12, 13, 14)),
     ]
     losses = train(model, opt, x, y)

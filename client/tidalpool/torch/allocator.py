@@ -56,6 +56,7 @@ from tidalpool.native import (
 )
 from tidalpool.native_executor import NativeExecutor
 from tidalpool.session import Session, SessionStats
+from tidalpool.torch import oom
 from tidalpool.torch.saved import SavedStats, SavedTensors
 from tidalpool.units import ALIGNMENT, parse_size
 
@@ -194,7 +195,13 @@ class TorchSession:
             str(library_path()), ALLOC_SYMBOL, FREE_SYMBOL
         )
         if mode == "planned":
-            handler = torch_check_fail()
+            handler = oom.handler()  # throws c10::OutOfMemoryError, as PyTorch's allocator does
+            if handler is None:
+                handler = torch_check_fail()  # throws c10::Error: RuntimeError in Python
+                log.warning(
+                    "tidalpool: a failed allocation will raise RuntimeError, not"
+                    " torch.OutOfMemoryError (cuDNN does not then retry a smaller workspace)"
+                )
             if handler is None:
                 log.warning(
                     "tidalpool: %s is not exported by this PyTorch: an allocation that does not"
