@@ -1,8 +1,8 @@
 """tidalpool.torch.attach on a GPU: an MLP trains in a lease of a real cuda daemon, in pool and
 planned mode, with the losses of PyTorch's own allocator bit for bit; a request larger than the
 lease raises torch.OutOfMemoryError in Python (pool: from the caching allocator; planned: from
-the native failure handler) and the job goes on. With a swap limit the saved tensors swap through a second
-session, and the losses stay PyTorch's."""
+the native failure handler) and the job goes on. With a swap limit the saved tensors swap
+through a second session, and the losses stay PyTorch's."""
 
 from __future__ import annotations
 
