@@ -16,10 +16,10 @@ first CUDA allocation of the process), so every tensor allocation goes through t
 path: online best-fit while the daemon learns the iteration, then the daemon's offline
 placement (SmartPool). PyTorch's allocator features are gone in this mode: `memory_stats`,
 `memory_snapshot`, `reset_peak_memory_stats` raise, tensors cannot be shared with other
-processes (CUDA IPC), and CUDA graphs cannot use private pools. `TorchSession.stats()` gives
-tidalpool's counters instead. A failed allocation raises `RuntimeError` (PyTorch's
-`torchCheckFail` is the native failure handler) with the lease's state, rather than handing
-PyTorch a NULL tensor. Streams: bytes freed on one stream are reused on another only after
+processes (CUDA IPC), CUDA graphs cannot use private pools, and `cudnn.benchmark` fails (it
+asks the allocator for `cacheInfo`). `TorchSession.stats()` gives tidalpool's counters
+instead. A failed allocation raises `torch.OutOfMemoryError` with the lease's state (the
+native failure handler throws it: `oom.py`), rather than handing PyTorch a NULL tensor. Streams: bytes freed on one stream are reused on another only after
 that stream waits, on the GPU, for the first one's work queued so far (the native allocator
 records an event and inserts a stream wait through the CUDA driver); PyTorch's `record_stream`
 is not honoured, so a tensor used on a second stream must be kept alive until that stream is
