@@ -19,11 +19,11 @@ placement (SmartPool). PyTorch's allocator features are gone in this mode: `memo
 processes (CUDA IPC), CUDA graphs cannot use private pools, and `cudnn.benchmark` fails (it
 asks the allocator for `cacheInfo`). `TorchSession.stats()` gives tidalpool's counters
 instead. A failed allocation raises `torch.OutOfMemoryError` with the lease's state (the
-native failure handler throws it: `oom.py`), rather than handing PyTorch a NULL tensor. Streams: bytes freed on one stream are reused on another only after
-that stream waits, on the GPU, for the first one's work queued so far (the native allocator
-records an event and inserts a stream wait through the CUDA driver); PyTorch's `record_stream`
-is not honoured, so a tensor used on a second stream must be kept alive until that stream is
-done with it.
+native failure handler throws it: `oom.py`), rather than handing PyTorch a NULL tensor.
+Streams: bytes freed on one stream are reused on another only after that stream waits, on the
+GPU, for the first one's work queued so far (the native allocator records an event and inserts
+a stream wait through the CUDA driver); PyTorch's `record_stream` is not honoured, so a tensor
+used on a second stream must be kept alive until that stream is done with it.
 
 Iterations end at each step of the optimizer given (a step post-hook), or at each
 `TorchSession.step()` / `tidalpool.torch.step()`.
