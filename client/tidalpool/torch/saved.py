@@ -20,10 +20,11 @@ tensor a block, so the daemon learns this iteration like any other, and a swap s
 sends applies to these blocks.
 
 On a cuda session the saves are CUDA tensors of the session's GPU: pack and unpack are
-device-to-device copies between PyTorch's memory and the session's device lease (through DLPack
-views of the lease), and the swap engine moves the session's copies to the pinned host lease
-and back on its own CUDA streams, ordered against the compute stream (the default stream, which
-PyTorch's forward and backward use unless told otherwise).
+device-to-device copies between PyTorch's memory and the session's device lease (torch views of
+the lease's bytes through `__cuda_array_interface__`; CuPy is not needed), and the swap engine
+moves the session's copies to the pinned host lease and back on its own CUDA streams, ordered
+against the compute stream (the default stream, which PyTorch's forward and backward use unless
+told otherwise).
 
 Before each pack and unpack, an op named `tidalpool.torch.compute` tells the daemon how long
 the program computed since the previous one (`ComputeGaps`: wall time on the CPU, CUDA events on
@@ -50,7 +51,6 @@ from typing import Literal
 import torch
 from torch import nn
 from torch.optim import Optimizer
-from torch.utils.dlpack import from_dlpack
 
 from tidalpool.errors import LeaseExceeded
 from tidalpool.numpy import Tensor as SessionTensor
@@ -335,10 +335,10 @@ class SavedTensors:
                 )
             return t
         flat = t.detach().as_strided((span,), (1,), t.storage_offset())
-        with self.session.op(writes=[held], name="tidalpool.torch.pack") as (dst,):
-            if self.device.type == "cuda":  # dst: a CuPy array over the lease's device bytes
-                from_dlpack(dst).copy_(flat.view(torch.uint8))
-            else:
+        with self.session.op(writes=[held.block], name="tidalpool.torch.pack") as (dst,):
+            if self.device.type == "cuda":  # dst: the block's device address now
+                _device_bytes(dst, nbytes, self.device).copy_(flat.view(torch.uint8))
+            else:  # a NumPy view of the block's bytes
                 dst[:] = flat.view(torch.uint8).numpy()
         saved = Saved(
             self.order.save(), self._iteration, held, t.dtype, tuple(t.shape), t.stride(), span
@@ -362,10 +362,11 @@ class SavedTensors:
         self.session.record_op(COMPUTE_OP, self.gaps.begin())
         expected = self.order.use(saved.ident) if saved.iteration == self._iteration else []
         out = torch.empty(saved.span * saved.dtype.itemsize, dtype=torch.uint8, device=self.device)
-        with self.session.op(reads=[saved.tensor], name="tidalpool.torch.unpack") as (src,):
+        block = saved.tensor.block
+        with self.session.op(reads=[block], name="tidalpool.torch.unpack") as (src,):
             self._prefetch(expected)  # while this one is locked on the device
             if self.device.type == "cuda":
-                out.copy_(from_dlpack(src))
+                out.copy_(_device_bytes(src, block.size, self.device))
             else:
                 out.numpy()[:] = src
         self.gaps.end()
@@ -396,6 +397,26 @@ class SavedTensors:
             except LeaseExceeded:
                 return  # no room now: it comes in when its unpack needs it
             self._prefetches += 1
+
+
+class _CudaArray:
+    """Device bytes as `__cuda_array_interface__` describes them (no CuPy needed). No stream:
+    the session's op has ordered the swap engine's copies against the compute stream."""
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (address, False),
+            "version": 3,
+            "strides": None,
+            "stream": None,
+        }
+
+
+def _device_bytes(address: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor over `nbytes` of device memory at `address` (it owns nothing)."""
+    return torch.as_tensor(_CudaArray(address, nbytes), device=device)
 
 
 def _span(t: torch.Tensor) -> int:
