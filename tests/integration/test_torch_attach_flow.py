@@ -184,6 +184,19 @@ def test_planned_mode_after_cuda_init_is_refused_and_leaves_no_session(
     HotPath(0).reset()
 
 
+def test_planned_mode_refuses_cudnn_benchmark(
+    cuda: FakeCuda, daemon: LocalDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    with pytest.raises(
+        tt.TorchAttachError, match=r"cannot serve torch\.backends\.cudnn\.benchmark"
+    ):
+        tt.attach(daemon.socket_dir, mode="planned")
+    assert cuda.calls == []  # refused before PyTorch's allocator was touched
+    assert not fetch(daemon.socket_dir)[1].sessions
+    tt.attach(daemon.socket_dir, mode="pool").close()  # pool mode serves it
+
+
 def test_another_gpu_and_a_second_attach_are_refused(cuda: FakeCuda, daemon: LocalDaemon) -> None:
     cuda.bus = 0x3B
     with pytest.raises(tt.TorchAttachError, match="PCI bus 0x3b, the daemon's GPU at"):

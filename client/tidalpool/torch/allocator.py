@@ -195,6 +195,12 @@ class TorchSession:
             str(library_path()), ALLOC_SYMBOL, FREE_SYMBOL
         )
         if mode == "planned":
+            if torch.backends.cudnn.benchmark:
+                raise TorchAttachError(
+                    "planned mode cannot serve torch.backends.cudnn.benchmark (it asks the"
+                    " allocator for cacheInfo, which a pluggable allocator lacks): turn it off,"
+                    " or use mode='pool'"
+                )
             handler = oom.handler()  # throws c10::OutOfMemoryError, as PyTorch's allocator does
             if handler is None:
                 handler = torch_check_fail()  # throws c10::Error: RuntimeError in Python
