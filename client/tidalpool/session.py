@@ -110,10 +110,9 @@ def attach(
     the copies run at the link's speed and it only tells the daemon's planner).
     `driver` is the CUDA driver a cuda lease is mapped with (default: cuda-bindings).
     `allocator="native"`: the session's allocations come from the native hot path
-    (`tidalpool.native`; `native_device` is the device index the framework passes it, by
-    default the lease's GPU as this process numbers it, 0 on sim), called by a framework such
-    as PyTorch;
-    Python's `malloc`/`op` then refuse, and swapping is not available.
+    (`tidalpool.native`), called by a framework such as PyTorch; `native_device` is the device
+    index the framework passes it (default: the lease's GPU as this process numbers it, 0 on
+    sim). Python's `malloc`/`op` then refuse, and swapping is not available.
     Raises AttachError when there is no daemon or it refuses (wrong uid, pool
     exhausted, its GPU not visible here).
     """
