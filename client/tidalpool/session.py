@@ -380,7 +380,12 @@ class Session:
             raise ValueError(f"an op cannot take negative time ({duration_ns} ns)")
         if self._released:
             raise SessionClosed(self._why_closed())
+        native = isinstance(self.executor, NativeExecutor)
+        if not native:  # an op of the iteration: a swap schedule counts it (and acts around it)
+            self.executor.begin_op([])
         self.recorder.record(OP, 0, 0, duration_ns, self.recorder.name_id(name))
+        if not native:
+            self.executor.end_op([])
 
     def step(self) -> None:
         """An iteration boundary: call it at the start of every training iteration."""

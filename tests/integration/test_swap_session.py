@@ -121,3 +121,26 @@ def test_without_a_swap_limit_there_are_no_swap_threads_or_stats(daemon: LocalDa
 def test_copy_bandwidth_must_be_positive(daemon: LocalDaemon) -> None:
     with pytest.raises(ValueError, match="copy_gbps must be positive, got 0"):
         tidalpool.attach(daemon.socket_dir, swap_limit="1MiB", copy_gbps=0)
+
+
+def test_an_op_recorded_with_record_op_counts_in_the_swap_schedule(daemon: LocalDaemon) -> None:
+    """The daemon numbers every op of the trace, those of record_op included: a swap scheduled
+    after such an op starts right after it, not one op later."""
+    from tidalpool.swap import DEVICE, HOST, LEAVING, ScheduledSwap, SwappingExecutor
+
+    with tidalpool.attach(daemon.socket_dir, swap_limit="1MiB", host_limit="1MiB") as s:
+        executor = s.executor
+        assert isinstance(executor, SwappingExecutor)
+        # op 0 writes the block, op 1 is compute the session cannot see, op 2 reads the block
+        executor.install_schedule([ScheduledSwap(block=0, out_after=1, in_before=2)])
+        s.step()
+        t = s.tensor((1024,), "float32")
+        with s.op(writes=[t]) as (view,):
+            view[:] = 7.0
+        assert executor.where(t.block) == DEVICE
+        s.record_op("compute", 1_000)  # op 1: the swap-out follows it
+        assert executor.where(t.block) in (LEAVING, HOST)
+        with s.op(reads=[t]) as (view,):  # op 2: back before it begins
+            assert executor.where(t.block) == DEVICE
+            assert float(view.sum()) == 7.0 * 1024
+        assert s.stats().swap is not None and s.stats().swap.schedule_skips == 0
