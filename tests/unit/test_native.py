@@ -32,6 +32,7 @@ from tidalpool.units import align_up
 
 from ..conftest import shared_file
 from .native_twin import BASE, Twin, fresh, trace_plan
+from .plan_scripts import SCRIPT, SLOTS, plans_of
 
 KiB = 1024
 
@@ -449,20 +450,7 @@ def test_python_side_errors_name_the_problem(hp: HotPath) -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(
-    slots=st.lists(st.tuples(st.integers(1, 6), st.integers(0, 7)), min_size=1, max_size=8),
-    script=st.lists(
-        st.one_of(
-            st.tuples(st.just("plan_size"), st.integers(0, 7)),
-            st.tuples(st.just("size"), st.integers(1, 2000)),
-            st.tuples(st.just("free"), st.integers(0, 100)),
-            st.tuples(st.just("step"), st.just(0)),
-            st.tuples(st.just("replan"), st.just(0)),
-        ),
-        max_size=80,
-    ),
-    max_misses=st.integers(0, 3),
-)
+@given(slots=SLOTS, script=SCRIPT, max_misses=st.integers(0, 3))
 def test_every_decision_is_the_python_executors(
     slots: list[tuple[int, int]], script: list[tuple[str, int]], max_misses: int
 ) -> None:
@@ -470,11 +458,10 @@ def test_every_decision_is_the_python_executors(
     divergence from them: the same offsets, hits, misses, fallbacks and free ranges as the
     Python executor, so the native path inherits its no-overlap guarantee; checked too."""
     hp = next(fresh(2))
-    sizes = [units * 256 - 17 * (i % 2) for i, (units, _) in enumerate(slots)]
-    offsets = [at * 256 for _, at in slots]
-    height = max(o + align_up(s, 256) for s, o in zip(sizes, offsets, strict=True))
+    plan, replan = plans_of(slots)
+    sizes = plan.sizes
     twin = Twin(hp, 16 * KiB, max_misses)
-    twin.install(table(sizes, offsets, height))
+    twin.install(plan)
     keys = itertools.count()
     cursor = 0
     for action, arg in script:
@@ -489,7 +476,7 @@ def test_every_decision_is_the_python_executors(
             twin.step()
             cursor = 0
         elif action == "replan":
-            twin.install(table(sizes[::-1], offsets[::-1], height, plan_id=2))
+            twin.install(replan)
         spans = sorted((a - BASE, a - BASE + align_up(b.size, 256)) for b, a in twin.live.values())
         for (_, end), (start, _) in itertools.pairwise(spans):
             assert end <= start, f"overlap in {spans}"

@@ -6,10 +6,11 @@ import itertools
 
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
 from tidalpool.executor import Block, Executor
 from tidalpool.planned import PlanRejected, PlanTable
 from tidalpool.units import align_up
+
+from .plan_scripts import SCRIPT, SLOTS, plans_of
 
 
 def table(sizes: list[int], offsets: list[int], height: int, plan_id: int = 1) -> PlanTable:
@@ -124,29 +125,16 @@ def test_a_new_plan_replaces_the_old_once_its_slots_are_free() -> None:
 
 
 @settings(max_examples=300, deadline=None)
-@given(
-    slots=st.lists(st.tuples(st.integers(1, 6), st.integers(0, 7)), min_size=1, max_size=8),
-    script=st.lists(
-        st.one_of(
-            st.tuples(st.just("plan_size"), st.integers(0, 7)),
-            st.tuples(st.just("size"), st.integers(1, 2000)),
-            st.tuples(st.just("free"), st.integers(0, 100)),
-            st.tuples(st.just("step"), st.just(0)),
-            st.tuples(st.just("replan"), st.just(0)),
-        ),
-        max_size=80,
-    ),
-)
+@given(slots=SLOTS, script=SCRIPT)
 def test_no_divergence_from_the_plan_ever_yields_overlapping_bytes(
     slots: list[tuple[int, int]], script: list[tuple[str, int]]
 ) -> None:
     """Arbitrary plans (slots may even overlap in time: the plan is not trusted) and arbitrary
     mallocs and frees: live blocks never share a byte and stay inside the lease."""
-    sizes = [units * 256 - 17 * (i % 2) for i, (units, _) in enumerate(slots)]
-    offsets = [at * 256 for _, at in slots]
-    height = max(o + align_up(s, 256) for s, o in zip(sizes, offsets, strict=True))
+    plan, replan = plans_of(slots)
+    sizes = plan.sizes
     ex = Executor(16 * 1024)
-    ex.install_plan(table(sizes, offsets, height))
+    ex.install_plan(plan)
     live: list[Block] = []
     cursor = 0
     for action, arg in script:
@@ -162,7 +150,7 @@ def test_no_divergence_from_the_plan_ever_yields_overlapping_bytes(
                 ex.begin_iteration()
                 cursor = 0
             elif action == "replan":
-                ex.install_plan(table(sizes[::-1], offsets[::-1], height, plan_id=2))
+                ex.install_plan(replan)
         except MemoryError:
             pass
         ranges = sorted((b.offset, b.offset + align_up(b.size, 256)) for b in live)
