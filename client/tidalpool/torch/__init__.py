@@ -27,8 +27,8 @@ from tidalpool.torch.allocator import (
     TorchStats,
     attach,
     current,
-    torch_check_fail,
 )
+from tidalpool.torch.oom import torch_check_fail
 from tidalpool.torch.record import OptimizerFactory, RecordError, record
 from tidalpool.torch.roofline import Roofline
 from tidalpool.torch.saved import (

@@ -32,12 +32,10 @@ Iterations end at each step of the optimizer given (a step post-hook), or at eac
 from __future__ import annotations
 
 import atexit
-import ctypes
 import logging
 import os
 from contextlib import suppress
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -64,10 +62,6 @@ log = logging.getLogger("tidalpool")
 
 Mode = Literal["pool", "planned"]
 
-TORCH_CHECK_FAIL = "_ZN3c106detail14torchCheckFailEPKcS2_jS2_"
-"""c10::detail::torchCheckFail(const char*, const char*, uint32_t, const char*): throws
-c10::Error, which reaches Python as RuntimeError."""
-
 
 class TorchAttachError(TidalpoolError):
     """PyTorch cannot take memory from tidalpool in the mode asked (no GPU, too late, ...)."""
@@ -83,17 +77,6 @@ class TorchStats:
 
 
 _current: list[TorchSession] = []  # the attached session of this process (one at most)
-
-
-def torch_check_fail() -> int | None:
-    """The address of PyTorch's torchCheckFail in libc10, or None if it is not exported."""
-    library = Path(torch.__file__).resolve().parent / "lib" / "libc10.so"
-    try:
-        c10 = ctypes.CDLL(str(library))
-        address = ctypes.cast(getattr(c10, TORCH_CHECK_FAIL), ctypes.c_void_p).value
-    except (OSError, AttributeError):
-        return None
-    return int(address) if address else None
 
 
 def _check_device(session: Session, index: int) -> None:
@@ -203,7 +186,7 @@ class TorchSession:
                 )
             handler = oom.handler()  # throws c10::OutOfMemoryError, as PyTorch's allocator does
             if handler is None:
-                handler = torch_check_fail()  # throws c10::Error: RuntimeError in Python
+                handler = oom.torch_check_fail()  # throws c10::Error: RuntimeError in Python
                 log.warning(
                     "tidalpool: a failed allocation will raise RuntimeError, not"
                     " torch.OutOfMemoryError (cuDNN does not then retry a smaller workspace)"
@@ -212,7 +195,7 @@ class TorchSession:
                 log.warning(
                     "tidalpool: %s is not exported by this PyTorch: an allocation that does not"
                     " fit the lease hands PyTorch a NULL pointer",
-                    TORCH_CHECK_FAIL,
+                    oom.TORCH_CHECK_FAIL,
                 )
             try:
                 torch.cuda.memory.change_current_allocator(allocator)

@@ -34,6 +34,9 @@ extern "C" [[noreturn]] void tidalpool_throw_oom(const char *function, const cha
 }
 """
 SYMBOL = "tidalpool_throw_oom"
+TORCH_CHECK_FAIL = "_ZN3c106detail14torchCheckFailEPKcS2_jS2_"
+"""c10::detail::torchCheckFail(const char*, const char*, uint32_t, const char*): throws
+c10::Error, which reaches Python as RuntimeError; the fallback handler."""
 
 _loaded: dict[Path, ctypes.CDLL] = {}  # kept open: the native library calls into them
 
@@ -81,6 +84,16 @@ def build(path: Path) -> None:
         ]
         subprocess.run(command, check=True, capture_output=True, text=True, timeout=300)
         os.replace(target, path)
+
+
+def torch_check_fail() -> int | None:
+    """The address of PyTorch's torchCheckFail in libc10, or None if it is not exported."""
+    try:
+        c10 = ctypes.CDLL(str(_torch_dir() / "lib" / "libc10.so"))
+        address = ctypes.cast(getattr(c10, TORCH_CHECK_FAIL), ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return None
+    return int(address) if address else None
 
 
 def handler(directory: Path | None = None) -> int | None:
