@@ -16,12 +16,15 @@ daemon's plan serves the iteration), each ended by torch.cuda.synchronize().
 
   throughput  plain PyTorch vs pool mode vs planned mode, same batch: ratio of steps/s
   limit       at half of plain PyTorch's peak (max_memory_allocated): the overhead vs
-              unconstrained of save_on_cpu(pin_memory=True), of checkpointing every block, and
-              of tidalpool's SavedTensors on a cuda session (swap limit a quarter of the cap,
-              PyTorch capped at the rest), same batch
-  batch       the largest batch that trains 3 steps in 8 GiB: plain PyTorch capped by
-              set_per_process_memory_fraction vs planned mode in an 8 GiB lease (doubling, then
-              bisection)
+              unconstrained of save_on_cpu(pin_memory=True), of checkpointing every block, of
+              tidalpool's SavedTensors on a cuda session beside PyTorch's allocator ("saved"),
+              and of planned mode with its saved tensors swapped ("planned_swap"), same batch;
+              tidalpool's saves get a swap limit of a quarter of the cap and a lease of
+              saves_lease(that), the allocator the rest of the cap
+  batch       the largest batch that trains 3 steps in 8 GiB (doubling, then bisection):
+              plain PyTorch capped by set_per_process_memory_fraction, planned mode in an
+              8 GiB lease, and planned mode with its saved tensors swapped (swap limit
+              --batch-swap-limit, the two leases 8 GiB together)
   latency     torch.empty + release of 64 tensors (4 KiB to 64 MiB) per iteration: ns per pair,
               PyTorch's caching allocator vs planned mode once its plan serves the iteration
 
@@ -176,11 +179,19 @@ def child(a: argparse.Namespace) -> dict[str, Any]:
     if a.mode in ("pool", "planned"):
         import tidalpool.torch
 
-        tp = tidalpool.torch.attach(a.socket_dir, mode=a.mode, device_limit=a.lease)
+        tp = tidalpool.torch.attach(
+            a.socket_dir,
+            mode=a.mode,
+            device_limit=a.lease,
+            swap_limit=a.swap_limit,
+            host_limit=a.host_lease if a.swap_limit else None,
+        )
     elif cuda and a.memory_bytes:
+        from tidalpool.torch import saves_lease
+
         total = torch.cuda.get_device_properties(0).total_memory
-        own = a.memory_bytes - (a.swap_limit or 0)  # SavedTensors' lease holds the rest
-        torch.cuda.set_per_process_memory_fraction(own / total)
+        own = a.memory_bytes - (saves_lease(a.swap_limit) if a.swap_limit else 0)
+        torch.cuda.set_per_process_memory_fraction(own / total)  # the saves' lease holds the rest
     torch.manual_seed(0)
     model, make_batch, blocks = build(a.model, a.tiny)
     if a.mode == "checkpoint":
@@ -202,7 +213,10 @@ def child(a: argparse.Namespace) -> dict[str, Any]:
 
         limit = a.swap_limit
         session = tidalpool.attach(
-            a.socket_dir, device_limit=2 * limit, host_limit=a.host_lease, swap_limit=limit
+            a.socket_dir,
+            device_limit=tidalpool.torch.saves_lease(limit),
+            host_limit=a.host_lease,
+            swap_limit=limit,
         )
         saved = tidalpool.torch.SavedTensors(session, opt)
         saved.__enter__()
@@ -236,15 +250,18 @@ def child(a: argparse.Namespace) -> dict[str, Any]:
     out["step_ms"] = 1e3 * statistics.median(times)
     if cuda and tp is None:
         out["peak_bytes"] = torch.cuda.max_memory_allocated()
-    if session is not None:
-        swap = session.stats().swap
-        assert swap is not None
+    saves = session.stats() if session is not None else None
+    if tp is not None and tp.saved is not None:
+        saves = tp.stats().saves_session
+    if saves is not None and saves.swap is not None:
+        swap = saves.swap
         out["swap"] = {
             "limit": swap.limit,
             "peak_resident_bytes": swap.peak_resident_bytes,
             "out_bytes_per_step": swap.swapped_out_bytes // (warm + a.steps),
             "stall_ms_per_step": swap.stall_ns / 1e6 / (warm + a.steps),
         }
+    if session is not None:
         saved.__exit__(None, None, None)
         session.close()
     if tp is not None:
@@ -328,8 +345,12 @@ def main() -> None:
     c.add_argument("--socket-dir")
     c.add_argument("--lease", type=int, help="device lease bytes (pool, planned)")
     c.add_argument("--memory-bytes", type=int, help="cap plain PyTorch at this many bytes")
-    c.add_argument("--swap-limit", type=int, help="SavedTensors' swap limit (mode saved)")
-    c.add_argument("--host-lease", type=int, default=16 * GiB, help="host lease (mode saved)")
+    c.add_argument(
+        "--swap-limit", type=int, help="saved tensors' swap limit (mode saved, pool, planned)"
+    )
+    c.add_argument(
+        "--host-lease", type=int, default=16 * GiB, help="saved tensors' host lease (swap limit)"
+    )
     c.add_argument("--latency", action="store_true")
     c.add_argument("--tiny", action="store_true", help="a small model (tests)")
     c.add_argument("--device", default="cuda")
@@ -337,19 +358,27 @@ def main() -> None:
     parser.add_argument("--dtypes", default="fp32,bf16")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--skip", default="")
+    parser.add_argument("--host-pool", default="48GiB", help="the daemon's pinned host pool")
+    parser.add_argument(
+        "--host-lease", type=int, default=40 * GiB, help="host lease of the saved tensors"
+    )
+    parser.add_argument(
+        "--batch-swap-limit", type=int, default=2 * GiB, help="saves' swap limit (batch)"
+    )
     parser.add_argument("--json", type=Path)
     a = parser.parse_args()
     if a.command == "child":
         print(json.dumps(child(a)))
         return
     from tidalpool.local import LocalDaemon
+    from tidalpool.torch import saves_lease
 
     skip = set(a.skip.split(",")) - {""}
     results: dict[str, Any] = {"throughput": [], "limit": [], "batch": [], "latency": []}
     with (
         tempfile.TemporaryDirectory(prefix="tp-", dir="/tmp") as tmp,
         LocalDaemon.start(
-            Path(tmp), device_pool="60GiB", host_pool="24GiB", backend="cuda", timeout=300
+            Path(tmp), device_pool="60GiB", host_pool=a.host_pool, backend="cuda", timeout=300
         ) as d,
     ):
         sock = str(d.socket_dir)
@@ -370,11 +399,20 @@ def main() -> None:
                 if "limit" not in skip and "peak_bytes" in plain:
                     cap = plain["peak_bytes"] // 2
                     row = {"model": model, "dtype": dtype, "batch": b, "limit_bytes": cap}
-                    for mode in ("save_on_cpu", "checkpoint", "saved"):
-                        extra = (
-                            {"socket_dir": sock, "swap_limit": cap // 4} if mode == "saved" else {}
-                        )
-                        r = run_child(mode=mode, batch=b, memory_bytes=cap, **common, **extra)
+                    swap = {"socket_dir": sock, "swap_limit": cap // 4, "host_lease": a.host_lease}
+                    configurations: dict[str, dict[str, Any]] = {
+                        "save_on_cpu": {"mode": "save_on_cpu", "memory_bytes": cap},
+                        "checkpoint": {"mode": "checkpoint", "memory_bytes": cap},
+                        "saved": {"mode": "saved", "memory_bytes": cap, **swap},
+                        "planned_swap": {
+                            "mode": "planned",
+                            "lease": cap - saves_lease(cap // 4),
+                            "max_warmup": 60,
+                            **swap,
+                        },
+                    }
+                    for mode, options in configurations.items():
+                        r = run_child(batch=b, **common, **options)
                         row[mode] = r
                         if "step_ms" in r:
                             row[f"{mode}_overhead"] = r["step_ms"] / plain["step_ms"] - 1
@@ -393,13 +431,27 @@ def main() -> None:
                     planned_max = largest_batch(
                         lambda n: fits(n, mode="planned", socket_dir=sock, lease=8 * GiB), b // 2
                     )
+                    swapped_max = largest_batch(
+                        lambda n: fits(
+                            n,
+                            mode="planned",
+                            socket_dir=sock,
+                            lease=8 * GiB - saves_lease(a.batch_swap_limit),
+                            swap_limit=a.batch_swap_limit,
+                            host_lease=a.host_lease,
+                        ),
+                        b // 2,
+                    )
+                    best = max(planned_max, swapped_max)
                     results["batch"].append(
                         {
                             "model": model,
                             "dtype": dtype,
                             "plain": plain_max,
                             "planned": planned_max,
-                            "ratio": planned_max / plain_max if plain_max else math.nan,
+                            "planned_swap": swapped_max,
+                            "swap_limit": a.batch_swap_limit,
+                            "ratio": best / plain_max if plain_max else math.nan,
                         }
                     )
                 if "latency" not in skip and dtype == a.dtypes.split(",")[0]:

@@ -27,6 +27,7 @@ from tidalpool.torch.allocator import (
     TorchStats,
     attach,
     current,
+    saves_lease,
 )
 from tidalpool.torch.oom import torch_check_fail
 from tidalpool.torch.record import OptimizerFactory, RecordError, record
@@ -57,6 +58,7 @@ __all__ = [
     "attach",
     "current",
     "record",
+    "saves_lease",
     "step",
     "torch_check_fail",
 ]

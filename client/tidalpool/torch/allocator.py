@@ -79,6 +79,12 @@ class TorchStats:
 _current: list[TorchSession] = []  # the attached session of this process (one at most)
 
 
+def saves_lease(swap_limit: int) -> int:
+    """Device bytes leased for saved tensors under `swap_limit`: the limit and a quarter more,
+    room for fragmentation (resident bytes stay under the limit)."""
+    return swap_limit + swap_limit // 4
+
+
 def _check_device(session: Session, index: int) -> None:
     """Refuse a torch device that is not the daemon's GPU (compared by PCI bus id)."""
     assert session.cuda is not None
@@ -147,7 +153,7 @@ def attach(
         try:
             saves = tidalpool.attach(
                 socket_dir,
-                device_limit=limit + limit // 4,  # room for fragmentation above the limit
+                device_limit=saves_lease(limit),
                 host_limit=host_limit,
                 job_name=f"{job_name or 'torch'}-saved",
                 swap_limit=limit,
