@@ -36,12 +36,14 @@ from tidalpool.planned import PlanRejected, PlanTable
 from tidalpool.recorder import ALLOC, FREE, ITER
 from tidalpool.units import ALIGNMENT
 
-ABI = 2
+ABI = 3
 """The library's `TIDALPOOL_ABI` this module is written against."""
 MAX_DEVICES = 64
 ALLOC_SYMBOL = "tidalpool_alloc"
 """What to pass to CUDAPluggableAllocator with `library_path()`, with FREE_SYMBOL."""
 FREE_SYMBOL = "tidalpool_free"
+RECORD_STREAM_SYMBOL = "tidalpool_record_stream"
+"""PyTorch's record-stream function (`_CUDAPluggableAllocator.set_record_stream_fn`)."""
 
 EVENT_DTYPE = np.dtype(
     [
@@ -102,6 +104,7 @@ class NativeStats:
     stream_waits: int  # GPU waits inserted for them (0 until order_streams is set)
     stream_errors: int  # driver calls of stream ordering that failed
     untracked_stream: int  # allocations on a stream beyond the 16 ordered ones
+    stream_records: int  # blocks recorded as used by another stream (record_stream)
 
 
 _STATS = len(fields(NativeStats))
@@ -136,6 +139,8 @@ def load(path: Path | None = None) -> ctypes.CDLL:
         "tidalpool_stray_calls": (u64, []),
         "tidalpool_on_failure": (None, [_P]),
         "tidalpool_order_streams": (None, [_P, _P, _P, _P]),
+        "tidalpool_record_stream": (None, [_P, _P]),
+        "tidalpool_record_stream_on": (i, [i, _P, _P]),
         "tidalpool_bench_replay": (i64, [i, _P, u64, _P, _P, u64, _P, u64, u32, _P]),
     }
     for name, (restype, argtypes) in signatures.items():
@@ -244,6 +249,19 @@ class HotPath:
             raise ValueError(f"address {address} is not a 64-bit address")
         if self._lib.tidalpool_release(self.device, address) == _EINVAL:
             raise InvalidBlock(f"{address:#x} is not a live block on device {self.device}")
+
+    def record_stream(self, address: int, stream: int) -> None:
+        """Work on `stream` uses the block at `address` too (PyTorch's `record_stream`): when
+        it is freed, allocations on other streams wait for that stream's queued work.
+        InvalidBlock (counted as a bad free) when `address` is not a live block."""
+        address = _whole(address, "address")
+        if not 0 <= address < 2**64:
+            raise ValueError(f"address {address} is not a 64-bit address")
+        stream = _whole(stream, "stream")
+        code = int(self._lib.tidalpool_record_stream_on(self.device, address, stream or None))
+        if code == _EINVAL:
+            raise InvalidBlock(f"{address:#x} is not a live block on device {self.device}")
+        self._check(code, "record_stream")
 
     # -- plans and iterations ------------------------------------------------------------------
     def install_plan(self, table: PlanTable) -> None:
@@ -377,6 +395,12 @@ def on_failure(handler: int | Any | None, library: ctypes.CDLL | None = None) ->
     else:
         raise TypeError(f"a failure handler is an address or a FailureHandler, not {handler!r}")
     _failure_handler = handler
+
+
+def record_stream_address(library: ctypes.CDLL | None = None) -> int:
+    """The address of `tidalpool_record_stream`, for PyTorch's `set_record_stream_fn`."""
+    lib = library if library is not None else load()
+    return int(ctypes.cast(getattr(lib, RECORD_STREAM_SYMBOL), _P).value or 0)
 
 
 StreamFunctions = tuple[int, int, int, int]

@@ -2,7 +2,8 @@
 planned mode, with the losses of PyTorch's own allocator bit for bit; a request larger than the
 lease raises torch.OutOfMemoryError in Python (pool: from the caching allocator; planned: from
 the native failure handler) and the job goes on. With a swap limit the saved tensors swap
-through a second session, and the losses stay PyTorch's."""
+through a second session, and the losses stay PyTorch's. A tensor marked with record_stream is
+not overwritten while a second stream still has to read it, in every mode."""
 
 from __future__ import annotations
 
@@ -41,7 +42,9 @@ def run(mode: str, socket_dir: Path) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     pytest.importorskip("torch")
-    return run("default", tmp_path_factory.mktemp("none"))
+    result = run("default", tmp_path_factory.mktemp("none"))
+    assert result["second_stream"]["read_ok"]
+    return result
 
 
 def test_pool_mode_trains_with_pytorchs_losses_and_its_memory_stats(
@@ -50,6 +53,7 @@ def test_pool_mode_trains_with_pytorchs_losses_and_its_memory_stats(
     d = start_daemon(backend="cuda", device_pool="3GiB", host_pool="256MiB", chunk_size="2MiB")
     result = run("pool", d.socket_dir)
     assert result["losses"] == reference["losses"]
+    assert result["second_stream"]["read_ok"]  # the caching allocator's own record_stream
     assert result["inside"]  # the caching allocator's segments come from the lease
     assert result["allocated"] > 0  # torch.cuda.memory_stats still works
     assert result["oom"].startswith("OutOfMemoryError")
@@ -72,6 +76,10 @@ def test_planned_mode_trains_on_the_daemons_plan_with_pytorchs_losses(
     raised = "OutOfMemoryError" if shutil.which("c++") or shutil.which("g++") else "RuntimeError"
     assert result["oom"].startswith(f"{raised}: tidalpool: out of memory in the lease")
     assert result["native"]["failures"] == 0  # counted before the oversized request
+    assert result["second_stream"]["read_ok"], result["second_stream"]
+    assert result["native"]["stream_records"] >= 1  # Tensor.record_stream reached the hot path
+    if result["second_stream"]["reused"]:
+        assert result["native"]["stream_waits"] >= 1
     assert math.isfinite(result["after"])
 
 

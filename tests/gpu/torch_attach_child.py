@@ -17,6 +17,26 @@ import torch
 STEPS = 30
 
 
+def second_stream() -> dict[str, Any]:
+    """A tensor read on a side stream, marked with record_stream and dropped, then a same-size
+    tensor filled on the default stream while the side stream still waits to read the first:
+    the read must see the first tensor's values."""
+    n = 16 << 20  # 64 MiB of float32
+    x = torch.full((n,), 3.0, device="cuda")
+    first = x.data_ptr()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(500_000_000)  # a few hundred ms of GPU cycles before the read
+        y = x * 2
+    x.record_stream(side)
+    del x
+    z = torch.full((n,), -1.0, device="cuda")  # may take x's bytes
+    reused = z.data_ptr() == first
+    torch.cuda.synchronize()
+    return {"read_ok": bool((y == 6.0).all().item()), "reused": reused}
+
+
 def main() -> None:
     mode, socket_dir, lease = sys.argv[1], sys.argv[2], int(sys.argv[3])
     out: dict[str, Any] = {}
@@ -55,6 +75,7 @@ def main() -> None:
         time.sleep(0.02)  # room for the daemon to learn and plan; the losses do not change
     torch.cuda.synchronize()
     out["losses"] = losses
+    out["second_stream"] = second_stream()
     if tp is not None:
         lease_start = tp.session.device.address
         inside = [lease_start <= p.data_ptr() < lease_start + lease for p in model.parameters()]
@@ -62,7 +83,8 @@ def main() -> None:
         stats = tp.stats()
         out["mode"] = stats.session.mode
         out["native"] = {
-            k: getattr(stats.native, k) for k in ("hits", "misses", "failures", "fallbacks")
+            k: getattr(stats.native, k)
+            for k in ("hits", "misses", "failures", "fallbacks", "stream_records", "stream_waits")
         }
         if mode.startswith("pool"):
             out["allocated"] = torch.cuda.memory_stats()["allocated_bytes.all.current"]

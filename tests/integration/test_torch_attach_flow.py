@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -17,7 +17,13 @@ torch = pytest.importorskip("torch")
 import tidalpool  # noqa: E402
 import tidalpool.torch as tt  # noqa: E402
 from tidalpool.local import LocalDaemon  # noqa: E402
-from tidalpool.native import ALLOC_SYMBOL, FREE_SYMBOL, HotPath, library_path  # noqa: E402
+from tidalpool.native import (  # noqa: E402
+    ALLOC_SYMBOL,
+    FREE_SYMBOL,
+    HotPath,
+    library_path,
+    record_stream_address,
+)
 from tidalpool.status import fetch  # noqa: E402
 from tidalpool.torch import allocator, oom  # noqa: E402
 
@@ -33,16 +39,27 @@ class FakeLease:  # what attach reads of a cuda session's lease
     pci_bus_id: str = BUS
 
 
+class FakeCxxAllocator:  # torch._C._CUDAPluggableAllocator
+    def __init__(self, calls: list[tuple[Any, ...]]) -> None:
+        self.calls = calls
+
+    def set_record_stream_fn(self, address: int) -> None:
+        self.calls.append(("set_record_stream_fn", address))
+
+
 class FakePluggable:
+    calls: ClassVar[list[tuple[Any, ...]]] = []  # FakeCuda points it at its own log
+
     def __init__(self, path: str, alloc: str, free: str) -> None:
         self.args = (path, alloc, free)
+        self.cxx = FakeCxxAllocator(self.calls)
 
-    def allocator(self) -> str:
-        return "the C++ allocator"
+    def allocator(self) -> FakeCxxAllocator:
+        return self.cxx
 
 
 class FakePool:
-    def __init__(self, cxx_allocator: str) -> None:
+    def __init__(self, cxx_allocator: FakeCxxAllocator) -> None:
         self.cxx_allocator = cxx_allocator
         self.id = (7, 8)
 
@@ -69,6 +86,7 @@ class FakeCuda:
         m.setattr(torch.cuda, "device_count", lambda: 1)
         m.setattr(torch.cuda, "get_device_properties", properties)
         m.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("sync", device)))
+        m.setattr(FakePluggable, "calls", calls)
         m.setattr(torch.cuda.memory, "CUDAPluggableAllocator", FakePluggable)
         m.setattr(torch.cuda.memory, "change_current_allocator", change)
         m.setattr(torch.cuda, "MemPool", FakePool)
@@ -133,7 +151,8 @@ def test_planned_mode_replaces_the_allocator_and_swaps_saves_under_the_limit(
         daemon.socket_dir, mode="planned", optimizer=opt, swap_limit="40KiB", host_limit="1MiB"
     )
     assert tt.current() is tp
-    assert cuda.calls[:3] == [
+    assert cuda.calls[:4] == [
+        ("set_record_stream_fn", record_stream_address()),  # Tensor.record_stream honoured
         ("change_current_allocator", (str(library_path()), ALLOC_SYMBOL, FREE_SYMBOL)),
         ("on_failure", oom.handler()),  # c10::OutOfMemoryError from the cached shim
         ("order_streams", (11, 12, 13, 14)),

@@ -8,7 +8,8 @@ import ctypes
 from collections.abc import Iterator
 
 import pytest
-from tidalpool.native import HotPath, order_streams
+from tidalpool.errors import InvalidBlock
+from tidalpool.native import HotPath, load, order_streams, stray_calls
 
 DEVICE = 43
 BASE = 1 << 32
@@ -172,3 +173,101 @@ def test_order_streams_refuses_what_is_not_four_addresses() -> None:
         order_streams((1, 2, 3))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="four function addresses"):
         order_streams((1, 2, 3, 0))
+
+
+# -- record_stream: a block used by a second stream ------------------------------------------
+
+
+def test_a_block_recorded_on_a_stream_makes_its_own_stream_wait_for_that_stream(
+    driver: FakeDriver,
+) -> None:
+    hp = HotPath(DEVICE)
+    a = hp.alloc(4096, S1)
+    assert a is not None
+    hp.record_stream(a, S2)  # S2's queued work reads the block too
+    hp.free(a)
+    b = hp.alloc(4096, S1)  # same stream as the block's own: without the record, no wait
+    assert b == a
+    ((_, event, _), *rest) = driver.take()
+    assert rest == [("record", event, S2), ("wait", S1, event)]
+    s = hp.stats()
+    assert (s.stream_records, s.cross_stream, s.stream_waits) == (1, 1, 1)
+
+
+def test_a_block_recorded_on_several_streams_makes_a_third_wait_for_all_of_them(
+    driver: FakeDriver,
+) -> None:
+    hp = HotPath(DEVICE)
+    a = hp.alloc(4096, S1)
+    assert a is not None
+    hp.record_stream(a, S2)
+    hp.record_stream(a, S2)  # twice: one wait
+    hp.record_stream(a, S1)  # its own stream: nothing more
+    hp.free(a)
+    assert hp.alloc(4096, S3) is not None
+    calls = driver.take()
+    waited = {c[2] for c in calls if c[0] == "record"}
+    assert waited == {S1, S2}
+    assert [c[1] for c in calls if c[0] == "wait"] == [S3, S3]
+    assert hp.stats().stream_records == 3
+
+
+def test_a_recorded_stream_does_not_wait_for_its_own_use(driver: FakeDriver) -> None:
+    hp = HotPath(DEVICE)
+    a = hp.alloc(4096, S1)
+    assert a is not None
+    hp.record_stream(a, S2)
+    hp.free(a)
+    assert hp.alloc(4096, S2) is not None  # S2 waits for S1 (its free), not for itself
+    ((_, event, _), *rest) = driver.take()
+    assert rest == [("record", event, S1), ("wait", S2, event)]
+
+
+def test_the_record_is_forgotten_with_the_block(driver: FakeDriver) -> None:
+    hp = HotPath(DEVICE)
+    a = hp.alloc(4096, S1)
+    assert a is not None
+    hp.record_stream(a, S2)
+    hp.free(a)
+    assert hp.alloc(4096, S1) == a  # waits for S2 once
+    driver.take()
+    hp.free(a)
+    assert hp.alloc(4096, S1) == a  # the new block was not recorded: no wait
+    assert driver.take() == []
+
+
+def test_recording_a_pointer_that_is_not_a_live_block_is_refused_and_counted(
+    driver: FakeDriver,
+) -> None:
+    hp = HotPath(DEVICE)
+    a = hp.alloc(4096, S1)
+    assert a is not None
+    with pytest.raises(InvalidBlock):
+        hp.record_stream(a + 256, S2)  # inside the block, not its first byte
+    hp.free(a)
+    with pytest.raises(InvalidBlock):
+        hp.record_stream(a, S2)  # freed
+    with pytest.raises(InvalidBlock):
+        hp.record_stream(BASE + (4 << 20), S2)  # outside the lease
+    s = hp.stats()
+    assert (s.stream_records, s.bad_frees, s.streams) == (0, 3, 1)
+
+
+def test_the_pytorch_entry_point_finds_the_device_by_the_pointer(driver: FakeDriver) -> None:
+    other = HotPath(DEVICE + 1)
+    other.configure(BASE + (1 << 30), 1 << 20)
+    try:
+        hp = HotPath(DEVICE)
+        a = other.alloc(4096, S1)
+        assert a is not None
+        record = load().tidalpool_record_stream
+        strays = stray_calls()
+        record(a, S2)
+        assert (other.stats().stream_records, hp.stats().stream_records) == (1, 0)
+        record(BASE + (1 << 40), S2)  # in no lease
+        assert stray_calls() == strays + 1
+        other.free(a)
+        assert other.alloc(4096, S1) == a
+        assert [c[0] for c in driver.take()] == ["create", "record", "wait"]
+    finally:
+        other.reset()

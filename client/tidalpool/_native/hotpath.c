@@ -39,8 +39,10 @@ typedef struct { uint64_t start, size; } range;
 typedef struct {
     uint64_t key, block, size;       /* key: offset + 1; 0 empty */
     int32_t slot;
-    int32_t stream;                  /* index in the pool's streams; -1 untracked */
+    int16_t stream;                  /* index in the pool's streams; -1 untracked */
+    uint16_t users;                  /* bit j: recorded as used by stream j too */
 } entry;
+_Static_assert(TIDALPOOL_MAX_STREAMS <= 16, "entry.users holds a bit per ordered stream");
 
 typedef struct {
     uint64_t id, n, height, base;    /* base: the region's offset in the lease, once in use */
@@ -79,6 +81,7 @@ typedef struct {
 
 static pool pools[TIDALPOOL_MAX_DEVICES];
 static atomic_uint_fast64_t stray;
+static atomic_uint_fast64_t leased; /* bit d: device d is configured (record_stream's search) */
 
 static pool *at(int device) {
     return device >= 0 && device < TIDALPOOL_MAX_DEVICES ? &pools[device] : NULL;
@@ -430,7 +433,7 @@ static void *alloc_locked(pool *p, uint64_t size, void *stream, int *tables) {
     int32_t si = stream_index(p, stream);
     if (si >= 0 && p->owes[si]) settle(p, si);
     uint64_t block = p->next_block++;
-    p->tab[find(p, offset + 1)] = (entry){offset + 1, block, size, (int32_t)slot, si};
+    p->tab[find(p, offset + 1)] = (entry){offset + 1, block, size, (int32_t)slot, (int16_t)si, 0};
     p->tab_count++;
     p->c[TIDALPOOL_ST_MALLOCS]++;
     uint64_t live = p->c[TIDALPOOL_ST_LIVE_BYTES] += size;
@@ -508,6 +511,8 @@ static int free_locked(pool *p, uintptr_t ptr) {
         fit_release(p, offset, align_up(e.size, p->align));
     }
     freed_on(p, e.stream);
+    for (int32_t j = 0; e.users >> j; j++)
+        if (e.users >> j & 1) freed_on(p, j); /* and by every stream recorded as using it */
     p->c[TIDALPOOL_ST_FREES]++;
     p->c[TIDALPOOL_ST_LIVE_BYTES] -= e.size;
     emit(p, TIDALPOOL_EV_FREE, e.slot, e.block, e.size, offset);
@@ -529,6 +534,43 @@ void tidalpool_free(void *ptr, size_t size, int device, void *stream) {
     else if (ptr) tidalpool_release(device, ptr);
 }
 
+/* Under the lock: 0 when ptr is in no lease of p, 1 once recorded, -1 (a bad free) when it is
+ * in the lease but not a live block. */
+static int record_locked(pool *p, uintptr_t ptr, void *stream) {
+    if (!p->configured || ptr < p->base || ptr - p->base >= p->capacity) return 0;
+    uint64_t i = p->tab_count ? find(p, ptr - p->base + 1) : 0;
+    if (!p->tab_count || !p->tab[i].key) {
+        p->c[TIDALPOOL_ST_BAD_FREES]++;
+        return -1;
+    }
+    int32_t si = stream_index(p, stream);
+    if (si >= 0 && si != p->tab[i].stream) p->tab[i].users |= (uint16_t)(1u << si);
+    p->c[TIDALPOOL_ST_STREAM_RECORDS]++;
+    return 1;
+}
+
+int tidalpool_record_stream_on(int device, void *ptr, void *stream) {
+    pool *p = at(device);
+    if (!p) return TIDALPOOL_EDEVICE;
+    lock(&p->lock);
+    int found = record_locked(p, (uintptr_t)ptr, stream);
+    if (!found) p->c[TIDALPOOL_ST_BAD_FREES]++;
+    unlock(&p->lock);
+    return found > 0 ? TIDALPOOL_OK : TIDALPOOL_EINVAL;
+}
+
+void tidalpool_record_stream(void *ptr, void *stream) {
+    uint64_t devices = atomic_load_explicit(&leased, memory_order_acquire);
+    for (int d = 0; devices; d++, devices >>= 1) {
+        if (!(devices & 1)) continue;
+        lock(&pools[d].lock);
+        int found = record_locked(&pools[d], (uintptr_t)ptr, stream);
+        unlock(&pools[d].lock);
+        if (found) return;
+    }
+    atomic_fetch_add_explicit(&stray, 1, memory_order_relaxed); /* in no lease */
+}
+
 /* -- control ------------------------------------------------------------------------------ */
 
 uint32_t tidalpool_abi(void) { return TIDALPOOL_ABI; }
@@ -543,6 +585,7 @@ static void forget(pool *p) { /* under both the lock and the drain flag */
     memset(p->events, 0, sizeof p->events);
     memset(p->owes, 0, sizeof p->owes);
     p->nstreams = p->freers = 0;
+    atomic_fetch_and(&leased, ~((uint64_t)1 << (p - pools)));
     plan_free(p->plan), plan_free(p->pending);
     free(p->free), free(p->tab), free(p->ring);
     uint64_t generation = p->generation + 1;
@@ -609,6 +652,7 @@ int tidalpool_configure(int device, uint64_t base, uint64_t capacity, uint64_t a
     if (p->capacity) p->free[p->nfree++] = (range){0, p->capacity};
     p->ring = ring, p->ring_mask = cap - 1;
     p->configured = 1;
+    atomic_fetch_or(&leased, (uint64_t)1 << (p - pools));
     release(p);
     return TIDALPOOL_OK;
 }

@@ -18,7 +18,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define TIDALPOOL_ABI 2            /* bumped whenever a signature, the event or the stats change */
+#define TIDALPOOL_ABI 3            /* bumped whenever a signature, the event or the stats change */
 #define TIDALPOOL_MAX_DEVICES 64
 #define TIDALPOOL_MAX_STREAMS 16    /* streams ordered per device; more are counted, not ordered */
 
@@ -55,7 +55,7 @@ enum {
     TIDALPOOL_ST_OVERFLOW, TIDALPOOL_ST_ITERATION, TIDALPOOL_ST_PLAN_ID, TIDALPOOL_ST_PLANNED,
     TIDALPOOL_ST_FREE_RANGES, TIDALPOOL_ST_LARGEST_FREE, TIDALPOOL_ST_STREAMS,
     TIDALPOOL_ST_CROSS_STREAM, TIDALPOOL_ST_STREAM_WAITS, TIDALPOOL_ST_STREAM_ERRORS,
-    TIDALPOOL_ST_UNTRACKED_STREAM, TIDALPOOL_ST_COUNT
+    TIDALPOOL_ST_UNTRACKED_STREAM, TIDALPOOL_ST_STREAM_RECORDS, TIDALPOOL_ST_COUNT
 };
 
 /* -- the allocator (PyTorch's CUDAPluggableAllocator signatures) -------------------------- */
@@ -86,6 +86,19 @@ typedef int (*tidalpool_stream_wait_fn)(void *stream, void *event, unsigned flag
 typedef int (*tidalpool_event_destroy_fn)(void *event);
 void tidalpool_order_streams(tidalpool_event_create_fn create, tidalpool_event_record_fn record,
                              tidalpool_stream_wait_fn wait, tidalpool_event_destroy_fn destroy);
+
+/* The block at `ptr` (its first byte) is used by work on `stream` as well as its own (PyTorch's
+ * Tensor.record_stream; CUDAPluggableAllocator's record-stream function has this signature).
+ * When the block is freed, every stream recorded as using it counts as freeing its bytes, so
+ * an allocation on any other stream, the block's own included, first waits for that stream's
+ * work queued so far.  The device is the one whose lease holds ptr; a pointer in no lease is
+ * counted as a stray call, one in a lease that is not a live block as a bad free.  A stream
+ * beyond the ordered ones is counted (untracked_stream) and not waited for. */
+void tidalpool_record_stream(void *ptr, void *stream);
+
+/* The same for a known device: TIDALPOOL_OK, or TIDALPOOL_EINVAL when ptr is not a live block
+ * of its lease (counted as a bad free). */
+int tidalpool_record_stream_on(int device, void *ptr, void *stream);
 
 /* What tidalpool_alloc calls when it returns NULL for a non-zero size, after releasing its
  * lock: (function, file, line, message), the arguments of c10::detail::torchCheckFail.  The

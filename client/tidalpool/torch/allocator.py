@@ -22,8 +22,8 @@ instead. A failed allocation raises `torch.OutOfMemoryError` with the lease's st
 native failure handler throws it: `oom.py`), rather than handing PyTorch a NULL tensor.
 Streams: bytes freed on one stream are reused on another only after that stream waits, on the
 GPU, for the first one's work queued so far (the native allocator records an event and inserts
-a stream wait through the CUDA driver); PyTorch's `record_stream` is not honoured, so a tensor
-used on a second stream must be kept alive until that stream is done with it.
+a stream wait through the CUDA driver); a tensor marked with `Tensor.record_stream(s)` counts as
+freed on `s` too, so any allocation reusing its bytes on another stream first waits for `s`.
 
 Iterations end at each step of the optimizer given (a step post-hook), or at each
 `TorchSession.step()` / `tidalpool.torch.step()`.
@@ -51,6 +51,7 @@ from tidalpool.native import (
     library_path,
     on_failure,
     order_streams,
+    record_stream_address,
 )
 from tidalpool.native_executor import NativeExecutor
 from tidalpool.session import Session, SessionStats
@@ -202,6 +203,15 @@ class TorchSession:
                     "tidalpool: %s is not exported by this PyTorch: an allocation that does not"
                     " fit the lease hands PyTorch a NULL pointer",
                     oom.TORCH_CHECK_FAIL,
+                )
+            cxx = allocator.allocator()  # type: ignore[no-untyped-call]
+            honour = getattr(cxx, "set_record_stream_fn", None)
+            if honour is not None:
+                honour(record_stream_address())  # Tensor.record_stream reaches the hot path
+            else:
+                log.warning(
+                    "tidalpool: this PyTorch cannot pass record_stream to a pluggable allocator:"
+                    " keep a tensor used on a second stream alive until that stream is done"
                 )
             try:
                 torch.cuda.memory.change_current_allocator(allocator)
