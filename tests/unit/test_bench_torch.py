@@ -53,3 +53,26 @@ def test_the_batch_search_finds_the_largest_fitting_batch(limit: int, start: int
     assert found <= limit
     assert limit - found <= max(1, found // 16)  # within the search's resolution
     assert len(tried) < 30
+
+
+def test_the_prediction_records_simulates_and_compares_with_the_bandwidth_bound(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "predict.json"
+    command = [sys.executable, str(BENCH / "torch_predict.py"), "--tiny", "--models", "gpt2"]
+    command += ["--batches", "2,16", "--memory", "1MiB", "--bandwidth", "0.5", "--json", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    gpt2 = json.loads(out.read_text())["gpt2"]
+    half = gpt2["limit"]
+    assert half["limit_bytes"] == half["peak_bytes"] // 2
+    # peak - limit bytes each way at 0.5 GB/s against the recorded compute
+    bound = half["peak_bytes"] / 2 / 0.5 / (half["compute_ms"] * 1e6) - 1
+    assert abs(half["bound_overhead"] - max(0.0, bound)) < 1e-3
+    tidalpool = half["policies"]["tidalpool"]
+    if tidalpool["feasible"]:  # no schedule beats the bound
+        assert tidalpool["overhead"] >= half["bound_overhead"] - 1e-9
+    small, large = gpt2["batches"]
+    assert small["peak_bytes"] < large["peak_bytes"]
+    assert large["peak_bytes"] > 1 << 20  # over the fixed limit: tidalpool's schedule decides
+    assert set(large["policies"]) == {"tidalpool"}

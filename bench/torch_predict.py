@@ -1,0 +1,142 @@
+"""What the planner predicts for the GPU goals of bench/torch_train.py, without a GPU.
+
+    PYTHONPATH=client:daemon python bench/torch_predict.py [--models gpt2,resnet50]
+        [--bandwidth 50] [--memory 8GiB] [--json PATH]
+
+The same models as bench/torch_train.py (fp32, AdamW) are recorded on the meta device
+(`tidalpool.torch.record`: real allocations, op durations from the roofline of an H100 SXM),
+then simulated by Planner II (`tidalpool simulate`) with copies at `--bandwidth` GB/s each way:
+
+  limit   at half of the recorded peak, default batch: the overhead of tidalpool's swap policy
+          and of vDNN's offload-all (the closest policy to save_on_cpu), beside the bound no
+          swap schedule beats: moving peak - limit bytes each way takes that long at the
+          bandwidth, whatever the overlap
+  batch   for a list of batches: the recorded peak (plain PyTorch fits when it is at most
+          `--memory`) and, at `--memory`, whether tidalpool's schedule is feasible, its
+          overhead and the footprint of its placement (Planner I on the swapped blocks)
+
+A prediction, not a measurement: the roofline assumes peak FLOP/s and bandwidth, so real
+kernels take longer and real overheads of the same bytes moved are lower; only `torch_train.py`
+on a GPU measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "client"), str(ROOT / "daemon")]
+
+BATCHES = {"gpt2": (2, 3, 4, 6, 8, 12), "resnet50": (64, 96, 128, 192, 288, 384)}
+DEFAULT = {"gpt2": 8, "resnet50": 64}
+
+
+def record(name: str, batch: int, tiny: bool, directory: Path) -> Path:
+    import tidalpool.torch
+    import torch
+    from torch_train import build
+
+    model, make_batch, _ = build(name, tiny)
+    path = directory / f"{name}.b{batch}.csv"
+    tidalpool.torch.record(
+        model,
+        make_batch(batch),
+        torch.nn.functional.cross_entropy,
+        lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4),
+        path=path,
+    )
+    return path
+
+
+def rows(
+    path: Path, limit: int | None, names: list[str], gbps: float, footprint: bool
+) -> dict[str, Any]:
+    """The trace's peak and compute time, and each policy's result at `limit` bytes (None:
+    half of the peak)."""
+    from tidalpoold.planner.autoswap import durations, load
+    from tidalpoold.planner.simulate_cli import evaluate
+    from tidalpoold.planner.simulate_cli import load as load_trace
+
+    it = load_trace(path)
+    peak = int(load(it).max())
+    limit = peak // 2 if limit is None else limit
+    compute_ns = int(durations(it).sum())
+    moved_ns = max(0, peak - limit) / gbps  # bytes / (GB/s) = ns
+    out: dict[str, Any] = {
+        "peak_bytes": peak,
+        "limit_bytes": limit,
+        "compute_ms": compute_ns / 1e6,
+        "bound_overhead": max(0.0, moved_ns / compute_ns - 1),
+    }
+    if limit >= peak:
+        out["policies"] = {n: {"feasible": True, "overhead": 0.0} for n in names}
+        return out
+    found = evaluate(it, names, limit, gbps, gbps, 1.0, footprint)
+    out["policies"] = {
+        r.name: {
+            "feasible": r.result.feasible,
+            "overhead": r.result.overhead if r.result.feasible else None,
+            "moved_bytes": r.result.out_bytes,
+            "footprint_bytes": r.footprint,
+        }
+        for r in found
+    }
+    return out
+
+
+def main() -> None:
+    from tidalpool.units import parse_size
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="gpt2,resnet50")
+    parser.add_argument("--bandwidth", type=float, default=50.0, help="GB/s each way")
+    parser.add_argument("--memory", default="8GiB", help="the fixed limit of the batch table")
+    parser.add_argument("--batches", help="comma-separated batches (default: per model)")
+    parser.add_argument("--tiny", action="store_true", help="small models (tests)")
+    parser.add_argument("--json", type=Path)
+    a = parser.parse_args()
+    memory = int(parse_size(a.memory))
+    result: dict[str, Any] = {"bandwidth_gbps": a.bandwidth, "memory_bytes": memory}
+    gib = 1 << 30
+    with tempfile.TemporaryDirectory(prefix="tp-predict-") as tmp:
+        for name in a.models.split(","):
+            b = DEFAULT[name]
+            trace = record(name, b, a.tiny, Path(tmp))
+            limit = rows(trace, None, ["tidalpool", "vdnn-all"], a.bandwidth, False)
+            p = limit["policies"]
+            print(
+                f"{name} batch {b}: compute {limit['compute_ms']:.1f} ms, peak"
+                f" {limit['peak_bytes'] / gib:.2f} GiB; at half: bound"
+                f" {100 * limit['bound_overhead']:.0f}%, tidalpool"
+                f" {_pct(p['tidalpool']['overhead'])}, vdnn-all {_pct(p['vdnn-all']['overhead'])}"
+            )
+            table = []
+            batches = [int(x) for x in a.batches.split(",")] if a.batches else BATCHES[name]
+            for batch in batches:
+                trace = record(name, batch, a.tiny, Path(tmp))
+                r = rows(trace, memory, ["tidalpool"], a.bandwidth, True)
+                t = r["policies"]["tidalpool"]
+                fp = t.get("footprint_bytes")
+                print(
+                    f"  batch {batch:4d}: peak {r['peak_bytes'] / gib:6.2f} GiB"
+                    f" plain {'fits' if r['peak_bytes'] <= memory else 'no  '};"
+                    f" tidalpool {'feasible' if t['feasible'] else 'infeasible'}"
+                    f" {_pct(t['overhead'])}" + (f", footprint {fp / gib:.2f} GiB" if fp else "")
+                )
+                table.append({"batch": batch, **r})
+            result[name] = {"batch": b, "limit": limit, "batches": table}
+    if a.json:
+        a.json.write_text(json.dumps(result, indent=2))
+
+
+def _pct(x: float | None) -> str:
+    return "—" if x is None else f"{100 * x:.0f}%"
+
+
+if __name__ == "__main__":
+    main()
