@@ -20,7 +20,15 @@ import tidalpool.torch as tt  # noqa: E402
 ITERATIONS = 8
 
 
-def train(saving: Any = None) -> list[float]:
+def train(saving: Any = None, stream: bool = False) -> list[float]:
+    """`stream`: train on a side stream (PyTorch's non-blocking pool stream), not the default."""
+    with torch.cuda.stream(torch.cuda.Stream()) if stream else contextlib.nullcontext():
+        losses = _train(saving)
+    torch.cuda.synchronize()
+    return losses
+
+
+def _train(saving: Any) -> list[float]:
     torch.manual_seed(0)
     nn = torch.nn
     model = nn.Sequential(
@@ -40,10 +48,12 @@ def train(saving: Any = None) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("offload", ["lru", "all"])
+@pytest.mark.parametrize(("offload", "stream"), [("lru", False), ("all", False), ("all", True)])
 def test_saved_cuda_tensors_swap_through_the_host_lease_bit_exactly(
-    start_daemon: StartDaemon, offload: str
+    start_daemon: StartDaemon, offload: str, stream: bool
 ) -> None:
+    """On a side stream too: the copies in and out of the lease are ordered against the stream
+    the swap engine follows (PyTorch's default stream)."""
     reference = train()
     d = start_daemon(backend="cuda", device_pool="1GiB", host_pool="1GiB", chunk_size="2MiB")
     # one iteration saves 2 MiB (x) + 2 x 8 MiB (ReLU outputs) + the logits: limit at 8 MiB
@@ -57,7 +67,7 @@ def test_saved_cuda_tensors_swap_through_the_host_lease_bit_exactly(
             held.append(saved)
             return saved
 
-        losses = train(saving)
+        losses = train(saving, stream)
         swap = session.stats().swap
         stats = held[0].stats()
     assert losses == reference

@@ -6,6 +6,8 @@ limit with bit-identical losses, that close undoes all of it, and the refusals."
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -59,9 +61,14 @@ class FakePluggable:
 
 
 class FakePool:
+    calls: ClassVar[list[tuple[Any, ...]]] = []  # FakeCuda points it at its own log
+
     def __init__(self, cxx_allocator: FakeCxxAllocator) -> None:
         self.cxx_allocator = cxx_allocator
         self.id = (7, 8)
+
+    def __del__(self) -> None:  # PyTorch's empties the pool's cache: into a configured lease?
+        self.calls.append(("pool_deleted", HotPath(0).stats().iteration))
 
 
 class FakeCuda:
@@ -90,6 +97,8 @@ class FakeCuda:
         m.setattr(torch.cuda.memory, "CUDAPluggableAllocator", FakePluggable)
         m.setattr(torch.cuda.memory, "change_current_allocator", change)
         m.setattr(torch.cuda, "MemPool", FakePool)
+        m.setattr(FakePool, "calls", calls)
+        m.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
         for name in ("_cuda_beginAllocateToPool", "_cuda_endAllocateToPool", "_cuda_releasePool"):
             m.setattr(torch._C, name, lambda d, i, name=name: calls.append((name, d, i)))
         m.setattr(allocator, "on_failure", lambda h: calls.append(("on_failure", h)))
@@ -188,7 +197,13 @@ def test_pool_mode_routes_the_device_to_a_pool_over_the_library_until_close(
     tp.step()
     assert tp.stats().native.iteration == 2
     tp.close()
-    assert cuda.names()[-3:] == ["sync", "_cuda_endAllocateToPool", "_cuda_releasePool"]
+    assert cuda.names()[-4:] == [
+        "sync",
+        "_cuda_endAllocateToPool",
+        "_cuda_releasePool",
+        "pool_deleted",
+    ]
+    assert cuda.calls[-1] == ("pool_deleted", 2)  # dropped while the lease was still configured
 
 
 def test_planned_mode_after_cuda_init_is_refused_and_leaves_no_session(
@@ -227,3 +242,73 @@ def test_another_gpu_and_a_second_attach_are_refused(cuda: FakeCuda, daemon: Loc
     with pytest.raises(ValueError, match="swap_limit must be positive"):
         tt.attach(daemon.socket_dir, swap_limit=0)
     tp.close()
+
+
+def test_planned_mode_refuses_another_device_before_replacing_the_allocator(
+    cuda: FakeCuda, daemon: LocalDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(tt.TorchAttachError, match="torch device 1 is not the daemon's GPU"):
+        tt.attach(daemon.socket_dir, mode="planned", device=1)
+    assert "change_current_allocator" not in cuda.names()  # PyTorch's allocator untouched
+    assert tt.current() is None and not fetch(daemon.socket_dir)[1].sessions
+    tt.attach(daemon.socket_dir, mode="planned", device=0).close()
+
+
+def test_a_failure_while_attaching_undoes_the_pool_and_leaves_no_session(
+    cuda: FakeCuda, daemon: LocalDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(self: tidalpool.Session) -> None:
+        raise RuntimeError("step failed")
+
+    _, opt, _, _ = model_and_data()
+    with monkeypatch.context() as m:
+        m.setattr(tidalpool.Session, "step", broken)
+        with pytest.raises(RuntimeError, match="step failed"):
+            tt.attach(daemon.socket_dir, mode="pool", optimizer=opt)
+    assert cuda.names()[-3:] == ["_cuda_endAllocateToPool", "_cuda_releasePool", "pool_deleted"]
+    assert tt.current() is None and not fetch(daemon.socket_dir)[1].sessions
+    assert not opt._optimizer_step_post_hooks  # the step hook is gone too
+    tt.attach(daemon.socket_dir, mode="pool").close()  # nothing is left in the way
+
+
+def test_a_failure_keeping_the_saves_closes_both_sessions(
+    cuda: FakeCuda, daemon: LocalDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(self: tt.SavedTensors) -> tt.SavedTensors:
+        raise RuntimeError("enter failed")
+
+    monkeypatch.setattr(tt.SavedTensors, "__enter__", broken)
+    with pytest.raises(RuntimeError, match="enter failed"):
+        tt.attach(daemon.socket_dir, mode="pool", swap_limit="40KiB", host_limit="1MiB")
+    assert tt.current() is None and not fetch(daemon.socket_dir)[1].sessions
+
+
+def test_closing_from_another_thread_closes_everything(cuda: FakeCuda, daemon: LocalDaemon) -> None:
+    reference = train(*model_and_data())
+    model, opt, x, y = model_and_data()
+    tp = tt.attach(
+        daemon.socket_dir, mode="pool", optimizer=opt, swap_limit="40KiB", host_limit="1MiB"
+    )
+    losses = train(model, opt, x, y, steps=2)
+    errors: list[BaseException] = []
+
+    def close() -> None:
+        try:
+            tp.close()
+        except BaseException as e:
+            errors.append(e)
+
+    worker = threading.Thread(target=close)
+    worker.start()
+    worker.join()
+    assert errors == []
+    assert tt.current() is None and not fetch(daemon.socket_dir)[1].sessions
+    assert tp.saved is not None
+    saves = tp.saved.stats().saved
+    losses += train(model, opt, x, y, steps=2)  # this thread's hooks now keep every tensor
+    assert losses == reference
+    assert tp.saved.stats().saved == saves
+    with pytest.raises(RuntimeError, match="no SavedTensors is active"):
+        tt.step()  # the closed one is not stepped
+    torch._C._autograd._pop_saved_tensors_default_hooks()  # what only this thread can remove

@@ -6,10 +6,14 @@
 **pool** (the default, the most compatible): PyTorch's caching allocator keeps working; its
 segments come from the lease. A `torch.cuda.MemPool` on a `CUDAPluggableAllocator` over the
 native hot path receives every allocation of the device, from every thread (autograd's
-backward thread too), until `close()`. Memory stats, snapshots, `empty_cache` and
-`cudnn.benchmark` work as usual; a segment that does not fit in the lease is refused like a
-failed cudaMalloc: the caching allocator frees its cache, retries, then raises
-`torch.OutOfMemoryError`.
+backward thread too), until `close()`. Memory stats, snapshots and `cudnn.benchmark` work as
+usual. While the pool receives allocations, PyTorch's caching allocator runs as it does during
+a CUDA graph capture: a segment that does not fit in the lease raises `torch.OutOfMemoryError`
+without the cache being released first (cached free blocks of the pool serve later requests
+they fit, but are not returned to the lease before `close()`; `empty_cache()` does not return
+them either), and a block freed after `Tensor.record_stream` is not reused before `close()`
+(a job that records streams every iteration, as NCCL collectives and prefetchers do, grows:
+use planned mode, or `TORCH_NCCL_AVOID_RECORD_STREAMS=1`).
 
 **planned**: the pluggable allocator *replaces* PyTorch's allocator (possible only before the
 first CUDA allocation of the process), so every tensor allocation goes through the native hot
@@ -34,6 +38,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+from collections.abc import Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -151,6 +156,7 @@ def attach(
         session.close()
         raise
     if limit is not None:
+        saves: Session | None = None
         try:
             saves = tidalpool.attach(
                 socket_dir,
@@ -159,10 +165,12 @@ def attach(
                 job_name=f"{job_name or 'torch'}-saved",
                 swap_limit=limit,
             )
+            attached.keep_saves_in(saves)
         except BaseException:
+            if saves is not None and attached.saved is None:
+                saves.close()
             attached.close()
             raise
-        attached.keep_saves_in(saves)
     return attached
 
 
@@ -184,7 +192,25 @@ class TorchSession:
         allocator = torch.cuda.memory.CUDAPluggableAllocator(
             str(library_path()), ALLOC_SYMBOL, FREE_SYMBOL
         )
-        if mode == "planned":
+        try:
+            self._install(allocator, optimizer)
+            self.session.step()  # iteration 1 starts now
+        except BaseException:
+            self._release()  # what was installed; the caller closes the session
+            raise
+        _current.append(self)
+        atexit.register(self.close)
+
+    def _install(self, allocator: Any, optimizer: Optimizer | None) -> None:
+        session, device = self.session, self.device
+        assert session.cuda is not None
+        if self.mode == "planned":
+            if device != session.cuda.ordinal:  # checked before anything is replaced
+                raise TorchAttachError(
+                    f"planned mode: torch device {device} is not the daemon's GPU, which this"
+                    f" process numbers {session.cuda.ordinal}: pass device={session.cuda.ordinal}"
+                    " or leave device out"
+                )
             if torch.backends.cudnn.benchmark:
                 raise TorchAttachError(
                     "planned mode cannot serve torch.backends.cudnn.benchmark (it asks the"
@@ -204,7 +230,7 @@ class TorchSession:
                     " fit the lease hands PyTorch a NULL pointer",
                     oom.TORCH_CHECK_FAIL,
                 )
-            cxx = allocator.allocator()  # type: ignore[no-untyped-call]
+            cxx = allocator.allocator()
             honour = getattr(cxx, "set_record_stream_fn", None)
             if honour is not None:
                 honour(record_stream_address())  # Tensor.record_stream reaches the hot path
@@ -229,13 +255,25 @@ class TorchSession:
             _check_device(session, device)
             on_failure(None)  # the caching allocator checks for NULL, retries, then raises OOM
             order_streams(None)  # and orders its own blocks across streams
-            self._pool = torch.cuda.MemPool(allocator.allocator())  # type: ignore[no-untyped-call]
-            torch._C._cuda_beginAllocateToPool(device, self._pool.id)
+            with torch.cuda.device(device):  # a MemPool belongs to the current device
+                pool = torch.cuda.MemPool(allocator.allocator())
+            torch._C._cuda_beginAllocateToPool(device, pool.id)
+            self._pool = pool
         if optimizer is not None:
             self.watch(optimizer)
-        _current.append(self)
-        atexit.register(self.close)
-        self.session.step()  # iteration 1 starts now
+
+    def _release(self) -> None:
+        """Undo `_install` as far as PyTorch allows: the step hook, and in pool mode the routing
+        of allocations to the pool and the pool itself, whose cached segments go back to the
+        lease while it is still configured (planned mode's allocator cannot be put back)."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            torch._C._cuda_endAllocateToPool(self.device, pool.id)
+            torch._C._cuda_releasePool(self.device, pool.id)
+            del pool  # its destructor empties the pool's cache into the lease, now
 
     def watch(self, optimizer: Optimizer) -> None:
         """End an iteration after each step of `optimizer` (in planned mode the optimizer is
@@ -249,8 +287,9 @@ class TorchSession:
         `close()`, which closes that session too."""
         if self.saved is not None:
             raise TorchAttachError("saved tensors already go to a session")
-        self.saved = SavedTensors(session)  # its iterations are this session's steps
-        self.saved.__enter__()
+        saved = SavedTensors(session, device=self.device)  # its iterations: this session's steps
+        saved.__enter__()
+        self.saved = saved
 
     def step(self) -> None:
         """An iteration boundary (automatic after each step of a watched optimizer)."""
@@ -277,18 +316,16 @@ class TorchSession:
         self._closed = True
         with suppress(RuntimeError):
             torch.cuda.synchronize(self.device)
-        if self._hook is not None:
-            self._hook.remove()
-        if self.saved is not None:
-            self.saved.__exit__(None, None, None)
-            self.saved.session.close()
-        if self._pool is not None:
-            torch._C._cuda_endAllocateToPool(self.device, self._pool.id)
-            torch._C._cuda_releasePool(self.device, self._pool.id)
-        self.session.close()
-        atexit.unregister(self.close)
-        with suppress(ValueError):
-            _current.remove(self)
+        saved = self.saved
+        steps = [self._release, self.session.close]  # each runs even if one before raised
+        if saved is not None:
+            steps[:0] = [lambda: saved.__exit__(None, None, None), saved.session.close]
+        try:
+            _run_all(steps)
+        finally:
+            atexit.unregister(self.close)
+            with suppress(ValueError):
+                _current.remove(self)
 
     @property
     def closed(self) -> bool:
@@ -299,6 +336,18 @@ class TorchSession:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _run_all(steps: Sequence[Callable[[], object]]) -> None:
+    """Call every step in order; then raise the first exception any of them raised."""
+    first: BaseException | None = None
+    for step in steps:
+        try:
+            step()
+        except BaseException as e:
+            first = first or e
+    if first is not None:
+        raise first
 
 
 def current() -> TorchSession | None:

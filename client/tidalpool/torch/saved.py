@@ -41,9 +41,11 @@ each `step()`.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import weakref
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from contextvars import ContextVar, Token
 from dataclasses import dataclass
 from typing import Literal
@@ -201,7 +203,7 @@ def step() -> None:
     watched). RuntimeError if there is neither."""
     from tidalpool.torch.allocator import current
 
-    active = _active.get()
+    active = [saved for saved in _active.get() if saved._stack is not None]  # not yet left
     if active:
         active[-1].step()
         return
@@ -228,7 +230,9 @@ class SavedTensors:
     "lru" leaves the swap limit to the session's LRU cache (the saves least recently used go
     out first: the earliest of the forward, which backward needs last); "all" also swaps out
     each save right after its pack (vDNN's offload-all). `lookahead`: saves prefetched at each
-    unpack. Without a swap limit nothing moves: the tensors just live in the lease.
+    unpack. `device`: PyTorch's index of the session's GPU (default: the lease's ordinal as
+    this process numbers it). Without a swap limit nothing moves: the tensors just live in
+    the lease.
     """
 
     def __init__(
@@ -239,18 +243,19 @@ class SavedTensors:
         offload: Offload = "lru",
         lookahead: int = 2,
         min_bytes: int = 0,
+        device: int | None = None,
     ) -> None:
         if offload not in ("lru", "all"):
             raise ValueError(f"offload must be 'lru' or 'all', got {offload!r}")
         if min_bytes < 0:
             raise ValueError(f"min_bytes must not be negative, got {min_bytes}")
         self.session = session
-        # where the tensors it takes live: the CPU on sim, the session's GPU on cuda
-        self.device = (
-            torch.device("cuda", session.cuda.ordinal)
-            if session.cuda is not None
-            else torch.device("cpu")
-        )
+        # where the tensors it takes live: the CPU on sim, the session's GPU on cuda (PyTorch's
+        # index for it: `device`, default the lease's ordinal in this process)
+        if session.cuda is None:
+            self.device = torch.device("cpu")
+        else:
+            self.device = torch.device("cuda", session.cuda.ordinal if device is None else device)
         self.optimizer = optimizer
         self.gaps = ComputeGaps(self.device)
         self.offload = offload
@@ -271,22 +276,41 @@ class SavedTensors:
         if self._stack is not None:
             raise RuntimeError("this SavedTensors is already active")
         stack = ExitStack()
-        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack))
+        hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        hooks.__enter__()  # per thread: only this thread can take them off (`__exit__`)
+        thread = threading.get_ident()
+
+        def unhook() -> None:
+            if thread == threading.get_ident():
+                hooks.__exit__(None, None, None)
+
+        stack.callback(unhook)
         if self.optimizer is not None:
-            handle = self.optimizer.register_step_post_hook(lambda *_: self.step())
-            stack.callback(handle.remove)
+            stack.callback(self.optimizer.register_step_post_hook(lambda *_: self.step()).remove)
         self._token = _active.set((*_active.get(), self))
         self._stack = stack
-        self.step()
+        try:
+            self.step()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
+        """Stop keeping saves. Left on another thread than the one that entered, that thread's
+        hooks stay installed but keep every tensor as it is (saved_tensors_hooks are per
+        thread, and only their own thread can remove them)."""
         stack, self._stack = self._stack, None
-        if self._token is not None:
-            _active.reset(self._token)
-            self._token = None
-        if stack is not None:
-            stack.close()
+        token, self._token = self._token, None
+        try:
+            if token is not None:
+                try:
+                    _active.reset(token)
+                except ValueError:  # left in another thread or context than entered
+                    _active.set(tuple(x for x in _active.get() if x is not self))
+        finally:
+            if stack is not None:
+                stack.close()
 
     def step(self) -> None:
         """An iteration boundary: the session's, and where save ids start again from 0."""
@@ -311,7 +335,8 @@ class SavedTensors:
     # -- the hooks ------------------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> Saved | torch.Tensor:
         """The pack hook: copy `t` into the session (or keep it: see the module doc)."""
-        if not self._offloadable(t):
+        if self._stack is None or not self._offloadable(t):  # inactive: hooks left on a
+            # thread that did not close it (saved_tensors_hooks are per thread) keep tensors
             self._kept += 1
             return t
         earlier = self._by_tensor.get(id(t))
@@ -337,7 +362,8 @@ class SavedTensors:
         flat = t.detach().as_strided((span,), (1,), t.storage_offset())
         with self.session.op(writes=[held.block], name="tidalpool.torch.pack") as (dst,):
             if self.device.type == "cuda":  # dst: the block's device address now
-                _device_bytes(dst, nbytes, self.device).copy_(flat.view(torch.uint8))
+                with _on_compute_stream(self.device):
+                    _device_bytes(dst, nbytes, self.device).copy_(flat.view(torch.uint8))
             else:  # a NumPy view of the block's bytes
                 dst[:] = flat.view(torch.uint8).numpy()
         saved = Saved(
@@ -366,7 +392,8 @@ class SavedTensors:
         with self.session.op(reads=[block], name="tidalpool.torch.unpack") as (src,):
             self._prefetch(expected)  # while this one is locked on the device
             if self.device.type == "cuda":
-                out.copy_(_device_bytes(src, block.size, self.device))
+                with _on_compute_stream(self.device):
+                    out.copy_(_device_bytes(src, block.size, self.device))
             else:
                 out.numpy()[:] = src
         self.gaps.end()
@@ -412,6 +439,22 @@ class _CudaArray:
             "strides": None,
             "stream": None,
         }
+
+
+@contextmanager
+def _on_compute_stream(device: torch.device) -> Iterator[None]:
+    """Order a copy between PyTorch's current stream and the session's bytes against the
+    stream the swap engine orders its copies with (PyTorch's default stream): when the program
+    runs on another stream, that stream first waits for the default one (a swap-in has landed)
+    and the default one then waits for it (a swap-out reads the bytes written)."""
+    current = torch.cuda.current_stream(device)
+    default = torch.cuda.default_stream(device)
+    if current == default:
+        yield
+        return
+    current.wait_stream(default)
+    yield
+    default.wait_stream(current)
 
 
 def _device_bytes(address: int, nbytes: int, device: torch.device) -> torch.Tensor:
