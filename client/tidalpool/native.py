@@ -24,6 +24,7 @@ import operator
 import sysconfig
 import threading
 from collections.abc import Iterator
+from contextlib import suppress
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Protocol, SupportsIndex
@@ -420,11 +421,35 @@ def order_streams(functions: StreamFunctions | None, library: ctypes.CDLL | None
     lib.tidalpool_order_streams(*functions)
 
 
+_RUNTIME = (
+    "cudaEventCreateWithFlags",
+    "cudaEventRecord",
+    "cudaStreamWaitEvent",
+    "cudaEventDestroy",
+)
+_DRIVER = ("cuEventCreate", "cuEventRecord", "cuStreamWaitEvent", "cuEventDestroy_v2")
+
+
+def loaded_cuda_runtime(maps: str = "/proc/self/maps") -> str | None:
+    """The path of the CUDA runtime (libcudart) this process has loaded, if any (PyTorch's)."""
+    with suppress(OSError), open(maps) as f:
+        for line in f:
+            path = line.rsplit(" ", 1)[-1].strip()
+            if Path(path).name.startswith("libcudart.so"):
+                return path
+    return None
+
+
 def cuda_stream_functions() -> StreamFunctions:
-    """The CUDA driver's functions for `order_streams`, from libcuda.so.1."""
-    cuda = ctypes.CDLL("libcuda.so.1")
-    names = ("cuEventCreate", "cuEventRecord", "cuStreamWaitEvent", "cuEventDestroy_v2")
-    found = [ctypes.cast(getattr(cuda, name), ctypes.c_void_p).value for name in names]
+    """The functions `order_streams` calls: those of the CUDA runtime the process has loaded
+    (PyTorch's), which act in the primary context of the calling thread's current device, as
+    PyTorch's allocations do, even on a thread where no context is current yet (autograd's);
+    else the driver's, from libcuda.so.1, which need one. Their signatures are the same."""
+    runtime = loaded_cuda_runtime()
+    lib, names = (
+        (ctypes.CDLL(runtime), _RUNTIME) if runtime else (ctypes.CDLL("libcuda.so.1"), _DRIVER)
+    )
+    found = [ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in names]
     return (int(found[0] or 0), int(found[1] or 0), int(found[2] or 0), int(found[3] or 0))
 
 

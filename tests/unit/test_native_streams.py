@@ -6,10 +6,18 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from tidalpool.errors import InvalidBlock
-from tidalpool.native import HotPath, load, order_streams, stray_calls
+from tidalpool.native import (
+    HotPath,
+    cuda_stream_functions,
+    load,
+    loaded_cuda_runtime,
+    order_streams,
+    stray_calls,
+)
 
 DEVICE = 43
 BASE = 1 << 32
@@ -143,6 +151,14 @@ def test_a_failed_driver_call_is_counted_and_the_allocation_still_served(
     assert hp.alloc(4096, S2) is not None
     s = hp.stats()
     assert (s.cross_stream, s.stream_waits, s.stream_errors) == (1, 0, 1)
+    driver.fail_record = False
+    ((_, event, _), *_) = driver.take()  # the event was made before the record failed
+    assert hp.alloc(4096, S2) is not None  # the failed wait is still owed: tried again
+    assert driver.take() == [("record", event, S1), ("wait", S2, event)]
+    s = hp.stats()
+    assert (s.cross_stream, s.stream_waits, s.stream_errors) == (2, 1, 1)
+    assert hp.alloc(4096, S2) is not None  # paid: no more waits
+    assert driver.take() == []
 
 
 def test_without_driver_functions_the_debt_is_only_counted() -> None:
@@ -271,3 +287,26 @@ def test_the_pytorch_entry_point_finds_the_device_by_the_pointer(driver: FakeDri
         assert [c[0] for c in driver.take()] == ["create", "record", "wait"]
     finally:
         other.reset()
+
+
+def test_the_stream_functions_come_from_the_loaded_cuda_runtime(tmp_path: Path) -> None:
+    maps = tmp_path / "maps"
+    maps.write_text(
+        "7f00-7f01 r-xp 00000000 08:01 12 /usr/lib/libc.so.6\n"
+        "7f02-7f03 r-xp 00000000 08:01 13 /opt/x/lib/libcudart.so.13\n"
+    )
+    assert loaded_cuda_runtime(str(maps)) == "/opt/x/lib/libcudart.so.13"
+    maps.write_text("7f00-7f01 r-xp 00000000 08:01 12 /usr/lib/libc.so.6\n")
+    assert loaded_cuda_runtime(str(maps)) is None
+    assert loaded_cuda_runtime(str(tmp_path / "absent")) is None
+
+
+def test_with_pytorchs_runtime_loaded_its_functions_are_used() -> None:
+    torch = pytest.importorskip("torch")
+    runtime = loaded_cuda_runtime()
+    if runtime is None or torch.version.cuda is None:
+        pytest.skip("this PyTorch has no CUDA runtime")
+    lib = ctypes.CDLL(runtime)
+    names = ("cudaEventCreateWithFlags", "cudaEventRecord", "cudaStreamWaitEvent")
+    expected = [ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in names]
+    assert list(cuda_stream_functions()[:3]) == expected

@@ -377,22 +377,30 @@ static int32_t stream_index(pool *p, void *stream) {
 
 #define CU_EVENT_DISABLE_TIMING 0x2
 
-/* Stream i waits, on the GPU, for the work queued so far on every stream it owes. */
+/* Stream i waits, on the GPU, for the work queued so far on every stream it owes.  A wait
+ * whose driver call fails stays owed (the next allocation on i tries again) and is counted. */
 static void settle(pool *p, int32_t i) {
-    uint32_t owed = p->owes[i];
-    p->owes[i] = 0;
     p->c[TIDALPOOL_ST_CROSS_STREAM]++;
     tidalpool_event_record_fn record = atomic_load_explicit(&cuda.record, memory_order_relaxed);
     tidalpool_stream_wait_fn wait = atomic_load_explicit(&cuda.wait, memory_order_relaxed);
     tidalpool_event_create_fn create = atomic_load_explicit(&cuda.create, memory_order_relaxed);
-    if (!record || !wait || !create) return;
-    for (uint32_t j = 0; owed; j++, owed >>= 1) {
+    if (!record || !wait || !create) {
+        p->owes[i] = 0; /* nothing to wait with: only counted */
+        return;
+    }
+    for (uint32_t j = 0, owed = p->owes[i]; owed; j++, owed >>= 1) {
         if (!(owed & 1)) continue;
-        if ((!p->events[j] && create(&p->events[j], CU_EVENT_DISABLE_TIMING)) ||
-            record(p->events[j], p->streams[j]) || wait(p->streams[i], p->events[j], 0)) {
+        void *event = p->events[j];
+        if (!event && create(&event, CU_EVENT_DISABLE_TIMING)) {
             p->c[TIDALPOOL_ST_STREAM_ERRORS]++;
             continue;
         }
+        p->events[j] = event; /* kept only once created */
+        if (record(event, p->streams[j]) || wait(p->streams[i], event, 0)) {
+            p->c[TIDALPOOL_ST_STREAM_ERRORS]++;
+            continue;
+        }
+        p->owes[i] &= ~(1u << j);
         p->c[TIDALPOOL_ST_STREAM_WAITS]++;
     }
 }

@@ -76,10 +76,12 @@ void tidalpool_free(void *ptr, size_t size, int device, void *stream);
  * wait, on the GPU, for the work queued so far on each of those streams (an event recorded
  * there, a stream-wait on it; the host never blocks).  Conservative: it waits for whole
  * streams, not for the bytes reused.  A stream first seen owes every stream that has freed.
- * Work of one stream never waits.  The CUDA driver functions (cuEventCreate, cuEventRecord,
- * cuStreamWaitEvent, cuEventDestroy_v2) are passed in, so no CUDA header or library is
- * linked; until they are, allocations that would wait are only counted (cross_stream).  One
- * set for the process; NULLs turn ordering off. */
+ * Work of one stream never waits.  The event and stream-wait functions are passed in, the CUDA
+ * runtime's (cudaEventCreateWithFlags, cudaEventRecord, cudaStreamWaitEvent, cudaEventDestroy)
+ * or the driver's (cuEventCreate, ...; same signatures), so no CUDA header or library is
+ * linked; until they are, allocations that would wait are only counted (cross_stream).  A
+ * wait whose call fails is counted (stream_errors) and stays owed, so the next allocation on
+ * that stream tries again.  One set for the process; NULLs turn ordering off. */
 typedef int (*tidalpool_event_create_fn)(void **event, unsigned flags);
 typedef int (*tidalpool_event_record_fn)(void *event, void *stream);
 typedef int (*tidalpool_stream_wait_fn)(void *stream, void *event, unsigned flags);
