@@ -128,6 +128,7 @@ def load(path: Path | None = None) -> ctypes.CDLL:
     signatures: dict[str, tuple[Any, list[Any]]] = {
         "tidalpool_abi": (u32, []),
         "tidalpool_alloc": (_P, [ctypes.c_size_t, i, _P]),
+        "tidalpool_try_alloc": (_P, [ctypes.c_size_t, i, _P]),
         "tidalpool_free": (None, [_P, ctypes.c_size_t, i, _P]),
         "tidalpool_release": (i, [i, _P]),
         "tidalpool_configure": (i, [i, u64, u64, u64, u64, u32, u32]),
@@ -235,12 +236,17 @@ class HotPath:
     # -- allocation (what PyTorch calls in C; here for tests, tools and non-torch callers) ----
     def alloc(self, nbytes: int, stream: int = 0) -> int | None:
         """The address of a new block of `nbytes` for work on `stream` (a CUDA stream handle,
-        0 the default stream), or None when it does not fit (counted)."""
+        0 the default stream), or None when it does not fit (counted; a `FailureHandler` is
+        called first, a handler given by address is not)."""
         nbytes = _whole(nbytes, "allocation size")
         if not 0 < nbytes < 2**64:
             raise ValueError(f"allocation of {nbytes} bytes: size must be in [1, 2**64)")
         stream = _whole(stream, "stream")
-        address = self._lib.tidalpool_alloc(nbytes, self.device, stream or None)
+        # A failure handler given as an address is C or C++ that may throw (PyTorch's), which
+        # would abort the process through ctypes: then the handler is not called.
+        throws = isinstance(_failure_handler, int)
+        allocate = self._lib.tidalpool_try_alloc if throws else self._lib.tidalpool_alloc
+        address = allocate(nbytes, self.device, stream or None)
         return int(address) if address else None
 
     def free(self, address: int) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -87,3 +88,26 @@ def test_a_failed_allocation_throws_pytorchs_out_of_memory_error(tmp_path: Path)
     assert message.startswith(
         "tidalpool: out of memory in the lease of device 9: 8192 bytes asked; lease 4096 bytes"
     )
+
+
+def test_hotpath_alloc_does_not_call_a_throwing_handler_through_ctypes(tmp_path: Path) -> None:
+    """A C++ exception cannot cross ctypes (the process would abort): with PyTorch's throwing
+    handler installed by address, HotPath.alloc gets None, and the process goes on."""
+    script = tmp_path / "probe.py"
+    script.write_text(
+        "from tidalpool.native import HotPath, on_failure\n"
+        "from tidalpool.torch import oom\n"
+        "handler = oom.torch_check_fail()\n"
+        "assert handler is not None\n"
+        "on_failure(handler)\n"
+        "hp = HotPath(41)\n"
+        "hp.configure(1 << 32, 1 << 20)\n"
+        "print(hp.alloc(1 << 30), hp.stats().failures)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    env = {"PYTHONPATH": f"{root / 'client'}:{root / 'daemon'}", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["None", "1"]

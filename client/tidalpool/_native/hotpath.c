@@ -480,7 +480,7 @@ static void describe_failure(const pool *p, int device, uint64_t size, int table
     }
 }
 
-void *tidalpool_alloc(size_t size, int device, void *stream) {
+static void *alloc_on(size_t size, int device, void *stream, int notify) {
     pool *p = at(device);
     if (!p) {
         atomic_fetch_add_explicit(&stray, 1, memory_order_relaxed);
@@ -490,11 +490,19 @@ void *tidalpool_alloc(size_t size, int device, void *stream) {
     int tables = 0;
     void *r = alloc_locked(p, size, stream, &tables);
     tidalpool_failure_fn fn = NULL;
-    if (!r && size && (fn = atomic_load_explicit(&on_failure, memory_order_relaxed)))
+    if (!r && size && notify && (fn = atomic_load_explicit(&on_failure, memory_order_relaxed)))
         describe_failure(p, device, size, tables);
     unlock(&p->lock);
     if (fn) fn("tidalpool_alloc", __FILE__, __LINE__, failure_message); /* may throw (C++) */
     return r;
+}
+
+void *tidalpool_alloc(size_t size, int device, void *stream) {
+    return alloc_on(size, device, stream, 1);
+}
+
+void *tidalpool_try_alloc(size_t size, int device, void *stream) {
+    return alloc_on(size, device, stream, 0);
 }
 
 static int free_locked(pool *p, uintptr_t ptr) {

@@ -64,6 +64,10 @@ enum {
  * does not fit, when size is 0 or the device has no lease (all counted). */
 void *tidalpool_alloc(size_t size, int device, void *stream);
 
+/* tidalpool_alloc without the failure handler: NULL is all a failure gives.  For callers that
+ * cannot let a C++ exception pass (ctypes, C). */
+void *tidalpool_try_alloc(size_t size, int device, void *stream);
+
 /* Returns a block.  NULL is ignored; a pointer that is not a live block (double free, foreign
  * pointer) is counted and ignored.  `size` and `stream` are not used: the block's own are. */
 void tidalpool_free(void *ptr, size_t size, int device, void *stream);
