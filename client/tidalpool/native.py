@@ -452,9 +452,8 @@ def cuda_stream_functions() -> StreamFunctions:
     PyTorch's allocations do, even on a thread where no context is current yet (autograd's);
     else the driver's, from libcuda.so.1, which need one. Their signatures are the same."""
     runtime = loaded_cuda_runtime()
-    lib, names = (
-        (ctypes.CDLL(runtime), _RUNTIME) if runtime else (ctypes.CDLL("libcuda.so.1"), _DRIVER)
-    )
+    lib = ctypes.CDLL(runtime or "libcuda.so.1")
+    names = _RUNTIME if runtime else _DRIVER
     found = [ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in names]
     return (int(found[0] or 0), int(found[1] or 0), int(found[2] or 0), int(found[3] or 0))
 

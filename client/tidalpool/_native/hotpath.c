@@ -505,17 +505,20 @@ void *tidalpool_try_alloc(size_t size, int device, void *stream) {
     return alloc_on(size, device, stream, 0);
 }
 
+/* The table index of the live block whose first byte is ptr, or -1 (counted as a bad free). */
+static int64_t live_at(pool *p, uintptr_t ptr) {
+    if (p->tab_count && ptr >= p->base && ptr - p->base < p->capacity) {
+        uint64_t i = find(p, ptr - p->base + 1);
+        if (p->tab[i].key) return (int64_t)i;
+    }
+    p->c[TIDALPOOL_ST_BAD_FREES]++;
+    return -1;
+}
+
 static int free_locked(pool *p, uintptr_t ptr) {
-    uint64_t i = 0;
-    int known = p->tab_count && ptr >= p->base && ptr - p->base < p->capacity;
-    if (known) {
-        i = find(p, ptr - p->base + 1);
-        known = p->tab[i].key != 0;
-    }
-    if (!known) {
-        p->c[TIDALPOOL_ST_BAD_FREES]++;
-        return TIDALPOOL_EINVAL;
-    }
+    int64_t found = live_at(p, ptr);
+    if (found < 0) return TIDALPOOL_EINVAL;
+    uint64_t i = (uint64_t)found;
     entry e = p->tab[i];
     erase(p, i);
     uint64_t offset = e.key - 1;
@@ -554,11 +557,8 @@ void tidalpool_free(void *ptr, size_t size, int device, void *stream) {
  * in the lease but not a live block. */
 static int record_locked(pool *p, uintptr_t ptr, void *stream) {
     if (!p->configured || ptr < p->base || ptr - p->base >= p->capacity) return 0;
-    uint64_t i = p->tab_count ? find(p, ptr - p->base + 1) : 0;
-    if (!p->tab_count || !p->tab[i].key) {
-        p->c[TIDALPOOL_ST_BAD_FREES]++;
-        return -1;
-    }
+    int64_t i = live_at(p, ptr);
+    if (i < 0) return -1;
     int32_t si = stream_index(p, stream);
     if (si >= 0 && si != p->tab[i].stream) p->tab[i].users |= (uint16_t)(1u << si);
     p->c[TIDALPOOL_ST_STREAM_RECORDS]++;
