@@ -37,7 +37,7 @@ from tidalpool.planned import PlanRejected, PlanTable
 from tidalpool.recorder import ALLOC, FREE, ITER
 from tidalpool.units import ALIGNMENT
 
-ABI = 3
+ABI = 4
 """The library's `TIDALPOOL_ABI` this module is written against."""
 MAX_DEVICES = 64
 ALLOC_SYMBOL = "tidalpool_alloc"
@@ -100,12 +100,13 @@ class NativeStats:
     planned: bool  # a plan serves allocations
     free_ranges: int
     largest_free: int
-    streams: int  # streams served (ordered up to 16)
+    streams: int  # streams tracked for ordering (at most 16 at once)
     cross_stream: int  # allocations on a stream that first had to wait for others' frees
     stream_waits: int  # GPU waits inserted for them (0 until order_streams is set)
     stream_errors: int  # driver calls of stream ordering that failed
-    untracked_stream: int  # allocations on a stream beyond the 16 ordered ones
+    untracked_stream: int  # allocations on a new stream while all 16 slots held live blocks
     stream_records: int  # blocks recorded as used by another stream (record_stream)
+    streams_recycled: int  # slots handed from a stream with no live block to a new one
 
 
 _STATS = len(fields(NativeStats))
@@ -260,7 +261,8 @@ class HotPath:
     def record_stream(self, address: int, stream: int) -> None:
         """Work on `stream` uses the block at `address` too (PyTorch's `record_stream`): when
         it is freed, allocations on other streams wait for that stream's queued work.
-        InvalidBlock (counted as a bad free) when `address` is not a live block."""
+        InvalidBlock (counted as a bad free) when `address` is not a live block, NativeError
+        when the device has no lease."""
         address = _whole(address, "address")
         if not 0 <= address < 2**64:
             raise ValueError(f"address {address} is not a 64-bit address")
@@ -381,7 +383,10 @@ FailureHandler = ctypes.CFUNCTYPE(
 )
 """The C type of a failure handler: (function, file, line, message)."""
 
-_failure_handler: object = None  # keeps a ctypes callback alive while the library holds it
+# Every callback ever installed stays alive: a thread that loaded one may call it after another
+# thread replaced it (the library calls it outside its lock). A process installs a few at most.
+_failure_handlers: list[object] = []
+_failure_handler: object = None  # the one installed now
 
 
 def on_failure(handler: int | Any | None, library: ctypes.CDLL | None = None) -> None:
@@ -398,6 +403,8 @@ def on_failure(handler: int | Any | None, library: ctypes.CDLL | None = None) ->
             raise ValueError(f"failure handler address {handler:#x} is not a function")
         lib.tidalpool_on_failure(handler)
     elif isinstance(handler, FailureHandler):
+        if not any(h is handler for h in _failure_handlers):
+            _failure_handlers.append(handler)
         lib.tidalpool_on_failure(ctypes.cast(handler, _P))
     else:
         raise TypeError(f"a failure handler is an address or a FailureHandler, not {handler!r}")

@@ -77,7 +77,7 @@ class FakeCuda:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls: list[tuple[Any, ...]] = []
         self.initialized = False
-        self.bus = 0x18
+        self.pci = (0, 0x18, 0)  # domain, bus, device
         calls = self.calls
 
         def change(a: FakePluggable) -> None:
@@ -86,7 +86,8 @@ class FakeCuda:
             calls.append(("change_current_allocator", a.args))
 
         def properties(index: int) -> Any:
-            return type("Props", (), {"pci_bus_id": self.bus})()
+            names = ("pci_domain_id", "pci_bus_id", "pci_device_id")
+            return type("Props", (), dict(zip(names, self.pci, strict=True)))()
 
         m = monkeypatch
         m.setattr(torch.cuda, "is_available", lambda: True)
@@ -232,10 +233,16 @@ def test_planned_mode_refuses_cudnn_benchmark(
 
 
 def test_another_gpu_and_a_second_attach_are_refused(cuda: FakeCuda, daemon: LocalDaemon) -> None:
-    cuda.bus = 0x3B
-    with pytest.raises(tt.TorchAttachError, match="PCI bus 0x3b, the daemon's GPU at"):
+    cuda.pci = (0, 0x3B, 0)
+    with pytest.raises(tt.TorchAttachError, match="at PCI 00:3b:00, the daemon's GPU at"):
         tt.attach(daemon.socket_dir, mode="pool")
-    cuda.bus = 0x18
+    cuda.pci = (0, 0x18, 1)  # same bus, another device on it
+    with pytest.raises(tt.TorchAttachError, match="at PCI 00:18:01, the daemon's GPU at"):
+        tt.attach(daemon.socket_dir, mode="pool")
+    cuda.pci = (1, 0x18, 0)  # another PCI domain
+    with pytest.raises(tt.TorchAttachError, match="at PCI 01:18:00"):
+        tt.attach(daemon.socket_dir, mode="pool")
+    cuda.pci = (0, 0x18, 0)
     tp = tt.attach(daemon.socket_dir, mode="pool")
     with pytest.raises(tt.TorchAttachError, match="already attached"):
         tt.attach(daemon.socket_dir, mode="pool")

@@ -4,8 +4,10 @@ that does not check for NULL (PyTorch's pluggable allocator) raises instead."""
 from __future__ import annotations
 
 import ctypes
+import gc
 import shutil
 import subprocess
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -73,6 +75,17 @@ def test_removing_the_handler_returns_null_silently(
         on_failure(0)
     with pytest.raises(TypeError, match="a failure handler is an address"):
         on_failure("torchCheckFail")  # type: ignore[arg-type]
+
+
+def test_a_replaced_callback_stays_alive_for_a_thread_that_already_loaded_it() -> None:
+    first = FailureHandler(lambda *args: None)
+    gone = weakref.ref(first)
+    on_failure(first)
+    on_failure(FailureHandler(lambda *args: None))  # another thread may still call `first`
+    del first
+    gc.collect()
+    assert gone() is not None
+    on_failure(None)
 
 
 THROWER = r"""

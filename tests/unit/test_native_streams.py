@@ -12,6 +12,7 @@ import pytest
 from tidalpool.errors import InvalidBlock
 from tidalpool.native import (
     HotPath,
+    NativeError,
     cuda_stream_functions,
     load,
     loaded_cuda_runtime,
@@ -176,12 +177,100 @@ def test_without_driver_functions_the_debt_is_only_counted() -> None:
         hp.reset()
 
 
-def test_streams_beyond_sixteen_are_counted_as_untracked(driver: FakeDriver) -> None:
+def test_while_sixteen_streams_hold_live_blocks_a_new_one_is_untracked(
+    driver: FakeDriver,
+) -> None:
     hp = HotPath(DEVICE)
     for k in range(18):
         assert hp.alloc(256, 0x9000 + k) is not None
     s = hp.stats()
-    assert (s.streams, s.untracked_stream) == (16, 2)
+    assert (s.streams, s.untracked_stream, s.streams_recycled) == (16, 2, 0)
+
+
+def _fill(hp: HotPath, first: int, count: int) -> list[int]:
+    """A live block on each of `count` new streams from `first` (kept: their slots are named)."""
+    blocks = [hp.alloc(256, first + k) for k in range(count)]
+    assert None not in blocks
+    return [b for b in blocks if b is not None]
+
+
+def test_a_new_stream_takes_the_slot_of_one_with_no_live_block_and_its_debts_pass_to_the_fence(
+    driver: FakeDriver,
+) -> None:
+    hp = HotPath(DEVICE)
+    x = hp.alloc(4096, S1)  # slot 0
+    k = hp.alloc(4096, S2)  # slot 1, kept live
+    assert x is not None and k is not None
+    _fill(hp, 0x9000, 14)  # slots 2..15, kept live
+    hp.free(x)  # S1 freed: every stream owes S1; S1 names no live block
+    assert driver.take() == []
+    n = hp.alloc(4096, S3)  # the table is full: S3 takes S1's slot
+    assert n is not None
+    fence = driver.calls[0][1]
+    assert driver.take() == [
+        ("create", fence, 0x2),
+        ("record", fence, S1),  # the fence covers S1's work so far...
+        ("wait", S3, fence),  # ...which the new stream waits for (it may reuse S1's bytes)
+    ]
+    assert hp.alloc(4096, S2) is not None  # S2 owed S1: it now owes the fence, once
+    assert driver.take() == [("wait", S2, fence)]
+    assert hp.alloc(4096, S2) is not None
+    assert driver.take() == []
+    s = hp.stats()
+    assert (s.streams, s.streams_recycled, s.untracked_stream, s.stream_errors) == (16, 1, 0, 0)
+
+    hp.free(n)  # S3 now names no live block
+    m = hp.alloc(4096, 0x5400)  # a second leaver: it first waits for the fence's last record
+    assert m is not None
+    calls = driver.take()
+    assert calls[:2] == [("wait", S3, fence), ("record", fence, S3)]
+    assert ("wait", 0x5400, fence) in calls[2:]  # the new stream owes the fence
+    assert not any(c[0] == "record" and c[2] == S1 for c in calls)  # S1 is gone from the table
+    assert hp.alloc(4096, S2) is not None  # the fence moved on: S2 waits on it again
+    assert driver.take()[-1] == ("wait", S2, fence)
+    assert hp.stats().streams_recycled == 2
+
+
+def test_a_stream_recorded_on_a_live_block_keeps_its_slot(driver: FakeDriver) -> None:
+    hp = HotPath(DEVICE)
+    kept = _fill(hp, 0x9000, 15)  # slots 0..14
+    r = hp.alloc(256, S1)  # slot 15
+    assert r is not None
+    hp.free(r)  # S1 names no block of its own...
+    hp.record_stream(kept[0], S1)  # ...but reads one of 0x9000's
+    assert hp.alloc(256, S2) is not None  # no slot can go: S2 is untracked
+    assert (hp.stats().untracked_stream, hp.stats().streams_recycled) == (1, 0)
+    hp.free(kept[0])  # 0x9000 and S1 now name nothing
+    assert hp.alloc(256, S3) is not None
+    s = hp.stats()
+    assert (s.untracked_stream, s.streams_recycled) == (1, 1)
+
+
+def test_a_stream_slot_is_recycled_without_driver_functions_too() -> None:
+    order_streams(None)
+    hp = HotPath(DEVICE)
+    hp.configure(BASE, 1 << 20)
+    try:
+        for k in range(40):  # a new stream each step, as with torch.cuda.Stream() in a loop
+            a = hp.alloc(4096, 0x9000 + k)
+            assert a is not None
+            hp.free(a)
+        s = hp.stats()
+        assert (s.streams, s.streams_recycled, s.untracked_stream) == (16, 24, 0)
+    finally:
+        hp.reset()
+
+
+def test_reset_destroys_the_fence_too(driver: FakeDriver) -> None:
+    hp = HotPath(DEVICE)
+    for k in range(17):
+        a = hp.alloc(256, 0x9000 + k)
+        assert a is not None
+        hp.free(a)
+    created = {c[1] for c in driver.take() if c[0] == "create"}
+    assert len(created) == 17  # an event for each of the 16 freers, and the fence
+    hp.reset()
+    assert {c[1] for c in driver.take() if c[0] == "destroy"} == created
 
 
 def test_order_streams_refuses_what_is_not_four_addresses() -> None:
@@ -267,6 +356,10 @@ def test_recording_a_pointer_that_is_not_a_live_block_is_refused_and_counted(
         hp.record_stream(BASE + (4 << 20), S2)  # outside the lease
     s = hp.stats()
     assert (s.stream_records, s.bad_frees, s.streams) == (0, 3, 1)
+    hp.reset()
+    with pytest.raises(NativeError, match="has no lease"):
+        hp.record_stream(a, S2)
+    hp.configure(BASE, 1 << 20)
 
 
 def test_the_pytorch_entry_point_finds_the_device_by_the_pointer(driver: FakeDriver) -> None:

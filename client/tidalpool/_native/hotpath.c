@@ -43,6 +43,9 @@ typedef struct {
     uint16_t users;                  /* bit j: recorded as used by stream j too */
 } entry;
 _Static_assert(TIDALPOOL_MAX_STREAMS <= 16, "entry.users holds a bit per ordered stream");
+/* The streams that gave their slot to others: one event whose wait covers all their work
+ * queued before they left (bit FENCE of owes and freers; see recycle). */
+#define FENCE TIDALPOOL_MAX_STREAMS
 
 typedef struct {
     uint64_t id, n, height, base;    /* base: the region's offset in the lease, once in use */
@@ -70,9 +73,9 @@ typedef struct {
     uint64_t next_block, iteration, seq;
     uint64_t c[TIDALPOOL_ST_COUNT];  /* the counters kept incrementally */
     void *streams[TIDALPOOL_MAX_STREAMS];
-    void *events[TIDALPOOL_MAX_STREAMS];  /* created on first need, destroyed by forget */
+    void *events[FENCE + 1];              /* created on first need, destroyed by forget */
     uint32_t owes[TIDALPOOL_MAX_STREAMS]; /* bit j: stream j freed bytes since this one waited */
-    uint32_t nstreams, freers;            /* freers: bit j once stream j has freed bytes */
+    uint32_t nstreams, freers, victim;    /* freers: bit j once stream j has freed bytes */
     tidalpool_event *ring;
     uint64_t ring_mask, tail_seen;   /* tail_seen: the producer's last look at tail */
     _Alignas(64) atomic_uint_fast64_t head;
@@ -361,21 +364,66 @@ void tidalpool_order_streams(tidalpool_event_create_fn create, tidalpool_event_r
     atomic_store(&cuda.destroy, all ? destroy : NULL);
 }
 
-/* The stream's index, a new one owing every stream that has freed; -1 once the table is full. */
+#define CU_EVENT_DISABLE_TIMING 0x2
+
+static int recycle(pool *p);
+
+/* The stream's index, a new one owing every stream that has freed; once the table is full a
+ * new stream takes the slot of one with no live block (recycle), else it is -1: untracked. */
 static int32_t stream_index(pool *p, void *stream) {
     for (uint32_t i = 0; i < p->nstreams; i++)
         if (p->streams[i] == stream) return (int32_t)i;
-    if (p->nstreams == TIDALPOOL_MAX_STREAMS) {
+    int32_t i = p->nstreams < TIDALPOOL_MAX_STREAMS ? (int32_t)p->nstreams++ : recycle(p);
+    if (i < 0) {
         p->c[TIDALPOOL_ST_UNTRACKED_STREAM]++;
         return -1;
     }
-    uint32_t i = p->nstreams++;
     p->streams[i] = stream;
     p->owes[i] = p->freers; /* bytes freed before it was seen */
-    return (int32_t)i;
+    return i;
 }
 
-#define CU_EVENT_DISABLE_TIMING 0x2
+/* Frees the slot of a stream that no live block names (own or recorded), round robin, and
+ * returns it; -1 when every slot is named or a driver call failed (counted).  The live blocks
+ * are scanned here, off the allocation path, which keeps no count per stream.  Streams may
+ * still owe the leaving stream a wait, and streams seen later would have: the fence takes
+ * that debt over.  The leaving stream waits for the fence's last record (the streams that
+ * left before it), then the fence is recorded on it, so one wait on the fence covers the work
+ * queued so far by every stream that has left; every stream owes it, and every new one. */
+static int recycle(pool *p) {
+    uint32_t named = 0, j = 0, n = 0;
+    for (uint64_t i = 0; i < p->tab_cap; i++) {
+        const entry *e = &p->tab[i];
+        if (e->key) named |= e->users | (e->stream >= 0 ? 1u << e->stream : 0u);
+    }
+    for (; n < TIDALPOOL_MAX_STREAMS; n++) {
+        j = (p->victim + n) % TIDALPOOL_MAX_STREAMS;
+        if (!(named >> j & 1)) break;
+    }
+    if (n == TIDALPOOL_MAX_STREAMS) return -1;
+    tidalpool_event_record_fn record = atomic_load_explicit(&cuda.record, memory_order_relaxed);
+    tidalpool_stream_wait_fn wait = atomic_load_explicit(&cuda.wait, memory_order_relaxed);
+    tidalpool_event_create_fn create = atomic_load_explicit(&cuda.create, memory_order_relaxed);
+    if (record && wait && create) {
+        void *fence = p->events[FENCE];
+        if (fence ? wait(p->streams[j], fence, 0) : create(&fence, CU_EVENT_DISABLE_TIMING)) {
+            p->c[TIDALPOOL_ST_STREAM_ERRORS]++;
+            return -1;
+        }
+        p->events[FENCE] = fence;
+        if (record(fence, p->streams[j])) {
+            p->c[TIDALPOOL_ST_STREAM_ERRORS]++;
+            return -1;
+        }
+    } /* else nothing orders streams: debts are only counted */
+    uint32_t bit = 1u << j, fence_bit = 1u << FENCE;
+    for (uint32_t k = 0; k < TIDALPOOL_MAX_STREAMS; k++)
+        p->owes[k] = (p->owes[k] & ~bit) | fence_bit;
+    p->freers = (p->freers & ~bit) | fence_bit;
+    p->victim = (j + 1) % TIDALPOOL_MAX_STREAMS;
+    p->c[TIDALPOOL_ST_STREAMS_RECYCLED]++;
+    return (int32_t)j;
+}
 
 /* Stream i waits, on the GPU, for the work queued so far on every stream it owes.  A wait
  * whose driver call fails stays owed (the next allocation on i tries again) and is counted. */
@@ -391,12 +439,16 @@ static void settle(pool *p, int32_t i) {
     for (uint32_t j = 0, owed = p->owes[i]; owed; j++, owed >>= 1) {
         if (!(owed & 1)) continue;
         void *event = p->events[j];
+        if (j == FENCE && !event) { /* the streams left while nothing ordered streams */
+            p->owes[i] &= ~(1u << j);
+            continue;
+        }
         if (!event && create(&event, CU_EVENT_DISABLE_TIMING)) {
             p->c[TIDALPOOL_ST_STREAM_ERRORS]++;
             continue;
         }
         p->events[j] = event; /* kept only once created */
-        if (record(event, p->streams[j]) || wait(p->streams[i], event, 0)) {
+        if ((j != FENCE && record(event, p->streams[j])) || wait(p->streams[i], event, 0)) {
             p->c[TIDALPOOL_ST_STREAM_ERRORS]++;
             continue;
         }
@@ -569,10 +621,11 @@ int tidalpool_record_stream_on(int device, void *ptr, void *stream) {
     pool *p = at(device);
     if (!p) return TIDALPOOL_EDEVICE;
     lock(&p->lock);
-    int found = record_locked(p, (uintptr_t)ptr, stream);
-    if (!found) p->c[TIDALPOOL_ST_BAD_FREES]++;
+    int configured = p->configured;
+    int found = configured ? record_locked(p, (uintptr_t)ptr, stream) : 0; /* -1: not live */
+    if (configured && !found) p->c[TIDALPOOL_ST_BAD_FREES]++;
     unlock(&p->lock);
-    return found > 0 ? TIDALPOOL_OK : TIDALPOOL_EINVAL;
+    return !configured ? TIDALPOOL_ENOLEASE : found > 0 ? TIDALPOOL_OK : TIDALPOOL_EINVAL;
 }
 
 void tidalpool_record_stream(void *ptr, void *stream) {
@@ -595,12 +648,12 @@ uint64_t tidalpool_stray_calls(void) { return atomic_load(&stray); }
 
 static void forget(pool *p) { /* under both the lock and the drain flag */
     tidalpool_event_destroy_fn destroy = atomic_load(&cuda.destroy);
-    for (uint32_t i = 0; i < TIDALPOOL_MAX_STREAMS; i++)
+    for (uint32_t i = 0; i <= FENCE; i++)
         if (p->events[i] && destroy) destroy(p->events[i]); /* errors: the context may be gone */
     memset(p->streams, 0, sizeof p->streams);
     memset(p->events, 0, sizeof p->events);
     memset(p->owes, 0, sizeof p->owes);
-    p->nstreams = p->freers = 0;
+    p->nstreams = p->freers = p->victim = 0;
     atomic_fetch_and(&leased, ~((uint64_t)1 << (p - pools)));
     plan_free(p->plan), plan_free(p->pending);
     free(p->free), free(p->tab), free(p->ring);

@@ -18,9 +18,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define TIDALPOOL_ABI 3            /* bumped whenever a signature, the event or the stats change */
+#define TIDALPOOL_ABI 4            /* bumped whenever a signature, the event or the stats change */
 #define TIDALPOOL_MAX_DEVICES 64
-#define TIDALPOOL_MAX_STREAMS 16    /* streams ordered per device; more are counted, not ordered */
+#define TIDALPOOL_MAX_STREAMS 16    /* streams tracked at once per device (see Stream ordering) */
 
 enum {
     TIDALPOOL_OK = 0,
@@ -55,7 +55,8 @@ enum {
     TIDALPOOL_ST_OVERFLOW, TIDALPOOL_ST_ITERATION, TIDALPOOL_ST_PLAN_ID, TIDALPOOL_ST_PLANNED,
     TIDALPOOL_ST_FREE_RANGES, TIDALPOOL_ST_LARGEST_FREE, TIDALPOOL_ST_STREAMS,
     TIDALPOOL_ST_CROSS_STREAM, TIDALPOOL_ST_STREAM_WAITS, TIDALPOOL_ST_STREAM_ERRORS,
-    TIDALPOOL_ST_UNTRACKED_STREAM, TIDALPOOL_ST_STREAM_RECORDS, TIDALPOOL_ST_COUNT
+    TIDALPOOL_ST_UNTRACKED_STREAM, TIDALPOOL_ST_STREAM_RECORDS, TIDALPOOL_ST_STREAMS_RECYCLED,
+    TIDALPOOL_ST_COUNT
 };
 
 /* -- the allocator (PyTorch's CUDAPluggableAllocator signatures) -------------------------- */
@@ -85,7 +86,15 @@ void tidalpool_free(void *ptr, size_t size, int device, void *stream);
  * or the driver's (cuEventCreate, ...; same signatures), so no CUDA header or library is
  * linked; until they are, allocations that would wait are only counted (cross_stream).  A
  * wait whose call fails is counted (stream_errors) and stays owed, so the next allocation on
- * that stream tries again.  One set for the process; NULLs turn ordering off. */
+ * that stream tries again.  One set for the process; NULLs turn ordering off.
+ *
+ * At most TIDALPOOL_MAX_STREAMS streams are tracked at once.  A stream seen when the table is
+ * full takes the slot of a stream that no live block names, neither as its own nor as
+ * recorded (streams_recycled); what the leaving stream is owed passes to a fence event: the
+ * leaving stream first waits for the fence's last record, then the fence is recorded on it,
+ * and every stream, present or seen later, owes the fence one wait.  Only while every slot is
+ * named by a live block is a new stream untracked: counted (untracked_stream), its blocks
+ * neither wait nor are waited for. */
 typedef int (*tidalpool_event_create_fn)(void **event, unsigned flags);
 typedef int (*tidalpool_event_record_fn)(void *event, void *stream);
 typedef int (*tidalpool_stream_wait_fn)(void *stream, void *event, unsigned flags);
@@ -98,12 +107,12 @@ void tidalpool_order_streams(tidalpool_event_create_fn create, tidalpool_event_r
  * When the block is freed, every stream recorded as using it counts as freeing its bytes, so
  * an allocation on any other stream, the block's own included, first waits for that stream's
  * work queued so far.  The device is the one whose lease holds ptr; a pointer in no lease is
- * counted as a stray call, one in a lease that is not a live block as a bad free.  A stream
- * beyond the ordered ones is counted (untracked_stream) and not waited for. */
+ * counted as a stray call, one in a lease that is not a live block as a bad free.  An
+ * untracked stream (see above) is counted (untracked_stream) and not waited for. */
 void tidalpool_record_stream(void *ptr, void *stream);
 
-/* The same for a known device: TIDALPOOL_OK, or TIDALPOOL_EINVAL when ptr is not a live block
- * of its lease (counted as a bad free). */
+/* The same for a known device: TIDALPOOL_OK; TIDALPOOL_EINVAL when ptr is not a live block
+ * of its lease (counted as a bad free); TIDALPOOL_ENOLEASE when the device has no lease. */
 int tidalpool_record_stream_on(int device, void *ptr, void *stream);
 
 /* What tidalpool_alloc calls when it returns NULL for a non-zero size, after releasing its

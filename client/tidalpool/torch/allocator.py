@@ -92,15 +92,19 @@ def saves_lease(swap_limit: int) -> int:
 
 
 def _check_device(session: Session, index: int) -> None:
-    """Refuse a torch device that is not the daemon's GPU (compared by PCI bus id)."""
+    """Refuse a torch device that is not the daemon's GPU (compared by PCI domain, bus and
+    device, the daemon's as "DDDD:BB:DD.F")."""
     assert session.cuda is not None
     if not 0 <= index < torch.cuda.device_count():
         raise TorchAttachError(f"torch has no CUDA device {index} ({torch.cuda.device_count()})")
-    bus = getattr(torch.cuda.get_device_properties(index), "pci_bus_id", None)
-    theirs = int(session.cuda.pci_bus_id.split(":")[-2], 16)
-    if bus is not None and bus != theirs:
+    props = torch.cuda.get_device_properties(index)
+    ours = tuple(getattr(props, f"pci_{n}_id", None) for n in ("domain", "bus", "device"))
+    *domain, bus, rest = session.cuda.pci_bus_id.split(":")  # NVML's; the domain may be absent
+    theirs = (int(domain[-1], 16) if domain else 0, int(bus, 16), int(rest.split(".")[0], 16))
+    if any(a is not None and a != b for a, b in zip(ours, theirs, strict=True)):
+        at = ":".join(f"{a:02x}" if a is not None else "?" for a in ours)
         raise TorchAttachError(
-            f"torch device {index} is at PCI bus {bus:#04x}, the daemon's GPU at"
+            f"torch device {index} is at PCI {at}, the daemon's GPU at"
             f" {session.cuda.pci_bus_id}: pass device= the index of the daemon's GPU"
         )
 
