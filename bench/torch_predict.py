@@ -13,7 +13,9 @@ then simulated by Planner II (`tidalpool simulate`) with copies at `--bandwidth`
           bandwidth, whatever the overlap
   batch   for a list of batches: the recorded peak (plain PyTorch fits when it is at most
           `--memory`) and, at `--memory`, whether tidalpool's schedule is feasible, its
-          overhead and the footprint of its placement (Planner I on the swapped blocks)
+          overhead and the footprint of its placement (Planner I on the swapped blocks);
+          where that placement needs more than `--memory`, the schedule made for a lower
+          limit whose placement fits (`combined.fit`), its overhead and that limit
 
 A prediction, not a measurement: the roofline assumes peak FLOP/s and bandwidth, so real
 kernels take longer and real overheads of the same bytes moved are lower; only `torch_train.py`
@@ -54,10 +56,15 @@ def record(name: str, batch: int, tiny: bool, directory: Path) -> Path:
 
 
 def rows(
-    path: Path, limit: int | None, names: list[str], gbps: float, footprint: bool
+    path: Path,
+    limit: int | None,
+    names: list[str],
+    gbps: float,
+    footprint: bool,
+    fit: bool = False,
 ) -> dict[str, Any]:
     """The trace's peak and compute time, and each policy's result at `limit` bytes (None:
-    half of the peak)."""
+    half of the peak); with `fit`, made for a lower limit where the placement needs more."""
     from tidalpoold.planner.autoswap import durations, load
     from tidalpoold.planner.simulate_cli import evaluate
     from tidalpoold.planner.simulate_cli import load as load_trace
@@ -76,13 +83,15 @@ def rows(
     if limit >= peak:
         out["policies"] = {n: {"feasible": True, "overhead": 0.0} for n in names}
         return out
-    found = evaluate(it, names, limit, gbps, gbps, 1.0, footprint)
+    found = evaluate(it, names, limit, gbps, gbps, 1.0, footprint, fit)
     out["policies"] = {
         r.name: {
             "feasible": r.result.feasible,
             "overhead": r.result.overhead if r.result.feasible else None,
             "moved_bytes": r.result.out_bytes,
             "footprint_bytes": r.footprint,
+            "planned_for_bytes": r.planned_for,
+            "fits": r.fits,
         }
         for r in found
     }
@@ -119,14 +128,22 @@ def main() -> None:
             batches = [int(x) for x in a.batches.split(",")] if a.batches else BATCHES[name]
             for batch in batches:
                 trace = record(name, batch, a.tiny, Path(tmp))
-                r = rows(trace, memory, ["tidalpool"], a.bandwidth, True)
+                r = rows(trace, memory, ["tidalpool"], a.bandwidth, True, fit=True)
                 t = r["policies"]["tidalpool"]
-                fp = t.get("footprint_bytes")
+                fp, made_for = t.get("footprint_bytes"), t.get("planned_for_bytes")
+                placed = ""
+                if fp:
+                    placed = f", footprint {fp / gib:.2f} GiB"
+                    if t.get("fits") and made_for:
+                        placed += f" (scheduled for {made_for / gib:.2f} GiB)"
+                    elif t.get("fits") is False:
+                        placed += " (no schedule's placement fits)"
                 print(
                     f"  batch {batch:4d}: peak {r['peak_bytes'] / gib:6.2f} GiB"
                     f" plain {'fits' if r['peak_bytes'] <= memory else 'no  '};"
                     f" tidalpool {'feasible' if t['feasible'] else 'infeasible'}"
-                    f" {_pct(t['overhead'])}" + (f", footprint {fp / gib:.2f} GiB" if fp else "")
+                    f" {_pct(t['overhead'])}{placed}",
+                    flush=True,
                 )
                 table.append({"batch": batch, **r})
             result[name] = {"batch": b, "limit": limit, "batches": table}

@@ -36,6 +36,33 @@ def test_json_report_per_policy(capsys: pytest.CaptureFixture[str]) -> None:
     assert json.loads(capsys.readouterr().out)["limit_bytes"] == 2 << 30
 
 
+def test_fit_plans_for_a_lower_limit_until_the_placement_fits(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    trace = str(shared_file("traces/models/mobilenet_v3_large.b64.trace.csv"))
+    argv = ["simulate", trace, "--limit", "0.8", "--bandwidth", "50", "--policy", "autoswap-aoa"]
+    argv += ["--place-time", "0"]  # the first greedy placement: the same on every machine
+    assert main([*argv, "--json"]) == 0
+    (plain,) = json.loads(capsys.readouterr().out)["policies"]
+    assert main([*argv, "--json", "--fit"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    (fitted,) = got["policies"]
+    limit = got["limit_bytes"]
+    assert plain["footprint_bytes"] > limit  # placed, the schedule for the limit needs more
+    assert plain["planned_for_bytes"] is None and plain["fits"] is None
+    assert fitted["fits"] and fitted["footprint_bytes"] <= limit
+    assert (
+        fitted["planned_for_bytes"] < limit and fitted["peak_bytes"] <= fitted["planned_for_bytes"]
+    )
+    assert fitted["overhead"] >= plain["overhead"]
+    assert main([*argv, "--fit"]) == 0
+    assert "planned for" in capsys.readouterr().out
+    assert main([*argv, "--fit", "--no-footprint"]) == 2
+    assert "cannot go with --no-footprint" in capsys.readouterr().err
+    assert main([*argv, "--fit", "--sweep"]) == 2
+    assert "--fit works at one --limit" in capsys.readouterr().err
+
+
 def test_sweep_walks_down_to_the_op_wise_bound(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["simulate", _resnet(), "--sweep", "--step", "0.3", "--json"]
     assert main([*argv, "--policy", "vdnn-all,autoswap-doa"]) == 0
@@ -70,6 +97,7 @@ def test_table_and_picture(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
         (["--policy", "lru"], "unknown policy 'lru'"),
         (["--bandwidth", "0"], "must be positive"),
         (["--step", "1.5", "--sweep"], "--step must lie in (0, 1)"),
+        (["--place-time", "-1"], "--place-time must be a number of seconds >= 0"),
     ],
 )
 def test_bad_options_are_named(

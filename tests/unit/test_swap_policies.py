@@ -11,7 +11,7 @@ import pytest
 from tidalpool.units import Tick
 from tidalpoold.planner.autoswap import autoswap, load, load_min, op_bound
 from tidalpoold.planner.autoswap_bo import cost, tune
-from tidalpoold.planner.combined import combine, pieces
+from tidalpoold.planner.combined import combine, fit, pieces
 from tidalpoold.planner.learn import extract
 from tidalpoold.planner.model import Iteration
 from tidalpoold.planner.simulate import Swap, SwapPlan, simulate
@@ -151,6 +151,29 @@ def test_combined_pieces_and_footprint() -> None:
     assert combine(HIDE, SWAP_A, r, alignment=1).footprint == 1000
     with pytest.raises(ValueError, match="infeasible"):
         pieces(HIDE, SwapPlan(), simulate(HIDE, SwapPlan(), 1999, 1.0, 1.0))
+
+
+def test_fit_lowers_the_schedules_limit_until_its_placement_fits() -> None:
+    events = read_trace_csv(shared_file("traces/models/mobilenet_v3_large.b64.trace.csv"))
+    it = extract(events, events.marks())
+    limit = int(0.8 * load(it).max())
+    first = plan(it, "autoswap-aoa", limit, 50.0, 50.0)
+    # Placed by the first greedy run only (time_limit_s=0): the same footprints on any machine.
+    placed = combine(it, first, simulate(it, first, limit, 50.0, 50.0), time_limit_s=0)
+    assert placed.footprint > limit  # the premise: fragmentation on top of the live bytes
+    got = fit(it, "autoswap-aoa", limit, 50.0, 50.0, time_limit_s=0)
+    assert got is not None and got.rounds >= 2
+    assert got.combined.footprint <= limit < placed.footprint
+    assert got.result.feasible and got.result.peak_bytes <= got.planned_for < limit
+    assert got.plan == plan(it, "autoswap-aoa", got.planned_for, 50.0, 50.0)  # deterministic
+    again = fit(
+        it, "autoswap-aoa", limit, 50.0, 50.0, time_limit_s=0, known=(limit, placed.footprint)
+    )
+    assert again is not None and again.planned_for == got.planned_for
+    assert again.rounds == got.rounds - 1  # the known schedule is not made again
+    assert fit(it, "autoswap-aoa", limit, 50.0, 50.0, rounds=1, time_limit_s=0) is None
+    with pytest.raises(ValueError, match="rounds must be at least 1"):
+        fit(it, "autoswap-aoa", limit, 50.0, 50.0, rounds=0)
 
 
 def test_validate_swaps_catches_a_late_swap_in_and_an_overfull_tick() -> None:

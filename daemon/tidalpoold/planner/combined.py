@@ -16,7 +16,9 @@ block that is swapped becomes pieces too; one that is not keeps its own bytes
 outside the placement.
 
 The footprint of the combination is those persistent bytes plus the placement's
-height: what the device must really hold, fragmentation included.
+height: what the device must really hold, fragmentation included. It can exceed
+the limit the schedule was made for; `fit` makes the schedule again for lower
+limits until the footprint fits.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ from tidalpool.units import ALIGNMENT, Bytes, Tick
 from tidalpoold.planner.learn import to_problem
 from tidalpoold.planner.model import Iteration, IterBlock, Placement
 from tidalpoold.planner.placement import solve
-from tidalpoold.planner.simulate import Result, SwapPlan
+from tidalpoold.planner.simulate import Result, SwapPlan, simulate
+from tidalpoold.planner.swap import plan as make_plan
+from tidalpoold.planner.validate import validate_swaps
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +98,70 @@ def pieces(it: Iteration, plan: SwapPlan, result: Result) -> Iteration:
         persistent=tuple(resident),
         index=it.index,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class Fitted:
+    plan: SwapPlan
+    result: Result  # the plan simulated under `planned_for`
+    combined: Combined  # its footprint is at most the limit asked for
+    planned_for: Bytes  # the limit the schedule was made for: the limit less what placing cost
+    rounds: int  # schedules made
+
+
+def fit(
+    it: Iteration,
+    policy: str,
+    limit: int,
+    out_gbps: float,
+    in_gbps: float,
+    compute_scale: float = 1.0,
+    rounds: int = 8,
+    alignment: int = ALIGNMENT,
+    time_limit_s: float = 2.0,
+    known: tuple[int, int] | None = None,
+) -> Fitted | None:
+    """The policy's swap plan whose combined footprint (placement included) fits `limit`.
+
+    A schedule keeps the live bytes under its limit; the placement of what it leaves adds
+    fragmentation, so the footprint can exceed that limit, and by an amount that moves
+    unevenly with the limit (the placement is a time-limited search). The schedule is made
+    for `limit`, then, while its footprint is over, for a limit lower by the excess and at
+    least `step` below every limit tried (0.5% of `limit`; doubled each time the footprint
+    did not shrink); an infeasible schedule halves the distance to the lowest limit tried.
+    At most `rounds` schedules; None when none fits. `known`: (limit, footprint) of a
+    schedule already placed, to start from. Each plan passes `validate_swaps` under its own
+    limit."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
+    step = max(limit // 200, alignment)
+    lowest, best = limit, None  # the lowest limit tried that did not fit; the least footprint
+
+    def lower(target: int, footprint: int) -> int:
+        nonlocal step, lowest, best
+        if best is not None and footprint >= best:
+            step *= 2  # no better than before: the excess is no guide here
+        best = footprint if best is None else min(best, footprint)
+        lowest = min(lowest, target)
+        return min(target - (footprint - limit), lowest - step)
+
+    target = limit if known is None else lower(*known)
+    for k in range(1, rounds + 1):
+        if target <= 0:
+            return None
+        plan = make_plan(it, policy, target, out_gbps, in_gbps)
+        result = simulate(it, plan, target, out_gbps, in_gbps, compute_scale)
+        if not result.feasible:
+            if target >= lowest - alignment:
+                return None
+            target = (target + lowest) // 2  # too low: back towards the lowest that ran
+            continue
+        validate_swaps(it, plan, result, target, in_gbps)
+        combined = combine(it, plan, result, alignment, time_limit_s)
+        if combined.footprint <= limit:
+            return Fitted(plan, result, combined, Bytes(target), k)
+        target = lower(target, int(combined.footprint))
+    return None
 
 
 def combine(

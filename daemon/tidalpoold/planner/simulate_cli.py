@@ -6,6 +6,9 @@ gives, per policy: feasible, overhead (a fraction of the unconstrained
 iteration time), the simulated device peak, bytes moved each way, the stall,
 and the footprint of the combined plan (the swapped iteration placed by
 Planner I). Every feasible plan passes `validate_swaps` before it is shown.
+`--fit` makes each policy's footprint fit the limit: where the placement
+needs more, the schedule is made again for a lower limit (`combined.fit`),
+and the row shows that schedule and the limit it was made for.
 
 `--sweep` walks limits from the peak down (steps of `--step` of the peak) past
 AutoSwap's `load_min` to the op-wise bound, printing overhead against memory
@@ -42,6 +45,8 @@ class Row:
     plan: SwapPlan
     result: Result
     footprint: int | None  # the combined plan's bytes; None when infeasible or not asked
+    planned_for: int | None = None  # --fit: the limit the schedule was made for
+    fits: bool | None = None  # --fit: a schedule's placement fits the limit (None: not asked)
 
     def as_json(self) -> dict[str, Any]:
         r = self.result
@@ -56,6 +61,8 @@ class Row:
             "stall_ns": r.stall_ns,
             "swaps": len(self.plan.swaps),
             "footprint_bytes": self.footprint,
+            "planned_for_bytes": self.planned_for,
+            "fits": self.fits,
         }
 
 
@@ -112,6 +119,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--plot", type=Path, metavar="PICTURE.png", help="draw the curves")
     parser.add_argument(
         "--no-footprint", action="store_true", help="skip placing the combined plans"
+    )
+    parser.add_argument(
+        "--place-time",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="seconds Planner I may spend placing each combined plan (default 1; 0: its first"
+        " greedy run only, which gives the same footprint on any machine)",
+    )
+    parser.add_argument(
+        "--fit",
+        action="store_true",
+        help="plan for a lower limit where the placement would need more than --limit",
     )
     parser.set_defaults(handler=run)
     return parser
@@ -180,9 +200,12 @@ def evaluate(
     in_gbps: float,
     compute_scale: float,
     footprint: bool,
+    fit_limit: bool = False,
+    place_s: float = 1.0,
 ) -> list[Row]:
-    """Plan, simulate and validate every policy at one limit (and place the feasible ones)."""
-    from tidalpoold.planner.combined import combine
+    """Plan, simulate and validate every policy at one limit (and place the feasible ones;
+    with `fit_limit`, plan again for a lower limit where the placement does not fit)."""
+    from tidalpoold.planner.combined import combine, fit
     from tidalpoold.planner.simulate import simulate
     from tidalpoold.planner.swap import plans
     from tidalpoold.planner.validate import validate_swaps
@@ -193,9 +216,26 @@ def evaluate(
         fp = None
         if r.feasible:
             validate_swaps(it, plan, r, limit, in_gbps)
-            if footprint:
-                fp = int(combine(it, plan, r, time_limit_s=1.0).footprint)
-        rows.append(Row(name, plan, r, fp))
+            if footprint or fit_limit:
+                fp = int(combine(it, plan, r, time_limit_s=place_s).footprint)
+        row = Row(name, plan, r, fp)
+        if fit_limit and fp is not None:
+            row = Row(name, plan, r, fp, limit, fp <= limit)
+            if fp > limit:
+                f = fit(
+                    it,
+                    name,
+                    limit,
+                    out_gbps,
+                    in_gbps,
+                    compute_scale,
+                    time_limit_s=place_s,
+                    known=(limit, fp),
+                )
+                if f is not None:
+                    fp = int(f.combined.footprint)
+                    row = Row(name, f.plan, f.result, fp, int(f.planned_for), True)
+        rows.append(row)
     return rows
 
 
@@ -233,6 +273,12 @@ def run(args: argparse.Namespace) -> int:
             raise InputError("--compute-scale must be positive")
         if not 0 < args.step < 1:
             raise InputError("--step must lie in (0, 1)")
+        if args.fit and args.no_footprint:
+            raise InputError("--fit places the plans: it cannot go with --no-footprint")
+        if not 0 <= args.place_time < float("inf"):
+            raise InputError("--place-time must be a number of seconds >= 0")
+        if args.fit and args.sweep:
+            raise InputError("--fit works at one --limit, not in a --sweep")
         names = policies(args.policy)
         it = load(args.trace)
         peak = int(load_curve(it).max(initial=0))
@@ -284,7 +330,15 @@ def run(args: argparse.Namespace) -> int:
                 _draw(args.plot, str(args.trace), peak, names, sweep, at, limit, base)
             return 0
         rows = evaluate(
-            it, names, limit, out_gbps, in_gbps, args.compute_scale, not args.no_footprint
+            it,
+            names,
+            limit,
+            out_gbps,
+            in_gbps,
+            args.compute_scale,
+            not args.no_footprint,
+            args.fit,
+            args.place_time,
         )
     except InvalidSwapPlan as e:
         print(f"tidalpool simulate: a plan failed validation (a bug): {e}", file=sys.stderr)
@@ -301,7 +355,8 @@ def run(args: argparse.Namespace) -> int:
             f" ({limit / peak:.0%}), {out_gbps:g}/{in_gbps:g} GB/s"
         )
         table = Table()
-        for col in ("policy", "feasible", "overhead", "peak", "out", "in", "stall", "footprint"):
+        columns = ["policy", "feasible", "overhead", "peak", "out", "in", "stall", "footprint"]
+        for col in columns + (["planned for"] if args.fit else []):
             table.add_column(col, justify="left" if col == "policy" else "right")
         for row in rows:
             r = row.result
@@ -314,11 +369,18 @@ def run(args: argparse.Namespace) -> int:
                 format_size(r.in_bytes),
                 f"{r.stall_ns / 1e6:.2f} ms",
                 format_size(row.footprint) if row.footprint is not None else "—",
+                *([_planned_for(row)] if args.fit else []),
             )
         console.print(table)
     if args.plot:
         _draw(args.plot, str(args.trace), peak, names, [], rows, limit, base)
     return 0
+
+
+def _planned_for(row: Row) -> str:
+    if row.fits is None or row.planned_for is None:
+        return "—"
+    return format_size(row.planned_for) if row.fits else "does not fit"
 
 
 def _sweep_table(
