@@ -36,6 +36,7 @@ class FakeDriver:
     def __init__(self) -> None:
         self.calls: list[tuple[object, ...]] = []
         self.fail_record = False
+        self.gone: set[int] = set()  # streams whose calls fail (destroyed)
         self._next = 0xE000
 
         def create(event: ctypes._Pointer[ctypes.c_void_p], flags: int) -> int:
@@ -46,11 +47,11 @@ class FakeDriver:
 
         def record(event: int, stream: int | None) -> int:
             self.calls.append(("record", event, stream or 0))
-            return 700 if self.fail_record else 0  # any non-zero CUresult
+            return 700 if self.fail_record or (stream or 0) in self.gone else 0  # a CUresult
 
         def wait(stream: int | None, event: int, flags: int) -> int:
             self.calls.append(("wait", stream or 0, event))
-            return 0
+            return 400 if (stream or 0) in self.gone else 0
 
         def destroy(event: int) -> int:
             self.calls.append(("destroy", event))
@@ -229,6 +230,29 @@ def test_a_new_stream_takes_the_slot_of_one_with_no_live_block_and_its_debts_pas
     assert hp.alloc(4096, S2) is not None  # the fence moved on: S2 waits on it again
     assert driver.take()[-1] == ("wait", S2, fence)
     assert hp.stats().streams_recycled == 2
+
+
+def test_a_slot_whose_stream_the_driver_refuses_is_passed_over(driver: FakeDriver) -> None:
+    hp = HotPath(DEVICE)
+    for stream in (S1, S2):  # slots 0 and 1 name no live block
+        a = hp.alloc(256, stream)
+        assert a is not None
+        hp.free(a)
+    _fill(hp, 0x9000, 14)
+    driver.gone.add(S1)  # destroyed: the fence cannot be recorded there
+    driver.take()
+    assert hp.alloc(256, S3) is not None
+    calls = driver.take()
+    fence = calls[0][1]
+    assert calls[:4] == [
+        ("create", fence, 0x2),
+        ("record", fence, S1),  # refused: S1 keeps its slot
+        ("wait", S2, fence),  # S2 leaves instead
+        ("record", fence, S2),
+    ]
+    s = hp.stats()
+    # Errors: the fence on S1, then S3's wait for S1's frees (still owed, tried again later).
+    assert (s.streams_recycled, s.untracked_stream, s.stream_errors) == (1, 0, 2)
 
 
 def test_a_stream_recorded_on_a_live_block_keeps_its_slot(driver: FakeDriver) -> None:

@@ -384,45 +384,45 @@ static int32_t stream_index(pool *p, void *stream) {
 }
 
 /* Frees the slot of a stream that no live block names (own or recorded), round robin, and
- * returns it; -1 when every slot is named or a driver call failed (counted).  The live blocks
+ * returns it; -1 when every slot is named or the driver refused each (counted).  The live blocks
  * are scanned here, off the allocation path, which keeps no count per stream.  Streams may
  * still owe the leaving stream a wait, and streams seen later would have: the fence takes
  * that debt over.  The leaving stream waits for the fence's last record (the streams that
  * left before it), then the fence is recorded on it, so one wait on the fence covers the work
  * queued so far by every stream that has left; every stream owes it, and every new one. */
 static int recycle(pool *p) {
-    uint32_t named = 0, j = 0, n = 0;
+    uint32_t named = 0;
     for (uint64_t i = 0; i < p->tab_cap; i++) {
         const entry *e = &p->tab[i];
         if (e->key) named |= e->users | (e->stream >= 0 ? 1u << e->stream : 0u);
     }
-    for (; n < TIDALPOOL_MAX_STREAMS; n++) {
-        j = (p->victim + n) % TIDALPOOL_MAX_STREAMS;
-        if (!(named >> j & 1)) break;
-    }
-    if (n == TIDALPOOL_MAX_STREAMS) return -1;
     tidalpool_event_record_fn record = atomic_load_explicit(&cuda.record, memory_order_relaxed);
     tidalpool_stream_wait_fn wait = atomic_load_explicit(&cuda.wait, memory_order_relaxed);
     tidalpool_event_create_fn create = atomic_load_explicit(&cuda.create, memory_order_relaxed);
-    if (record && wait && create) {
-        void *fence = p->events[FENCE];
-        if (fence ? wait(p->streams[j], fence, 0) : create(&fence, CU_EVENT_DISABLE_TIMING)) {
-            p->c[TIDALPOOL_ST_STREAM_ERRORS]++;
-            return -1;
+    for (uint32_t n = 0; n < TIDALPOOL_MAX_STREAMS; n++) {
+        uint32_t j = (p->victim + n) % TIDALPOOL_MAX_STREAMS;
+        if (named >> j & 1) continue;
+        if (record && wait && create) { /* else nothing orders streams: debts only counted */
+            void *fence = p->events[FENCE];
+            if (fence ? wait(p->streams[j], fence, 0) : create(&fence, CU_EVENT_DISABLE_TIMING)) {
+                p->c[TIDALPOOL_ST_STREAM_ERRORS]++; /* this stream may be gone: try another */
+                continue;
+            }
+            p->events[FENCE] = fence;
+            if (record(fence, p->streams[j])) {
+                p->c[TIDALPOOL_ST_STREAM_ERRORS]++;
+                continue;
+            }
         }
-        p->events[FENCE] = fence;
-        if (record(fence, p->streams[j])) {
-            p->c[TIDALPOOL_ST_STREAM_ERRORS]++;
-            return -1;
-        }
-    } /* else nothing orders streams: debts are only counted */
-    uint32_t bit = 1u << j, fence_bit = 1u << FENCE;
-    for (uint32_t k = 0; k < TIDALPOOL_MAX_STREAMS; k++)
-        p->owes[k] = (p->owes[k] & ~bit) | fence_bit;
-    p->freers = (p->freers & ~bit) | fence_bit;
-    p->victim = (j + 1) % TIDALPOOL_MAX_STREAMS;
-    p->c[TIDALPOOL_ST_STREAMS_RECYCLED]++;
-    return (int32_t)j;
+        uint32_t bit = 1u << j, fence_bit = 1u << FENCE;
+        for (uint32_t k = 0; k < TIDALPOOL_MAX_STREAMS; k++)
+            p->owes[k] = (p->owes[k] & ~bit) | fence_bit;
+        p->freers = (p->freers & ~bit) | fence_bit;
+        p->victim = (j + 1) % TIDALPOOL_MAX_STREAMS;
+        p->c[TIDALPOOL_ST_STREAMS_RECYCLED]++;
+        return (int32_t)j;
+    }
+    return -1;
 }
 
 /* Stream i waits, on the GPU, for the work queued so far on every stream it owes.  A wait
