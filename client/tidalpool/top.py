@@ -11,6 +11,8 @@ between two samples of a session's counts; the first frame shows the counts alon
 from __future__ import annotations
 
 import contextlib
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -165,6 +167,22 @@ def _screen(console: Console) -> Iterator[Callable[[RenderableType], None]]:
     yield show
 
 
+@contextlib.contextmanager
+def _ctrl_c() -> Iterator[threading.Event]:
+    """An event set by Ctrl-C (SIGINT) instead of KeyboardInterrupt, on the main thread: the
+    loop then ends between two calls, never inside gRPC's, which a KeyboardInterrupt could
+    leave with a thread that keeps the process from exiting."""
+    pressed = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield pressed
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: pressed.set())
+    try:
+        yield pressed
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def run(
     socket_dir: Path,
     console: Console,
@@ -180,8 +198,8 @@ def run(
     problem: str | None = None
     shown = 0
     try:
-        with _screen(console) as show:
-            while True:
+        with _ctrl_c() as pressed, _screen(console) as show:
+            while not pressed.is_set():
                 try:
                     pool, listed = fetch_status(socket_dir)
                 except grpc.RpcError as e:
@@ -197,8 +215,8 @@ def run(
                 if iterations is not None and shown >= iterations:
                     break
                 before = now
-                time.sleep(interval)
-    except KeyboardInterrupt:
+                pressed.wait(interval)
+    except KeyboardInterrupt:  # off the main thread, or before the handler was in place
         return 0
     if problem is not None:
         errors.print(f"tidalpool: {problem}", markup=False, highlight=False, soft_wrap=True)

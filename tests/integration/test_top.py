@@ -112,6 +112,7 @@ def test_top_ends_with_status_1_when_the_daemon_goes_away(daemon: LocalDaemon) -
         _, err = top.communicate(timeout=30)
     finally:
         top.kill()
+        top.wait()  # reaped here, not warned about in a later test
     assert top.returncode == 1
     assert err.startswith(f"tidalpool: the daemon at {daemon.socket_dir} went away: "), err
 
@@ -123,4 +124,5 @@ def test_top_ends_with_status_0_on_ctrl_c(daemon: LocalDaemon) -> None:
         _, err = top.communicate(timeout=30)
     finally:
         top.kill()
+        top.wait()  # reaped here, not warned about in a later test
     assert (top.returncode, err) == (0, "")
