@@ -6,6 +6,9 @@
 - `record(model, example_batch, loss_fn, optimizer, iterations=3, path=...)`: a trace CSV v1
   of real training iterations run on the meta device (no memory, no GPU), for `tidalpool plan`
   and `tidalpool simulate`.
+- `recompute(blocks)`: those blocks of the model rebuild what they save for backward instead
+  of keeping it; `plan_recompute(model, ..., blocks=, limit=)` chooses the blocks that make a
+  step fit `limit` soonest, with swapping for the rest (on the meta device, without a GPU).
 - `Roofline`: the GPU whose op durations a recorded trace estimates (default: an H100 SXM).
 - `SavedTensors(session, optimizer)`: while active, the tensors autograd saves for backward
   live in the session (CPU tensors on sim, CUDA tensors on cuda), where the swap engine moves
@@ -30,6 +33,13 @@ from tidalpool.torch.allocator import (
     saves_lease,
 )
 from tidalpool.torch.oom import torch_check_fail
+from tidalpool.torch.recompute import (
+    Recomputed,
+    RecomputeError,
+    RecomputePlan,
+    plan_recompute,
+    recompute,
+)
 from tidalpool.torch.record import OptimizerFactory, RecordError, record
 from tidalpool.torch.roofline import Roofline
 from tidalpool.torch.saved import (
@@ -46,6 +56,9 @@ __all__ = [
     "COMPUTE_OP",
     "ComputeGaps",
     "OptimizerFactory",
+    "RecomputeError",
+    "RecomputePlan",
+    "Recomputed",
     "RecordError",
     "Roofline",
     "SaveOrder",
@@ -57,6 +70,8 @@ __all__ = [
     "TorchStats",
     "attach",
     "current",
+    "plan_recompute",
+    "recompute",
     "record",
     "saves_lease",
     "step",

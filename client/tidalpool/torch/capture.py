@@ -132,6 +132,8 @@ class Capture(TorchDispatchMode):  # type: ignore[no-untyped-call]  # unannotate
         self._sizes: list[int] = []
         self._ns: list[int] = []
         self._name_ids: list[int] = []
+        self.compute_ns = 0
+        """The estimated ns of every kernel recorded so far."""
 
     # -- what the caller marks --------------------------------------------------------------
     def persistent(self, tensors: Iterable[torch.Tensor]) -> None:
@@ -163,6 +165,18 @@ class Capture(TorchDispatchMode):  # type: ignore[no-untyped-call]  # unannotate
             name_ids=np.array(self._name_ids, np.uint32),
             names=names,
         )
+
+    @property
+    def allocated(self) -> int:
+        """Blocks allocated so far (block ids are 0, 1, ... in allocation order)."""
+        return self._blocks
+
+    def block_of(self, t: torch.Tensor) -> tuple[int, int] | None:
+        """(block id, rounded bytes) of the live block a meta tensor views; None for others."""
+        if t.device.type != "meta" or (s := _storage(t)) is None:
+            return None
+        live = self._live.get(cast(int, s._cdata))
+        return None if live is None else (live.block, round_size(live.nbytes))
 
     def close(self) -> None:
         """Let go of every weak reference (the blocks still live stay live in the events)."""
@@ -227,6 +241,7 @@ class Capture(TorchDispatchMode):  # type: ignore[no-untyped-call]  # unannotate
         name_id = self._names.setdefault(name, len(self._names) + 1)
         self._event(OP, self._ops, 0, ns, name_id)
         self._ops += 1
+        self.compute_ns += ns
 
     # -- blocks -----------------------------------------------------------------------------------
     def _block(self, s: torch.UntypedStorage) -> int | None:

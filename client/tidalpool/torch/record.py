@@ -21,7 +21,7 @@ import copy
 import gc
 import inspect
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -32,6 +32,8 @@ from torch.optim import Optimizer
 
 from tidalpool.errors import TidalpoolError
 from tidalpool.torch.capture import GRANULE, Capture, tensors_in
+from tidalpool.torch.recompute import is_recomputed, names_of
+from tidalpool.torch.recompute import recompute as recompute_blocks
 from tidalpool.torch.roofline import Roofline
 
 OptimizerFactory = Callable[[nn.Module], Optimizer]
@@ -54,6 +56,7 @@ def record(
     path: str | os.PathLike[str],
     roofline: Roofline | None = None,
     set_to_none: bool = False,
+    recompute: Sequence[nn.Module] = (),
 ) -> Events:
     """Run `iterations` training steps on the meta device, write their trace to `path`, and
     return its events.
@@ -74,6 +77,9 @@ def record(
     at each step's start and allocated again in backward.
 
     `roofline` estimates the op durations (default: an H100 SXM, see `Roofline`).
+    `recompute`: blocks of the model to record as `tidalpool.torch.recompute` runs them
+    (their saved tensors dropped after their forward and rebuilt in backward); the model itself
+    is not changed.
     Three iterations give `tidalpool plan` a steady iteration (the first one allocates
     gradients and optimizer state).
 
@@ -102,6 +108,9 @@ def record(
     meta_model = to_meta(model, meta_of)
     meta_loss = to_meta(loss_fn, meta_of) if isinstance(loss_fn, nn.Module) else loss_fn
     meta_optimizer = _optimizer(optimizer, meta_model, meta_of)
+    if recompute:
+        blocks = [meta_model.get_submodule(n) for n in names_of(model, recompute, "record")]
+        recompute_blocks(b for b in blocks if not is_recomputed(b))
     inputs, target = example_batch
 
     capture = Capture(roofline)
@@ -152,12 +161,7 @@ def _step(
     try:
         optimizer.zero_grad(set_to_none=set_to_none)
         x, y = _upload(inputs), _upload(target)
-        if isinstance(x, dict):
-            output = model(**x)
-        elif isinstance(x, (tuple, list)):
-            output = model(*x)
-        else:
-            output = model(x)
+        output = call(model, x)
         loss = loss_fn(output, y)
     except Exception as e:
         raise RecordError(
@@ -180,6 +184,15 @@ def _step(
             f"record: the backward or optimizer step of iteration {i} cannot run on the meta"
             f" device ({type(e).__name__}: {e})"
         ) from e
+
+
+def call(model: nn.Module, x: Any) -> Any:
+    """`model(**x)` for a dict, `model(*x)` for a tuple or list, `model(x)` otherwise."""
+    if isinstance(x, dict):
+        return model(**x)
+    if isinstance(x, (tuple, list)):
+        return model(*x)
+    return model(x)
 
 
 def to_meta(module: _M, meta_of: dict[int, torch.Tensor]) -> _M:

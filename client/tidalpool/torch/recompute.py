@@ -1,0 +1,349 @@
+"""Recomputing blocks in backward, and choosing which (cost-aware recomputation).
+
+    import tidalpool.torch
+
+    plan = tidalpool.torch.plan_recompute(model, (x, y), loss_fn, optimizer,
+                                          blocks=model.blocks, limit=8 << 30)
+    plan.apply()                  # the chosen blocks now recompute in backward
+
+`recompute(blocks)` runs each block's forward under `torch.utils.checkpoint`
+(non-reentrant): of what the block saves for backward, autograd keeps only the block's inputs;
+the rest goes at the end of the block's forward and is rebuilt, by running the block's forward
+once more (with the RNG state it had, so dropout draws the same mask), when backward reaches
+the block. A step holds fewer bytes and computes more. `Recomputed.remove()` puts the blocks
+back as they were.
+
+`plan_recompute` chooses which of `blocks` to recompute so that a training step fits `limit`
+bytes of device memory in the least time, with what recomputation does not free swapped by
+tidalpool's swap policy (SuperNeurons' cost-aware recomputation beside its tensor offloading;
+`tidalpoold.planner.recompute`). On the meta device, without a GPU and without memory:
+
+1. `measure` runs one forward and finds, for each block, the bytes autograd saves inside it
+   (what recomputing it frees; its inputs and outputs are not counted) and the roofline
+   estimate of its forward's kernels (what recomputing it costs).
+2. The blocks are ranked by cost per freed byte. For each count of the cheapest blocks, from
+   none to enough to bring the peak under `limit` by themselves, a training step is recorded
+   with those blocks recomputed (`record(..., recompute=...)`: the recomputation's kernels and
+   allocations in backward are in the trace), and Planner II simulates it under `limit` with
+   copies at `bandwidth_gbps` each way.
+3. The count whose simulated step is shortest wins.
+
+A prediction from the roofline: only a GPU measures. The simulation swaps any block of the
+trace, so it assumes the swapping of planned mode with saved tensors swapped or better.
+"""
+
+from __future__ import annotations
+
+import gc
+import tempfile
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tidalpoold.planner.recompute import Candidate, Segment, best, order, prefixes
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from tidalpool.errors import TidalpoolError
+from tidalpool.torch.capture import Capture, tensors_in
+from tidalpool.torch.roofline import Roofline
+
+__all__ = [
+    "Candidate",
+    "RecomputeError",
+    "RecomputePlan",
+    "Recomputed",
+    "Segment",
+    "measure",
+    "plan_recompute",
+    "recompute",
+]
+
+
+class RecomputeError(TidalpoolError, RuntimeError):
+    """No choice of recomputed blocks, with swapping, fits the limit."""
+
+
+class _Checkpointed:
+    """A block's forward, run under torch.utils.checkpoint (non-reentrant)."""
+
+    def __init__(self, forward: Callable[..., Any], own: bool) -> None:
+        self.forward = forward  # what block.forward was
+        self.own = own  # whether the block had a forward of its own (an instance attribute)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
+
+
+def is_recomputed(block: nn.Module) -> bool:
+    """Whether `recompute` has wrapped this block (and it has not been removed)."""
+    return isinstance(block.__dict__.get("forward"), _Checkpointed)
+
+
+class Recomputed:
+    """The blocks `recompute` wrapped; `remove()` (or leaving the `with`) unwraps them."""
+
+    def __init__(self, blocks: tuple[nn.Module, ...]) -> None:
+        self.blocks = blocks
+
+    def remove(self) -> None:
+        """Put the blocks' forwards back as they were (again: nothing)."""
+        for block in self.blocks:
+            wrapper = block.__dict__.get("forward")
+            if not isinstance(wrapper, _Checkpointed):
+                continue
+            if wrapper.own:
+                block.forward = wrapper.forward
+            else:
+                del block.forward
+        self.blocks = ()
+
+    def __enter__(self) -> Recomputed:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def recompute(blocks: Iterable[nn.Module]) -> Recomputed:
+    """Recompute each block in backward instead of keeping what it saves (see the module).
+
+    Call it before the forward runs; the blocks must be modules (TypeError otherwise), each
+    given once and not already recomputed (ValueError). A block inside another recomputed block
+    is recomputed again within the outer one's recomputation."""
+    chosen = tuple(blocks)
+    seen: set[int] = set()
+    for k, block in enumerate(chosen):
+        if not isinstance(block, nn.Module):
+            raise TypeError(f"recompute: block {k} is a {type(block).__name__}, not a nn.Module")
+        if id(block) in seen:
+            raise ValueError(f"recompute: block {k} ({type(block).__name__}) is given twice")
+        if is_recomputed(block):
+            raise ValueError(
+                f"recompute: block {k} ({type(block).__name__}) is already recomputed"
+                " (remove() the earlier handle first)"
+            )
+        seen.add(id(block))
+    for block in chosen:
+        own = "forward" in block.__dict__
+        block.forward = _Checkpointed(block.forward, own)
+    return Recomputed(chosen)
+
+
+def names_of(model: nn.Module, blocks: Sequence[nn.Module], who: str) -> list[str]:
+    """The qualified names of `blocks` in `model`: each a submodule (not the model itself),
+    given once, none inside another (ValueError naming the block otherwise)."""
+    name_of = {id(m): name for name, m in model.named_modules(remove_duplicate=False) if name}
+    names: list[str] = []
+    for k, block in enumerate(blocks):
+        if not isinstance(block, nn.Module):
+            raise TypeError(f"{who}: block {k} is a {type(block).__name__}, not a nn.Module")
+        name = name_of.get(id(block))
+        if name is None:
+            raise ValueError(
+                f"{who}: block {k} ({type(block).__name__}) is not a submodule of the model"
+            )
+        if name in names:
+            raise ValueError(f"{who}: block {k} ({name}) is given twice")
+        names.append(name)
+    for name in names:
+        for other in names:
+            if other != name and name.startswith(other + "."):
+                raise ValueError(f"{who}: block {name} is inside block {other}")
+    return names
+
+
+def measure(
+    model: nn.Module,
+    example_batch: tuple[Any, Any],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    blocks: Sequence[nn.Module],
+    *,
+    roofline: Roofline | None = None,
+) -> list[Segment]:
+    """For each block, what recomputing it would free and cost, from one forward on the meta
+    device (the model is not touched; blocks already recomputed are measured as they would
+    run without it).
+
+    `freed`: the bytes (rounded as the CUDA caching allocator rounds them) of the storages
+    that autograd saves during the block's forward and that the block allocated, less those
+    of its outputs, which the next layer holds anyway. `recompute_ns`: the roofline estimate of
+    the kernels of the block's forward. A block called twice counts both calls."""
+    from tidalpool.torch.record import _held, _upload, call, to_meta
+
+    names = names_of(model, blocks, "measure")
+    meta_of: dict[int, torch.Tensor] = {}
+    meta_model = to_meta(model, meta_of)
+    meta_loss = to_meta(loss_fn, meta_of) if isinstance(loss_fn, nn.Module) else loss_fn
+    meta_blocks = [meta_model.get_submodule(name) for name in names]
+    for block in meta_blocks:
+        if is_recomputed(block):
+            Recomputed((block,)).remove()
+    capture = Capture(roofline or Roofline())
+    ns = [0] * len(names)
+    saved: list[dict[int, int]] = [{} for _ in names]  # block id -> rounded bytes
+    active: list[tuple[int, int, int]] = []  # (block index, first block id, compute_ns) at entry
+
+    def enter(i: int) -> None:
+        active.append((i, capture.allocated, capture.compute_ns))
+
+    def leave(i: int, output: Any) -> None:
+        j, _, start_ns = active.pop()
+        assert j == i, "blocks entered and left out of order"
+        ns[i] += capture.compute_ns - start_ns
+        for t in tensors_in(output):
+            if (b := capture.block_of(t)) is not None:
+                saved[i].pop(b[0], None)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if active and (b := capture.block_of(t)) is not None:
+            i, first, _ = active[-1]
+            if b[0] >= first:
+                saved[i][b[0]] = b[1]
+        return t
+
+    handles = []
+    for i, block in enumerate(meta_blocks):
+        handles.append(block.register_forward_pre_hook(lambda _m, _a, i=i: enter(i)))
+        handles.append(block.register_forward_hook(lambda _m, _a, out, i=i: leave(i, out)))
+    inputs, target = example_batch
+    try:
+        capture.persistent(_held(meta_model, meta_loss))
+        with capture, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            output = call(meta_model, _upload(inputs))
+            loss = meta_loss(output, _upload(target))
+            del output, loss
+    finally:
+        for h in handles:
+            h.remove()
+        capture.close()
+        gc.collect()
+    return [Segment(name, ns[i], sum(saved[i].values())) for i, name in enumerate(names)]
+
+
+@dataclass(frozen=True, slots=True)
+class RecomputePlan:
+    """What `plan_recompute` chose, with every candidate it simulated."""
+
+    blocks: tuple[nn.Module, ...]  # the chosen blocks of the model, in the order given
+    names: tuple[str, ...]  # their qualified names
+    segments: tuple[Segment, ...]  # every block given, as measured
+    candidates: tuple[Candidate, ...]  # in the order simulated (0, 1, ... blocks recomputed)
+    chosen: Candidate
+    limit: int
+    plain_compute_ns: int  # the step's compute with nothing recomputed
+
+    @property
+    def overhead(self) -> float:
+        """The chosen step's predicted time over the unconstrained step's, less 1."""
+        assert self.chosen.step_ns is not None  # a chosen candidate is feasible
+        return self.chosen.step_ns / self.plain_compute_ns - 1 if self.plain_compute_ns else 0.0
+
+    def apply(self) -> Recomputed:
+        """`recompute(self.blocks)`: the chosen blocks of the model recompute in backward."""
+        return recompute(self.blocks)
+
+
+def plan_recompute(
+    model: nn.Module,
+    example_batch: tuple[Any, Any],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    optimizer: Any,
+    blocks: Sequence[nn.Module],
+    *,
+    limit: int,
+    bandwidth_gbps: float = 50.0,
+    roofline: Roofline | None = None,
+    place: bool = False,
+    place_time_s: float = 1.0,
+    progress: Callable[[str], None] | None = None,
+) -> RecomputePlan:
+    """Which of `blocks` to recompute so a training step fits `limit` bytes soonest (see the
+    module). `example_batch`, `loss_fn` and `optimizer` are as for `record`; copies to and from
+    the host run at `bandwidth_gbps` GB/s each way. With `place`, a candidate fits only when
+    the placement of what its schedule leaves on the device (Planner I, `place_time_s` of
+    search per placement) fits too, as in planned mode, its schedule made for a lower limit
+    where needed (`combined.fit`). `progress` gets a line per candidate.
+
+    Raises RecomputeError when no candidate is feasible (the limit is below what a step needs
+    with everything recomputed and swapped), ValueError for a limit or bandwidth that is not
+    positive or blocks that are not distinct submodules of the model, none inside another."""
+    from tidalpoold.planner import learn
+    from tidalpoold.planner.autoswap import durations, load
+    from tidalpoold.planner.combined import fit
+    from tidalpoold.planner.simulate import simulate
+    from tidalpoold.planner.swap import plan as swap_plan
+
+    from tidalpool.torch.record import record
+
+    if limit <= 0:
+        raise ValueError(f"plan_recompute: limit must be positive, got {limit}")
+    if not bandwidth_gbps > 0:
+        raise ValueError(f"plan_recompute: bandwidth_gbps must be positive, got {bandwidth_gbps}")
+    names = names_of(model, blocks, "plan_recompute")
+    gbps = bandwidth_gbps
+    say = progress or (lambda _line: None)
+    segments = measure(model, example_batch, loss_fn, blocks, roofline=roofline)
+    ranked = order(segments)
+    candidates: list[Candidate] = []
+    plain_compute = 0
+    with tempfile.TemporaryDirectory(prefix="tidalpool-recompute-") as tmp:
+
+        def evaluate(chosen: tuple[int, ...]) -> Candidate:
+            events = record(
+                model,
+                example_batch,
+                loss_fn,
+                optimizer,
+                path=Path(tmp) / f"{len(chosen)}.csv",
+                roofline=roofline,
+                recompute=[blocks[i] for i in chosen],
+            )
+            it = learn.extract(events, events.marks())
+            peak, compute = int(load(it).max()), int(durations(it).sum())
+            step: int | None = compute
+            footprint = None
+            if place:
+                f = fit(it, "tidalpool", limit, gbps, gbps, time_limit_s=place_time_s)
+                step = None if f is None else f.result.iteration_ns
+                footprint = None if f is None else int(f.combined.footprint)
+            elif peak > limit:
+                swaps = swap_plan(it, "tidalpool", limit, gbps, gbps)
+                result = simulate(it, swaps, limit, gbps, gbps)
+                step = result.iteration_ns if result.feasible else None
+            return Candidate(chosen, compute, peak, step, footprint)
+
+        counts = [0]
+        while len(candidates) < len(counts):
+            k = counts[len(candidates)]
+            c = evaluate(tuple(ranked[:k]))
+            candidates.append(c)
+            if k == 0:
+                plain_compute = c.compute_ns
+                counts = prefixes(segments, ranked, c.peak_bytes - limit)
+            say(
+                f"{k} of {len(blocks)} blocks recomputed: peak {c.peak_bytes / 2**30:.2f} GiB,"
+                f" compute {c.compute_ns / 1e6:.1f} ms, step "
+                + ("infeasible" if c.step_ns is None else f"{c.step_ns / 1e6:.1f} ms")
+                + ("" if c.footprint is None else f", placed in {c.footprint / 2**30:.2f} GiB")
+            )
+    winner = best(candidates)
+    if winner is None:
+        least = min(candidates, key=lambda c: c.peak_bytes)
+        raise RecomputeError(
+            f"plan_recompute: nothing fits {limit} bytes: every candidate is infeasible with"
+            f" swapping; the least peak before swapping was {least.peak_bytes} bytes, with"
+            f" {len(least.chosen)} of {len(blocks)} blocks recomputed"
+        )
+    chosen = tuple(sorted(winner.chosen))
+    return RecomputePlan(
+        blocks=tuple(blocks[i] for i in chosen),
+        names=tuple(names[i] for i in chosen),
+        segments=tuple(segments),
+        candidates=tuple(candidates),
+        chosen=winner,
+        limit=limit,
+        plain_compute_ns=plain_compute,
+    )
