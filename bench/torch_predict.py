@@ -17,6 +17,12 @@ then simulated by Planner II (`tidalpool simulate`) with copies at `--bandwidth`
           where that placement needs more than `--memory`, the schedule made for a lower
           limit whose placement fits (`combined.fit`), its overhead and that limit
 
+  recompute  at half of the recorded peak: torch.utils.checkpoint on every block (its step
+          when its peak fits, else it does not) and `tidalpool.torch.plan_recompute` (the
+          blocks to recompute, cheapest per freed byte, with tidalpool's swap policy for the
+          rest); and at `--memory`, for `--recompute-batches`, the plan whose placement fits
+          (`place=True`). Overheads are over the unconstrained step of the same batch.
+
 A prediction, not a measurement: the roofline assumes peak FLOP/s and bandwidth, so real
 kernels take longer and real overheads of the same bytes moved are lower; only `torch_train.py`
 on a GPU measures.
@@ -35,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "client"), str(ROOT / "daemon")]
 
 BATCHES = {"gpt2": (2, 3, 4, 6, 8, 12), "resnet50": (64, 96, 128, 192, 288, 384)}
+RECOMPUTE_BATCHES = {"gpt2": (8, 12, 16, 24), "resnet50": (384, 512, 768)}
 DEFAULT = {"gpt2": 8, "resnet50": 64}
 
 
@@ -53,6 +60,63 @@ def record(name: str, batch: int, tiny: bool, directory: Path) -> Path:
         path=path,
     )
     return path
+
+
+def recompute_rows(
+    name: str, batch: int, tiny: bool, limit: int, gbps: float, place: bool, directory: Path
+) -> dict[str, Any]:
+    """Checkpointing every block and tidalpool's recompute plan at `limit` bytes."""
+    import tidalpool.torch
+    import torch
+    from tidalpoold.planner import learn
+    from tidalpoold.planner.autoswap import durations, load
+    from torch_train import build
+
+    model, make_batch, blocks = build(name, tiny)
+    example = make_batch(batch)
+    loss = torch.nn.functional.cross_entropy
+
+    def adamw(m: torch.nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(m.parameters(), lr=1e-4)
+
+    events = tidalpool.torch.record(
+        model, example, loss, adamw, path=directory / f"{name}.b{batch}.ckpt.csv", recompute=blocks
+    )
+    it = learn.extract(events, events.marks())
+    every = {"peak_bytes": int(load(it).max()), "compute_ns": int(durations(it).sum())}
+    out: dict[str, Any] = {"limit_bytes": limit, "checkpoint": every}
+    try:
+        p = tidalpool.torch.plan_recompute(
+            model,
+            example,
+            loss,
+            adamw,
+            blocks,
+            limit=limit,
+            bandwidth_gbps=gbps,
+            place=place,
+            progress=lambda line: print("    " + line, flush=True),
+        )
+    except tidalpool.torch.RecomputeError as e:
+        out["plan"] = {"feasible": False, "why": str(e)}
+        return out
+    plain = p.plain_compute_ns
+    every["overhead"] = every["compute_ns"] / plain - 1 if every["peak_bytes"] <= limit else None
+    out["plan"] = {
+        "feasible": True,
+        "blocks": len(p.blocks),
+        "of": len(blocks),
+        "overhead": p.overhead,
+        "peak_bytes": p.chosen.peak_bytes,
+        "compute_ns": p.chosen.compute_ns,
+        "footprint_bytes": p.chosen.footprint,
+        "plain_compute_ns": plain,
+        "candidates": [
+            {"blocks": len(c.chosen), "peak_bytes": c.peak_bytes, "step_ns": c.step_ns}
+            for c in p.candidates
+        ],
+    }
+    return out
 
 
 def rows(
@@ -107,9 +171,14 @@ def main() -> None:
     parser.add_argument("--memory", default="8GiB", help="the fixed limit of the batch table")
     parser.add_argument("--batches", help="comma-separated batches (default: per model)")
     parser.add_argument("--tiny", action="store_true", help="small models (tests)")
+    parser.add_argument(
+        "--recompute-batches", help="comma-separated batches of the recompute table at --memory"
+    )
+    parser.add_argument("--skip", default="", help="comma-separated: batch, recompute")
     parser.add_argument("--json", type=Path)
     a = parser.parse_args()
     memory = int(parse_size(a.memory))
+    skip = set(a.skip.split(",")) - {""}
     result: dict[str, Any] = {"bandwidth_gbps": a.bandwidth, "memory_bytes": memory}
     gib = 1 << 30
     with tempfile.TemporaryDirectory(prefix="tp-predict-") as tmp:
@@ -124,6 +193,24 @@ def main() -> None:
                 f" {100 * limit['bound_overhead']:.0f}%, tidalpool"
                 f" {_pct(p['tidalpool']['overhead'])}, vdnn-all {_pct(p['vdnn-all']['overhead'])}"
             )
+            result[name] = {"batch": b, "limit": limit}
+            if "recompute" not in skip:
+                print(f"{name} batch {b} at half the peak, recomputing:", flush=True)
+                rc = recompute_rows(
+                    name, b, a.tiny, limit["limit_bytes"], a.bandwidth, False, Path(tmp)
+                )
+                print(f"  {_recompute_line(rc)}", flush=True)
+                result[name]["limit"]["recompute"] = rc
+                table = []
+                listed = a.recompute_batches or ",".join(map(str, RECOMPUTE_BATCHES[name]))
+                for batch in (int(x) for x in listed.split(",")):
+                    print(f"{name} batch {batch} in {a.memory}, recomputing:", flush=True)
+                    rc = recompute_rows(name, batch, a.tiny, memory, a.bandwidth, True, Path(tmp))
+                    print(f"  {_recompute_line(rc)}", flush=True)
+                    table.append({"batch": batch, **rc})
+                result[name]["recompute_batches"] = table
+            if "batch" in skip:
+                continue
             table = []
             batches = [int(x) for x in a.batches.split(",")] if a.batches else BATCHES[name]
             for batch in batches:
@@ -146,9 +233,26 @@ def main() -> None:
                     flush=True,
                 )
                 table.append({"batch": batch, **r})
-            result[name] = {"batch": b, "limit": limit, "batches": table}
+            result[name]["batches"] = table
     if a.json:
         a.json.write_text(json.dumps(result, indent=2))
+
+
+def _recompute_line(rc: dict[str, Any]) -> str:
+    gib = 1 << 30
+    every, p = rc["checkpoint"], rc["plan"]
+    line = f"checkpoint every block: peak {every['peak_bytes'] / gib:.2f} GiB, " + (
+        "does not fit" if every.get("overhead") is None else f"{_pct(every['overhead'])}"
+    )
+    if not p["feasible"]:
+        return line + "; tidalpool: infeasible"
+    placed = (
+        "" if p["footprint_bytes"] is None else f", placed {p['footprint_bytes'] / gib:.2f} GiB"
+    )
+    return line + (
+        f"; tidalpool: {p['blocks']} of {p['of']} blocks recomputed, peak"
+        f" {p['peak_bytes'] / gib:.2f} GiB{placed}, overhead {_pct(p['overhead'])}"
+    )
 
 
 def _pct(x: float | None) -> str:

@@ -18,9 +18,11 @@ daemon's plan serves the iteration), each ended by torch.cuda.synchronize().
   limit       at half of plain PyTorch's peak (max_memory_allocated): the overhead vs
               unconstrained of save_on_cpu(pin_memory=True), of checkpointing every block, of
               tidalpool's SavedTensors on a cuda session beside PyTorch's allocator ("saved"),
-              and of planned mode with its saved tensors swapped ("planned_swap"), same batch;
-              tidalpool's saves get a swap limit of a quarter of the cap and a lease of
-              saves_lease(that), the allocator the rest of the cap
+              of planned mode with its saved tensors swapped ("planned_swap"), and of the
+              same with the blocks `tidalpool.torch.plan_recompute` chooses for the cap
+              recomputed ("planned_recompute"; chosen on the meta device for fp32, at
+              --bandwidth GB/s), same batch; tidalpool's saves get a swap limit of a quarter
+              of the cap and a lease of saves_lease(that), the allocator the rest of the cap
   batch       the largest batch that trains 3 steps in 8 GiB (doubling, then bisection):
               plain PyTorch capped by set_per_process_memory_fraction, planned mode in an
               8 GiB lease, and planned mode with its saved tensors swapped (swap limit
@@ -197,6 +199,24 @@ def child(a: argparse.Namespace) -> dict[str, Any]:
     if a.mode == "checkpoint":
         for block in blocks:
             block.forward = Checkpointed(block)
+    if a.recompute:
+        import tidalpool.torch
+
+        plan = tidalpool.torch.plan_recompute(
+            model,
+            make_batch(a.batch),
+            torch.nn.functional.cross_entropy,
+            lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4),
+            blocks,
+            limit=a.recompute,
+            bandwidth_gbps=a.bandwidth,
+        )
+        plan.apply()
+        out["recompute"] = {
+            "blocks": list(plan.names),
+            "of": len(blocks),
+            "predicted_overhead": plan.overhead,
+        }
     model = model.to(a.device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if tp is not None:
@@ -351,6 +371,10 @@ def main() -> None:
     c.add_argument(
         "--host-lease", type=int, default=16 * GiB, help="saved tensors' host lease (swap limit)"
     )
+    c.add_argument(
+        "--recompute", type=int, help="recompute the blocks plan_recompute picks for this limit"
+    )
+    c.add_argument("--bandwidth", type=float, default=50.0, help="GB/s each way (--recompute)")
     c.add_argument("--latency", action="store_true")
     c.add_argument("--tiny", action="store_true", help="a small model (tests)")
     c.add_argument("--device", default="cuda")
@@ -364,6 +388,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--batch-swap-limit", type=int, default=2 * GiB, help="saves' swap limit (batch)"
+    )
+    parser.add_argument(
+        "--bandwidth", type=float, default=50.0, help="host link GB/s each way, for plan_recompute"
     )
     parser.add_argument("--json", type=Path)
     a = parser.parse_args()
@@ -408,6 +435,14 @@ def main() -> None:
                             "mode": "planned",
                             "lease": cap - saves_lease(cap // 4),
                             "max_warmup": 60,
+                            **swap,
+                        },
+                        "planned_recompute": {
+                            "mode": "planned",
+                            "lease": cap - saves_lease(cap // 4),
+                            "max_warmup": 60,
+                            "recompute": cap,
+                            "bandwidth": a.bandwidth,
                             **swap,
                         },
                     }

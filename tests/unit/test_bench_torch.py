@@ -61,6 +61,7 @@ def test_the_prediction_records_simulates_and_compares_with_the_bandwidth_bound(
     out = tmp_path / "predict.json"
     command = [sys.executable, str(BENCH / "torch_predict.py"), "--tiny", "--models", "gpt2"]
     command += ["--batches", "2,16", "--memory", "4MiB", "--bandwidth", "0.5", "--json", str(out)]
+    command += ["--recompute-batches", "16"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     gpt2 = json.loads(out.read_text())["gpt2"]
@@ -80,3 +81,48 @@ def test_the_prediction_records_simulates_and_compares_with_the_bandwidth_bound(
     assert placed["feasible"] and placed["fits"]  # the placement of what it schedules fits...
     assert placed["footprint_bytes"] <= 4 << 20
     assert placed["planned_for_bytes"] <= 4 << 20  # ...scheduled for the limit or less
+    # Recomputing: checkpointing every block holds less than plain; the plan at half the peak
+    # is feasible and costs at most what checkpointing every block does when that fits.
+    rc = half["recompute"]
+    assert rc["checkpoint"]["peak_bytes"] < half["peak_bytes"]
+    assert rc["plan"]["feasible"] and rc["plan"]["overhead"] >= 0
+    if rc["checkpoint"]["overhead"] is not None:
+        assert rc["plan"]["overhead"] <= rc["checkpoint"]["overhead"] + 1e-9
+    (at16,) = gpt2["recompute_batches"]
+    assert at16["batch"] == 16 and at16["limit_bytes"] == 4 << 20
+    if at16["plan"]["feasible"]:
+        assert at16["plan"]["footprint_bytes"] <= 4 << 20  # placed inside the fixed limit
+
+
+def test_the_child_recomputes_the_blocks_the_plan_picks_for_its_limit(tmp_path: Path) -> None:
+    import torch
+    from tidalpool.torch import record
+    from tidalpoold.planner import learn
+    from tidalpoold.planner.autoswap import load
+    from torch_train import build
+
+    model, make_batch, _ = build("gpt2", True)
+    events = record(
+        model,
+        make_batch(2),
+        torch.nn.functional.cross_entropy,
+        lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4),
+        path=tmp_path / "t.csv",
+    )
+    peak = int(load(learn.extract(events, events.marks())).max())
+    picked = {}
+    for limit in (peak, peak * 19 // 20):
+        command = [sys.executable, str(BENCH / "torch_train.py"), "child", "--model", "gpt2"]
+        command += ["--mode", "plain", "--batch", "2", "--steps", "2", "--warmup", "1"]
+        command += ["--tiny", "--device", "cpu", "--recompute", str(limit)]
+        command += ["--bandwidth", "1e-6"]  # copies hopeless: only recomputation can fit it
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+        done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        result = json.loads(done.stdout.splitlines()[-1])
+        assert "error" not in result and result["step_ms"] > 0, result
+        picked[limit] = result["recompute"]
+    assert picked[peak] == {"blocks": [], "of": 2, "predicted_overhead": 0.0}
+    tight = picked[peak * 19 // 20]
+    assert tight["blocks"] and set(tight["blocks"]) <= {"blocks.0", "blocks.1"}
+    assert tight["predicted_overhead"] > 0
