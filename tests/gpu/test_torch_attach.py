@@ -93,3 +93,14 @@ def test_with_a_swap_limit_saved_tensors_swap_and_the_losses_stay_pytorchs(
     swap = result["swap"]
     assert swap["out"] > 0 and swap["in"] > 0
     assert swap["peak"] <= 8 << 20
+
+
+def test_recomputed_blocks_in_planned_mode_keep_pytorchs_losses(
+    start_daemon: StartDaemon, reference: dict[str, Any]
+) -> None:
+    d = start_daemon(backend="cuda", device_pool="3GiB", host_pool="256MiB", chunk_size="2MiB")
+    result = run("planned+recompute", d.socket_dir)
+    assert result["recomputed"] == 2
+    assert result["losses"] == reference["losses"]
+    assert result["mode"] == "planned", result["native"]  # the plan serves the recomputation
+    assert result["native"]["fallbacks"] == 0

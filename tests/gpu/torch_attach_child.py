@@ -2,7 +2,11 @@
 own allocator ("default") or attached to a tidalpool daemon ("pool" or "planned"), then asks
 for more memory than the lease holds. Prints one JSON line.
 
-    python tests/gpu/torch_attach_child.py default|pool|planned[+swap] SOCKET_DIR LEASE_BYTES
+    python tests/gpu/torch_attach_child.py default|pool|planned[+swap][+recompute] SOCKET_DIR
+        LEASE_BYTES
+
+"+swap": saved tensors swap under an 8 MiB limit; "+recompute": the middle Linear and ReLU
+recompute in backward (`tidalpool.torch.recompute`).
 """
 
 from __future__ import annotations
@@ -39,15 +43,16 @@ def second_stream() -> dict[str, Any]:
 
 def main() -> None:
     mode, socket_dir, lease = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    base, *extras = mode.split("+")
     out: dict[str, Any] = {}
     tp = None
-    if mode != "default":
+    if base != "default":
         import tidalpool.torch
 
-        swap = 8 << 20 if mode.endswith("+swap") else None  # below one iteration's 18 MiB saved
+        swap = 8 << 20 if "swap" in extras else None  # below one iteration's 18 MiB saved
         tp = tidalpool.torch.attach(
             socket_dir,
-            mode=mode.removesuffix("+swap"),  # type: ignore[arg-type]
+            mode=base,  # type: ignore[arg-type]
             device_limit=lease,
             swap_limit=swap,
             host_limit=256 << 20,
@@ -60,6 +65,10 @@ def main() -> None:
         torch.nn.ReLU(),
         torch.nn.Linear(4096, 10),
     ).cuda()
+    if "recompute" in extras:
+        import tidalpool.torch
+
+        out["recomputed"] = len(tidalpool.torch.recompute([model[2], model[3]]).blocks)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     if tp is not None:
         tp.watch(opt)
@@ -86,7 +95,7 @@ def main() -> None:
             k: getattr(stats.native, k)
             for k in ("hits", "misses", "failures", "fallbacks", "stream_records", "stream_waits")
         }
-        if mode.startswith("pool"):
+        if base == "pool":
             out["allocated"] = torch.cuda.memory_stats()["allocated_bytes.all.current"]
         if stats.saves_session is not None and stats.saves_session.swap is not None:
             swap_stats = stats.saves_session.swap
