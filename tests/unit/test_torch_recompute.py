@@ -159,13 +159,19 @@ def sgd(m: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(m.parameters(), lr=0.1)
 
 
-def test_a_step_recorded_with_recomputation_holds_less_and_computes_more(tmp_path: Path) -> None:
-    model = fresh()
+def plain_and_every(model: Net, tmp_path: Path) -> tuple[Any, Any]:
+    """The steady iterations recorded with no block recomputed and with every block."""
     loss = nn.functional.cross_entropy
     plain = steady(record(model, batch(512), loss, sgd, path=tmp_path / "plain.csv"))
-    again = steady(
+    every = steady(
         record(model, batch(512), loss, sgd, path=tmp_path / "r.csv", recompute=model.blocks)
     )
+    return plain, every
+
+
+def test_a_step_recorded_with_recomputation_holds_less_and_computes_more(tmp_path: Path) -> None:
+    model = fresh()
+    plain, again = plain_and_every(model, tmp_path)
     assert not any(is_recomputed(b) for b in model.blocks)  # the caller's model is untouched
     # Each block's saved GELU input, GELU output and dropout mask and output are gone from the
     # forward's end; what is left is the residual stream.
@@ -187,10 +193,7 @@ def test_the_plan_recomputes_nothing_when_the_step_fits(tmp_path: Path) -> None:
 def test_with_slow_copies_the_plan_recomputes_until_the_step_fits(tmp_path: Path) -> None:
     model = fresh()
     loss = nn.functional.cross_entropy
-    plain = steady(record(model, batch(512), loss, sgd, path=tmp_path / "p.csv"))
-    every = steady(
-        record(model, batch(512), loss, sgd, path=tmp_path / "e.csv", recompute=model.blocks)
-    )
+    plain, every = plain_and_every(model, tmp_path)
     low, high = int(load(every).max()), int(load(plain).max())
     limit = (low + high) // 2
     lines: list[str] = []
