@@ -156,19 +156,6 @@ def build(name: str, tiny: bool) -> tuple[Any, Callable[[int], tuple[Any, Any]],
     raise SystemExit(f"unknown model {name!r} (gpt2, resnet50)")
 
 
-class Checkpointed:
-    """Runs a block under torch.utils.checkpoint (its activations recomputed in backward)."""
-
-    def __init__(self, block: Any) -> None:
-        self.block = block
-        self.forward = block.forward
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from torch.utils.checkpoint import checkpoint
-
-        return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
-
-
 # -- one configuration (child process) --------------------------------------------------------
 
 
@@ -197,8 +184,9 @@ def child(a: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(0)
     model, make_batch, blocks = build(a.model, a.tiny)
     if a.mode == "checkpoint":
-        for block in blocks:
-            block.forward = Checkpointed(block)
+        import tidalpool.torch
+
+        tidalpool.torch.recompute(blocks)  # torch.utils.checkpoint on every block
     if a.recompute:
         import tidalpool.torch
 

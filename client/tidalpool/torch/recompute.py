@@ -114,39 +114,42 @@ def recompute(blocks: Iterable[nn.Module]) -> Recomputed:
     given once and not already recomputed (ValueError). A block inside another recomputed block
     is recomputed again within the outer one's recomputation."""
     chosen = tuple(blocks)
-    seen: set[int] = set()
+    _distinct_modules(chosen, "recompute")
     for k, block in enumerate(chosen):
-        if not isinstance(block, nn.Module):
-            raise TypeError(f"recompute: block {k} is a {type(block).__name__}, not a nn.Module")
-        if id(block) in seen:
-            raise ValueError(f"recompute: block {k} ({type(block).__name__}) is given twice")
         if is_recomputed(block):
             raise ValueError(
                 f"recompute: block {k} ({type(block).__name__}) is already recomputed"
                 " (remove() the earlier handle first)"
             )
-        seen.add(id(block))
     for block in chosen:
         own = "forward" in block.__dict__
         block.forward = _Checkpointed(block.forward, own)
     return Recomputed(chosen)
 
 
-def names_of(model: nn.Module, blocks: Sequence[nn.Module], who: str) -> list[str]:
-    """The qualified names of `blocks` in `model`: each a submodule (not the model itself),
-    given once, none inside another (ValueError naming the block otherwise)."""
-    name_of = {id(m): name for name, m in model.named_modules(remove_duplicate=False) if name}
-    names: list[str] = []
+def _distinct_modules(blocks: Sequence[object], who: str) -> None:
+    """TypeError for a block that is not a module, ValueError for one given twice."""
+    seen: set[int] = set()
     for k, block in enumerate(blocks):
         if not isinstance(block, nn.Module):
             raise TypeError(f"{who}: block {k} is a {type(block).__name__}, not a nn.Module")
+        if id(block) in seen:
+            raise ValueError(f"{who}: block {k} ({type(block).__name__}) is given twice")
+        seen.add(id(block))
+
+
+def names_of(model: nn.Module, blocks: Sequence[nn.Module], who: str) -> list[str]:
+    """The qualified names of `blocks` in `model`: each a submodule (not the model itself),
+    given once, none inside another (ValueError naming the block otherwise)."""
+    _distinct_modules(blocks, who)
+    name_of = {id(m): name for name, m in model.named_modules(remove_duplicate=False) if name}
+    names: list[str] = []
+    for k, block in enumerate(blocks):
         name = name_of.get(id(block))
         if name is None:
             raise ValueError(
                 f"{who}: block {k} ({type(block).__name__}) is not a submodule of the model"
             )
-        if name in names:
-            raise ValueError(f"{who}: block {k} ({name}) is given twice")
         names.append(name)
     for name in names:
         for other in names:
@@ -233,7 +236,11 @@ class RecomputePlan:
     candidates: tuple[Candidate, ...]  # in the order simulated (0, 1, ... blocks recomputed)
     chosen: Candidate
     limit: int
-    plain_compute_ns: int  # the step's compute with nothing recomputed
+
+    @property
+    def plain_compute_ns(self) -> int:
+        """The step's compute with nothing recomputed (the first candidate's)."""
+        return self.candidates[0].compute_ns
 
     @property
     def overhead(self) -> float:
@@ -287,8 +294,6 @@ def plan_recompute(
     say = progress or (lambda _line: None)
     segments = measure(model, example_batch, loss_fn, blocks, roofline=roofline)
     ranked = order(segments)
-    candidates: list[Candidate] = []
-    plain_compute = 0
     with tempfile.TemporaryDirectory(prefix="tidalpool-recompute-") as tmp:
 
         def evaluate(chosen: tuple[int, ...]) -> Candidate:
@@ -313,22 +318,18 @@ def plan_recompute(
                 swaps = swap_plan(it, "tidalpool", limit, gbps, gbps)
                 result = simulate(it, swaps, limit, gbps, gbps)
                 step = result.iteration_ns if result.feasible else None
-            return Candidate(chosen, compute, peak, step, footprint)
-
-        counts = [0]
-        while len(candidates) < len(counts):
-            k = counts[len(candidates)]
-            c = evaluate(tuple(ranked[:k]))
-            candidates.append(c)
-            if k == 0:
-                plain_compute = c.compute_ns
-                counts = prefixes(segments, ranked, c.peak_bytes - limit)
+            c = Candidate(chosen, compute, peak, step, footprint)
             say(
-                f"{k} of {len(blocks)} blocks recomputed: peak {c.peak_bytes / 2**30:.2f} GiB,"
-                f" compute {c.compute_ns / 1e6:.1f} ms, step "
-                + ("infeasible" if c.step_ns is None else f"{c.step_ns / 1e6:.1f} ms")
-                + ("" if c.footprint is None else f", placed in {c.footprint / 2**30:.2f} GiB")
+                f"{len(chosen)} of {len(blocks)} blocks recomputed: peak {peak / 2**30:.2f} GiB,"
+                f" compute {compute / 1e6:.1f} ms, step "
+                + ("infeasible" if step is None else f"{step / 1e6:.1f} ms")
+                + ("" if footprint is None else f", placed in {footprint / 2**30:.2f} GiB")
             )
+            return c
+
+        candidates = [evaluate(())]
+        for k in prefixes(segments, ranked, candidates[0].peak_bytes - limit)[1:]:
+            candidates.append(evaluate(tuple(ranked[:k])))
     winner = best(candidates)
     if winner is None:
         least = min(candidates, key=lambda c: c.peak_bytes)
@@ -345,5 +346,4 @@ def plan_recompute(
         candidates=tuple(candidates),
         chosen=winner,
         limit=limit,
-        plain_compute_ns=plain_compute,
     )
