@@ -48,7 +48,7 @@ DEFAULT = {"gpt2": 8, "resnet50": 64}
 def record(name: str, batch: int, tiny: bool, directory: Path) -> Path:
     import tidalpool.torch
     import torch
-    from torch_train import build
+    from torch_train import LOOP, build
 
     model, make_batch, _ = build(name, tiny)
     path = directory / f"{name}.b{batch}.csv"
@@ -58,6 +58,7 @@ def record(name: str, batch: int, tiny: bool, directory: Path) -> Path:
         torch.nn.functional.cross_entropy,
         lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4),
         path=path,
+        **LOOP,
     )
     return path
 
@@ -70,7 +71,7 @@ def recompute_rows(
     import torch
     from tidalpoold.planner import learn
     from tidalpoold.planner.autoswap import durations, load
-    from torch_train import build
+    from torch_train import LOOP, build
 
     model, make_batch, blocks = build(name, tiny)
     example = make_batch(batch)
@@ -80,7 +81,13 @@ def recompute_rows(
         return torch.optim.AdamW(m.parameters(), lr=1e-4)
 
     events = tidalpool.torch.record(
-        model, example, loss, adamw, path=directory / f"{name}.b{batch}.ckpt.csv", recompute=blocks
+        model,
+        example,
+        loss,
+        adamw,
+        path=directory / f"{name}.b{batch}.ckpt.csv",
+        recompute=blocks,
+        **LOOP,
     )
     it = learn.extract(events, events.marks())
     every = {"peak_bytes": int(load(it).max()), "compute_ns": int(durations(it).sum())}
@@ -95,6 +102,7 @@ def recompute_rows(
             limit=limit,
             bandwidth_gbps=gbps,
             place=place,
+            **LOOP,
             progress=lambda line: print("    " + line, flush=True),
         )
     except tidalpool.torch.RecomputeError as e:

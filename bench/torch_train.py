@@ -52,6 +52,9 @@ from typing import Any
 GiB = 1 << 30
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("plain", "pool", "planned", "save_on_cpu", "checkpoint", "saved")
+# How the child's step() trains, for record() and plan_recompute() to record the same loop:
+# gradients set to None, the model's output dropped once the loss is computed.
+LOOP = {"set_to_none": True, "keep_output": False}
 
 
 def log(*args: object) -> None:
@@ -198,6 +201,7 @@ def child(a: argparse.Namespace) -> dict[str, Any]:
             blocks,
             limit=a.recompute,
             bandwidth_gbps=a.bandwidth,
+            **LOOP,
         )
         plan.apply()
         out["recompute"] = {

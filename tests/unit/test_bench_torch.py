@@ -99,21 +99,22 @@ def test_the_child_recomputes_the_blocks_the_plan_picks_for_its_limit(tmp_path: 
     from tidalpool.torch import record
     from tidalpoold.planner import learn
     from tidalpoold.planner.autoswap import load
-    from torch_train import build
+    from torch_train import LOOP, build
 
     model, make_batch, _ = build("gpt2", True)
     events = record(
         model,
-        make_batch(2),
+        make_batch(4),  # at 2 the step peaks in AdamW's step, where recomputing cannot help
         torch.nn.functional.cross_entropy,
         lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4),
         path=tmp_path / "t.csv",
+        **LOOP,  # the child's loop, which its plan records
     )
     peak = int(load(learn.extract(events, events.marks())).max())
     picked = {}
     for limit in (peak, peak * 19 // 20):
         command = [sys.executable, str(BENCH / "torch_train.py"), "child", "--model", "gpt2"]
-        command += ["--mode", "plain", "--batch", "2", "--steps", "2", "--warmup", "1"]
+        command += ["--mode", "plain", "--batch", "4", "--steps", "2", "--warmup", "1"]
         command += ["--tiny", "--device", "cpu", "--recompute", str(limit)]
         command += ["--bandwidth", "1e-6"]  # copies hopeless: only recomputation can fit it
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}

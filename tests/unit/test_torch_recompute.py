@@ -180,11 +180,19 @@ def test_a_step_recorded_with_recomputation_holds_less_and_computes_more(tmp_pat
     assert durations(again).sum() > durations(plain).sum()
 
 
-def test_the_plan_recomputes_nothing_when_the_step_fits(tmp_path: Path) -> None:
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_the_plan_recomputes_nothing_when_the_step_fits(tmp_path: Path, set_to_none: bool) -> None:
     model = fresh()
     loss = nn.functional.cross_entropy
-    peak = int(load(steady(record(model, batch(512), loss, sgd, path=tmp_path / "p.csv"))).max())
-    plan = plan_recompute(model, batch(512), loss, sgd, model.blocks, limit=peak)
+    loop = {"set_to_none": set_to_none, "keep_output": not set_to_none}
+    other = {k: not v for k, v in loop.items()}
+    peak, other_peak = (
+        int(load(steady(record(model, batch(512), loss, sgd, path=tmp_path / "p.csv", **f))).max())
+        for f in (loop, other)
+    )
+    assert peak != other_peak  # the loop's flags matter, and the plan records with them
+    plan = plan_recompute(model, batch(512), loss, sgd, model.blocks, limit=peak, **loop)
+    assert plan.candidates[0].peak_bytes == peak
     assert plan.blocks == () and plan.chosen.chosen == ()
     assert plan.overhead == 0.0
     assert len(plan.candidates) == 1

@@ -233,6 +233,25 @@ def test_set_to_none_frees_gradients_each_iteration(tmp_path: Path) -> None:
     assert crossing == sorted([3072, 512, 1536, 512])
 
 
+def test_dropping_the_output_frees_it_after_its_last_use_in_backward(tmp_path: Path) -> None:
+    model, batch = small_model()
+    kept = render(record(model, batch, nn.MSELoss(), sgd(model), path=tmp_path / "kept.csv"))
+    dropped = render(
+        record(model, batch, nn.MSELoss(), sgd(model), path=tmp_path / "t.csv", keep_output=False)
+    )
+    # The output (8 in iteration 0, 26 in iteration 1) is saved by mse_loss: autograd frees it
+    # once mse_loss_backward has run, not when the step returns. Nothing else moves.
+    assert kept[: len(SETUP)] == dropped[: len(SETUP)] == SETUP
+    iteration_0 = list(ITERATION_0)
+    iteration_0[iteration_0.index("+12:1024 mm 11,2>12")] = "-8 +12:1024 mm 11,2>12"
+    iteration_0[-1] = "-4 -5 -9"
+    iteration_1 = list(ITERATION_1)
+    iteration_1[iteration_1.index("+30:1024 mm 29,2>30")] = "-26 +30:1024 mm 29,2>30"
+    iteration_1[-1] = "-22 -23 -27"
+    assert dropped == SETUP + iteration_0 + iteration_1 + shifted(iteration_1, first=22, by=14)
+    assert kept == SETUP + ITERATION_0 + ITERATION_1 + shifted(ITERATION_1, first=22, by=14)
+
+
 def test_durations_follow_the_roofline(tmp_path: Path) -> None:
     model, batch = small_model()
     # 1 FLOP or 1 device byte is 1 ns; a host byte 10 ns; no floor.

@@ -265,10 +265,13 @@ def plan_recompute(
     roofline: Roofline | None = None,
     place: bool = False,
     place_time_s: float = 1.0,
+    set_to_none: bool = False,
+    keep_output: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> RecomputePlan:
     """Which of `blocks` to recompute so a training step fits `limit` bytes soonest (see the
-    module). `example_batch`, `loss_fn` and `optimizer` are as for `record`; copies to and from
+    module). `example_batch`, `loss_fn`, `optimizer`, `set_to_none` and `keep_output` are as
+    for `record` (make them match the training loop: they move the peak); copies to and from
     the host run at `bandwidth_gbps` GB/s each way. With `place`, a candidate fits only when
     the placement of what its schedule leaves on the device (Planner I, `place_time_s` of
     search per placement) fits too, as in planned mode, its schedule made for a lower limit
@@ -304,6 +307,8 @@ def plan_recompute(
                 optimizer,
                 path=Path(tmp) / f"{len(chosen)}.csv",
                 roofline=roofline,
+                set_to_none=set_to_none,
+                keep_output=keep_output,
                 recompute=[blocks[i] for i in chosen],
             )
             it = learn.extract(events, events.marks())

@@ -9,7 +9,8 @@ optimizer is rebuilt for the copy, and `iterations` training steps run under a `
     iter 1   the steady iteration: what `tidalpool plan` and the daemon extract
     iter 2   ...
 
-Each iteration runs in a function, so its batch, output and loss are freed at its end.
+Each iteration runs in a function, so its batch, output and loss are freed at its end (the
+output once the loss is computed, with `keep_output=False`).
 Activations autograd saves for backward live until backward has used them (their storages
 go when autograd releases them). The caller's model, loss, batch and optimizer are never
 touched: meta copies of parameters take no memory, whatever the model's size.
@@ -56,6 +57,7 @@ def record(
     path: str | os.PathLike[str],
     roofline: Roofline | None = None,
     set_to_none: bool = False,
+    keep_output: bool = True,
     recompute: Sequence[nn.Module] = (),
 ) -> Events:
     """Run `iterations` training steps on the meta device, write their trace to `path`, and
@@ -75,6 +77,12 @@ def record(
     Steps start with `optimizer.zero_grad(set_to_none=set_to_none)`: by default gradients are
     zeroed in place and so persist like the parameters; with `set_to_none=True` they are freed
     at each step's start and allocated again in backward.
+
+    `keep_output=True` holds the model's output until the step ends, as a loop that names it
+    does (`output = model(x)`, `loss = loss_fn(output, y)`, backward, step); `False` drops it
+    once the loss is computed, as `loss = loss_fn(model(x), y)` does (autograd still holds
+    whatever backward needs of it). A large output, such as a language model's logits, makes
+    the two steps' peaks differ by its size.
 
     `roofline` estimates the op durations (default: an H100 SXM, see `Roofline`).
     `recompute`: blocks of the model to record as `tidalpool.torch.recompute` runs them
@@ -111,7 +119,6 @@ def record(
     if recompute:
         blocks = [meta_model.get_submodule(n) for n in names_of(model, recompute, "record")]
         recompute_blocks(b for b in blocks if not is_recomputed(b))
-    inputs, target = example_batch
 
     capture = Capture(roofline)
     collecting = gc.isenabled()
@@ -121,7 +128,15 @@ def record(
         with capture:
             for i in range(iterations):
                 capture.begin_iteration()
-                _step(i, meta_model, inputs, target, meta_loss, meta_optimizer, set_to_none)
+                _step(
+                    i,
+                    meta_model,
+                    example_batch,
+                    meta_loss,
+                    meta_optimizer,
+                    set_to_none=set_to_none,
+                    keep_output=keep_output,
+                )
                 gc.collect(0)  # all the step made is young: the gc has not run since
             capture.settle()
         events = capture.events()
@@ -151,18 +166,21 @@ def record(
 def _step(
     i: int,
     model: nn.Module,
-    inputs: Any,
-    target: Any,
+    batch: tuple[Any, Any],
     loss_fn: Callable[[Any, Any], torch.Tensor],
     optimizer: Optimizer,
+    *,
     set_to_none: bool,
+    keep_output: bool,
 ) -> None:
     """One training step on the device; what it made and did not keep goes when it returns."""
     try:
         optimizer.zero_grad(set_to_none=set_to_none)
-        x, y = _upload(inputs), _upload(target)
+        x, y = _upload(batch[0]), _upload(batch[1])
         output = call(model, x)
         loss = loss_fn(output, y)
+        if not keep_output:
+            del output
     except Exception as e:
         raise RecordError(
             f"record: the forward of iteration {i} cannot run on the meta device"
