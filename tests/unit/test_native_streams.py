@@ -142,6 +142,32 @@ def test_reset_destroys_the_events_it_created(driver: FakeDriver) -> None:
     assert hp.stats().streams == 0
 
 
+def test_events_are_destroyed_by_the_functions_that_created_them(driver: FakeDriver) -> None:
+    hp = HotPath(DEVICE)
+    a = hp.alloc(4096, S1)
+    assert a is not None
+    hp.free(a)
+    hp.alloc(4096, S2)  # S1's event
+    created = [c[1] for c in driver.take() if c[0] == "create"]
+    assert len(created) == 1
+    order_streams(None)  # ordering off: the event must not leak
+    hp.reset()
+    assert driver.take() == [("destroy", created[0])]
+    hp.configure(BASE, 1 << 20)
+    other = FakeDriver()
+    order_streams(driver.addresses())
+    b = hp.alloc(4096, S1)
+    assert b is not None
+    hp.free(b)
+    hp.alloc(4096, S2)
+    created = [c[1] for c in driver.take() if c[0] == "create"]
+    order_streams(other.addresses())  # replaced: the first set still destroys its own events
+    hp.reset()
+    assert driver.take() == [("destroy", e) for e in created]
+    assert other.take() == []
+    hp.configure(BASE, 1 << 20)
+
+
 def test_a_failed_driver_call_is_counted_and_the_allocation_still_served(
     driver: FakeDriver,
 ) -> None:

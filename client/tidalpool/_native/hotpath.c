@@ -74,6 +74,7 @@ typedef struct {
     uint64_t c[TIDALPOOL_ST_COUNT];  /* the counters kept incrementally */
     void *streams[TIDALPOOL_MAX_STREAMS];
     void *events[FENCE + 1];              /* created on first need, destroyed by forget */
+    tidalpool_event_destroy_fn destroys[FENCE + 1]; /* each event's: its creator's set's */
     uint32_t owes[TIDALPOOL_MAX_STREAMS]; /* bit j: stream j freed bytes since this one waited */
     uint32_t nstreams, freers, victim;    /* freers: bit j once stream j has freed bytes */
     tidalpool_event *ring;
@@ -399,6 +400,7 @@ static int recycle(pool *p) {
     tidalpool_event_record_fn record = atomic_load_explicit(&cuda.record, memory_order_relaxed);
     tidalpool_stream_wait_fn wait = atomic_load_explicit(&cuda.wait, memory_order_relaxed);
     tidalpool_event_create_fn create = atomic_load_explicit(&cuda.create, memory_order_relaxed);
+    tidalpool_event_destroy_fn destroy = atomic_load_explicit(&cuda.destroy, memory_order_relaxed);
     for (uint32_t n = 0; n < TIDALPOOL_MAX_STREAMS; n++) {
         uint32_t j = (p->victim + n) % TIDALPOOL_MAX_STREAMS;
         if (named >> j & 1) continue;
@@ -408,7 +410,10 @@ static int recycle(pool *p) {
                 p->c[TIDALPOOL_ST_STREAM_ERRORS]++; /* this stream may be gone: try another */
                 continue;
             }
-            p->events[FENCE] = fence;
+            if (!p->events[FENCE]) { /* just created */
+                p->events[FENCE] = fence;
+                p->destroys[FENCE] = destroy;
+            }
             if (record(fence, p->streams[j])) {
                 p->c[TIDALPOOL_ST_STREAM_ERRORS]++;
                 continue;
@@ -432,6 +437,7 @@ static void settle(pool *p, int32_t i) {
     tidalpool_event_record_fn record = atomic_load_explicit(&cuda.record, memory_order_relaxed);
     tidalpool_stream_wait_fn wait = atomic_load_explicit(&cuda.wait, memory_order_relaxed);
     tidalpool_event_create_fn create = atomic_load_explicit(&cuda.create, memory_order_relaxed);
+    tidalpool_event_destroy_fn destroy = atomic_load_explicit(&cuda.destroy, memory_order_relaxed);
     if (!record || !wait || !create) {
         p->owes[i] = 0; /* nothing to wait with: only counted */
         return;
@@ -447,7 +453,10 @@ static void settle(pool *p, int32_t i) {
             p->c[TIDALPOOL_ST_STREAM_ERRORS]++;
             continue;
         }
-        p->events[j] = event; /* kept only once created */
+        if (!p->events[j]) { /* kept only once created */
+            p->events[j] = event;
+            p->destroys[j] = destroy;
+        }
         if ((j != FENCE && record(event, p->streams[j])) || wait(p->streams[i], event, 0)) {
             p->c[TIDALPOOL_ST_STREAM_ERRORS]++;
             continue;
@@ -647,11 +656,11 @@ uint32_t tidalpool_abi(void) { return TIDALPOOL_ABI; }
 uint64_t tidalpool_stray_calls(void) { return atomic_load(&stray); }
 
 static void forget(pool *p) { /* under both the lock and the drain flag */
-    tidalpool_event_destroy_fn destroy = atomic_load(&cuda.destroy);
-    for (uint32_t i = 0; i <= FENCE; i++)
-        if (p->events[i] && destroy) destroy(p->events[i]); /* errors: the context may be gone */
+    for (uint32_t i = 0; i <= FENCE; i++) /* with the set that created it, even if replaced */
+        if (p->events[i] && p->destroys[i]) p->destroys[i](p->events[i]); /* errors ignored */
     memset(p->streams, 0, sizeof p->streams);
     memset(p->events, 0, sizeof p->events);
+    memset(p->destroys, 0, sizeof p->destroys);
     memset(p->owes, 0, sizeof p->owes);
     p->nstreams = p->freers = p->victim = 0;
     atomic_fetch_and(&leased, ~((uint64_t)1 << (p - pools)));

@@ -86,7 +86,9 @@ void tidalpool_free(void *ptr, size_t size, int device, void *stream);
  * or the driver's (cuEventCreate, ...; same signatures), so no CUDA header or library is
  * linked; until they are, allocations that would wait are only counted (cross_stream).  A
  * wait whose call fails is counted (stream_errors) and stays owed, so the next allocation on
- * that stream tries again.  One set for the process; NULLs turn ordering off.
+ * that stream tries again.  One set for the process; NULLs turn ordering off.  An event is
+ * destroyed when its lease is released or reset, by the set that created it, even if the set
+ * was replaced or turned off since.
  *
  * At most TIDALPOOL_MAX_STREAMS streams are tracked at once.  A stream seen when the table is
  * full takes the slot of a stream that no live block names, neither as its own nor as
