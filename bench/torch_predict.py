@@ -8,9 +8,10 @@ The same models as bench/torch_train.py (fp32, AdamW) are recorded on the meta d
 then simulated by Planner II (`tidalpool simulate`) with copies at `--bandwidth` GB/s each way:
 
   limit   at half of the recorded peak, default batch: the overhead of tidalpool's swap policy
-          and of vDNN's offload-all (the closest policy to save_on_cpu), beside the bound no
+          and of vDNN's offload-all (the closest policy to save_on_cpu), beside two bounds no
           swap schedule beats: moving peak - limit bytes each way takes that long at the
-          bandwidth, whatever the overlap
+          bandwidth, whatever the overlap; and the phase bound (`phase_bound`), which also
+          counts when those copies can run
   batch   for a list of batches: the recorded peak (plain PyTorch fits when it is at most
           `--memory`) and, at `--memory`, whether tidalpool's schedule is feasible, its
           overhead and the footprint of its placement (Planner I on the swapped blocks);
@@ -151,6 +152,7 @@ def rows(
         "limit_bytes": limit,
         "compute_ms": compute_ns / 1e6,
         "bound_overhead": max(0.0, moved_ns / compute_ns - 1),
+        "phase_bound_overhead": phase_bound(it, limit, gbps) / compute_ns - 1,
     }
     if limit >= peak:
         out["policies"] = {n: {"feasible": True, "overhead": 0.0} for n in names}
@@ -168,6 +170,33 @@ def rows(
         for r in found
     }
     return out
+
+
+def phase_bound(it: Any, limit: int, gbps: float) -> int:
+    """ns: no swap schedule of the simulator (one copy at a time each way, `gbps` GB/s) runs
+    the iteration `it` under `limit` bytes faster.
+
+    At any tick t, the bytes over the limit must be off the device. Those of blocks made in
+    this iteration (not persistent, not crossing the boundary, which may have left in the
+    previous one) were copied out after the iteration began and before compute reached t,
+    and come back after t and before the iteration ends. So with X of them, compute C before
+    t and C' from t on, the step takes at least max(C, X / bandwidth) + max(C', X / bandwidth);
+    the bound is the largest over every t."""
+    import dataclasses
+
+    import numpy as np
+    from tidalpoold.planner.autoswap import durations, load
+    from tidalpoold.planner.learn import live_bytes
+
+    compute = durations(it)
+    if not len(compute):
+        return 0
+    before = np.cumsum(compute) - compute
+    after = int(compute.sum()) - before
+    crossing = dataclasses.replace(it, blocks=tuple(b for b in it.blocks if b.crosses))
+    free = sum(size for _, size in it.persistent) + live_bytes(crossing)
+    moved = np.maximum(0, load(it) - limit - free) / gbps  # bytes / (GB/s) = ns
+    return int(np.ceil((np.maximum(before, moved) + np.maximum(after, moved)).max()))
 
 
 def main() -> None:
@@ -198,7 +227,8 @@ def main() -> None:
             print(
                 f"{name} batch {b}: compute {limit['compute_ms']:.1f} ms, peak"
                 f" {limit['peak_bytes'] / gib:.2f} GiB; at half: bound"
-                f" {100 * limit['bound_overhead']:.0f}%, tidalpool"
+                f" {100 * limit['bound_overhead']:.0f}%, phase bound"
+                f" {100 * limit['phase_bound_overhead']:.0f}%, tidalpool"
                 f" {_pct(p['tidalpool']['overhead'])}, vdnn-all {_pct(p['vdnn-all']['overhead'])}"
             )
             result[name] = {"batch": b, "limit": limit}

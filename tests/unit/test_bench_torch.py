@@ -94,6 +94,55 @@ def test_the_prediction_records_simulates_and_compares_with_the_bandwidth_bound(
         assert at16["plan"]["footprint_bytes"] <= 4 << 20  # placed inside the fixed limit
 
 
+def test_the_phase_bound_counts_when_copies_can_run() -> None:
+    import dataclasses
+
+    from tidalpool.units import Bytes, Tick
+    from tidalpoold.planner.model import IterBlock
+    from torch_predict import phase_bound
+
+    from tests.unit.iterations import build
+
+    steps = ["a A 1000", "o 10 >A", "a B 1000", "o 10 A >B", "o 10 B", "o 10 A", "f A", "f B"]
+    it = build(steps, persistent={"W": 100})
+    # From tick 2 to 5, 2,100 bytes are live; under 1,600 the 100 persistent ones may be off
+    # (copied out in the previous iteration), the other 400 must leave after the iteration
+    # began and come back before it ends: 400 ns each way at 1 GB/s around any such tick,
+    # against 40 ns of compute.
+    assert phase_bound(it, 1600, 1.0) == 800
+    assert phase_bound(it, 2100, 1.0) == 40  # fits: the compute alone
+    # A block crossing the boundary may have left in the previous iteration too.
+    crossing = IterBlock(id=9, size=Bytes(300), start=Tick(2), end=Tick(9), crosses=True)
+    assert phase_bound(dataclasses.replace(it, blocks=(*it.blocks, crossing)), 1600, 1.0) == 800
+
+
+@pytest.mark.parametrize("trace", ["resnet50.b32", "gpt2.b4"])
+def test_no_swap_schedule_beats_the_phase_bound(trace: str) -> None:
+    from tidalpoold.planner import learn
+    from tidalpoold.planner.autoswap import durations, load
+    from tidalpoold.planner.simulate import simulate
+    from tidalpoold.planner.swap import plan as swap_plan
+    from tidalpoold.planner.tracecsv import read_trace_csv
+    from torch_predict import phase_bound
+
+    from tests.conftest import shared_file
+
+    events = read_trace_csv(shared_file(f"traces/models/{trace}.trace.csv"))
+    it = learn.extract(events, events.marks())
+    peak, compute = int(load(it).max()), int(durations(it).sum())
+    feasible = 0
+    for fraction in (0.5, 0.7):
+        limit = int(peak * fraction)
+        bound = phase_bound(it, limit, 25.0)
+        assert bound > 2 * compute  # these GPU traces' kernels are short: copies dominate
+        for policy in ("vdnn-all", "autoswap-aoa", "tidalpool"):
+            result = simulate(it, swap_plan(it, policy, limit, 25.0, 25.0), limit, 25.0, 25.0)
+            if result.feasible:
+                feasible += 1
+                assert result.iteration_ns >= bound, (policy, fraction)
+    assert feasible >= 4
+
+
 def test_the_child_recomputes_the_blocks_the_plan_picks_for_its_limit(tmp_path: Path) -> None:
     import torch
     from tidalpool.torch import record
