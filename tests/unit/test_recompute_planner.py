@@ -18,6 +18,17 @@ def test_segments_are_ranked_by_cost_per_freed_byte_and_useless_ones_left_out() 
     assert order(segments) == [4, 1, 3, 0]
 
 
+def test_of_equal_segments_the_latest_in_the_forward_is_recomputed_first() -> None:
+    # Identical layers: what the late ones save has the least time to be copied out and back.
+    layers = [Segment(f"layer{k}", 300, 100, start_ns=1000 * k) for k in range(4)]
+    assert order(layers) == [3, 2, 1, 0]
+    # Cost per byte still comes first; ratios are compared exactly (1/3 = 2/6).
+    mixed = [Segment("a", 1, 3, 0), Segment("b", 2, 6, 50), Segment("c", 1, 2, 99)]
+    assert order(mixed) == [1, 0, 2]
+    # Equal places as well: in the order given.
+    assert order([Segment("x", 1, 1), Segment("y", 1, 1)]) == [0, 1]
+
+
 def test_prefixes_go_one_past_the_count_that_covers_the_excess() -> None:
     segments = [Segment(str(i), 1, 100) for i in range(5)]
     ranked = [0, 1, 2, 3, 4]
@@ -46,3 +57,5 @@ def test_a_segment_with_negative_cost_or_bytes_is_refused() -> None:
         Segment("x", -1, 0)
     with pytest.raises(ValueError, match="segment 'y'"):
         Segment("y", 0, -1)
+    with pytest.raises(ValueError, match="segment 'z'"):
+        Segment("z", 0, 0, start_ns=-1)

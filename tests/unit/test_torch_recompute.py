@@ -5,6 +5,7 @@ limit needs them."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +141,16 @@ def test_measure_counts_what_the_block_saves_and_its_kernels() -> None:
     assert segment.name == "block"
     assert segment.freed == 512
     assert segment.recompute_ns == 3 * 4000
+    assert segment.start_ns == 4000  # the batch's upload ran before it
+    # In a deeper model each block starts after the one before it has run.
+    net = fresh()
+    segments = measure(net, batch(), nn.functional.cross_entropy, net.blocks, roofline=roofline)
+    starts = [s.start_ns for s in segments]
+    assert starts == sorted(starts) and len(set(starts)) == len(starts)
+    # Between two starts: the block, then its residual add.
+    assert [b - a for a, b in itertools.pairwise(starts)] == [
+        s.recompute_ns + 4000 for s in segments[:-1]
+    ]
 
 
 def test_measure_refuses_blocks_outside_the_model_or_nested() -> None:

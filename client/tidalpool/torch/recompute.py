@@ -173,7 +173,9 @@ def measure(
     `freed`: the bytes (rounded as the CUDA caching allocator rounds them) of the storages
     that autograd saves during the block's forward and that the block allocated, less those
     of its outputs, which the next layer holds anyway. `recompute_ns`: the roofline estimate of
-    the kernels of the block's forward. A block called twice counts both calls."""
+    the kernels of the block's forward. A block called twice counts both calls. `start_ns`:
+    the estimate of the forward's kernels before the block first runs (a block never run
+    gets 0 and frees nothing)."""
     from tidalpool.torch.record import _held, _upload, call, to_meta
 
     names = names_of(model, blocks, "measure")
@@ -186,10 +188,13 @@ def measure(
             Recomputed((block,)).remove()
     capture = Capture(roofline or Roofline())
     ns = [0] * len(names)
+    starts: list[int | None] = [None] * len(names)  # compute before each block first ran
     saved: list[dict[int, int]] = [{} for _ in names]  # block id -> rounded bytes
     active: list[tuple[int, int, int]] = []  # (block index, first block id, compute_ns) at entry
 
     def enter(i: int) -> None:
+        if starts[i] is None:
+            starts[i] = capture.compute_ns
         active.append((i, capture.allocated, capture.compute_ns))
 
     def leave(i: int, output: Any) -> None:
@@ -223,7 +228,9 @@ def measure(
             h.remove()
         capture.close()
         gc.collect()
-    return [Segment(name, ns[i], sum(saved[i].values())) for i, name in enumerate(names)]
+    return [
+        Segment(name, ns[i], sum(saved[i].values()), starts[i] or 0) for i, name in enumerate(names)
+    ]
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,9 @@ that stretch of the step, and the step computes `recompute_ns` more.
 
 SuperNeurons frees the results of cheap-to-compute layers and keeps the expensive ones'. Here
 each segment's cost and bytes are measured, so the choice is by cost per byte: `order` ranks
-the segments that free anything by `recompute_ns / freed`, cheapest first. Whatever the chosen
+the segments that free anything by `recompute_ns / freed`, cheapest first, and of equal ones
+(a transformer's identical layers) the latest in the forward first: what an early segment saves
+waits longest for backward, the easiest to hide a copy behind. Whatever the chosen
 segments do not free must be swapped; copies hidden behind compute cost nothing and
 recomputation always costs its compute, so the best number of segments lies between none and
 enough to bring the peak under the limit by themselves. `prefixes` lists those candidates; the
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,20 +31,28 @@ class Segment:
     name: str
     recompute_ns: int  # its forward's compute, run again in backward
     freed: int  # bytes autograd saves inside it (its input and outputs not counted)
+    start_ns: int = 0  # the forward's compute before the segment first runs: its place in it
 
     def __post_init__(self) -> None:
-        if self.recompute_ns < 0 or self.freed < 0:
+        if self.recompute_ns < 0 or self.freed < 0 or self.start_ns < 0:
             raise ValueError(
-                f"segment {self.name!r}: recompute_ns and freed must not be negative,"
-                f" got {self.recompute_ns} and {self.freed}"
+                f"segment {self.name!r}: recompute_ns, freed and start_ns must not be negative,"
+                f" got {self.recompute_ns}, {self.freed} and {self.start_ns}"
             )
 
 
 def order(segments: Sequence[Segment]) -> list[int]:
     """Indices of the segments that free bytes, by recompute ns per freed byte, cheapest first
-    (ties: in the order given)."""
+    (ties, exact: the latest `start_ns` first, then in the order given)."""
     useful = [i for i, s in enumerate(segments) if s.freed > 0]
-    return sorted(useful, key=lambda i: (segments[i].recompute_ns / segments[i].freed, i))
+    return sorted(
+        useful,
+        key=lambda i: (
+            Fraction(segments[i].recompute_ns, segments[i].freed),
+            -segments[i].start_ns,
+            i,
+        ),
+    )
 
 
 def prefixes(segments: Sequence[Segment], ranked: Sequence[int], excess: int) -> list[int]:
