@@ -3,9 +3,11 @@
     PYTHONPATH=client:daemon python bench/torch_predict.py [--models gpt2,resnet50]
         [--bandwidth 50] [--memory 8GiB] [--json PATH]
 
-The same models as bench/torch_train.py (fp32, AdamW) are recorded on the meta device
-(`tidalpool.torch.record`: real allocations, op durations from the roofline of an H100 SXM),
-then simulated by Planner II (`tidalpool simulate`) with copies at `--bandwidth` GB/s each way:
+The same models as bench/torch_train.py (fp32, AdamW) are recorded on the meta device as its
+step trains them (`tidalpool.torch.record` with its `LOOP`: gradients set to None, the output
+dropped once the loss is computed; real allocations, op durations from the roofline of an H100
+SXM), then simulated by Planner II (`tidalpool simulate`) with copies at `--bandwidth` GB/s each
+way:
 
   limit   at half of the recorded peak, default batch: the overhead of tidalpool's swap policy
           and of vDNN's offload-all (the closest policy to save_on_cpu), beside two bounds no
