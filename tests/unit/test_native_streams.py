@@ -129,13 +129,18 @@ def test_a_new_stream_waits_for_the_streams_that_have_freed(driver: FakeDriver) 
     assert calls[1][2] == S1 and calls[2][1] == S3
 
 
-def test_reset_destroys_the_events_it_created(driver: FakeDriver) -> None:
-    hp = HotPath(DEVICE)
+def s2_waits_for_s1(hp: HotPath, driver: FakeDriver) -> list[int]:
+    """S1 frees a block and S2 allocates, so S1's event is created: the events created."""
     a = hp.alloc(4096, S1)
     assert a is not None
     hp.free(a)
-    hp.alloc(4096, S2)
-    created = [c[1] for c in driver.take() if c[0] == "create"]
+    assert hp.alloc(4096, S2) is not None
+    return [c[1] for c in driver.take() if c[0] == "create"]
+
+
+def test_reset_destroys_the_events_it_created(driver: FakeDriver) -> None:
+    hp = HotPath(DEVICE)
+    created = s2_waits_for_s1(hp, driver)
     hp.reset()
     assert driver.take() == [("destroy", e) for e in created]
     hp.configure(BASE, 1 << 20)
@@ -144,11 +149,7 @@ def test_reset_destroys_the_events_it_created(driver: FakeDriver) -> None:
 
 def test_events_are_destroyed_by_the_functions_that_created_them(driver: FakeDriver) -> None:
     hp = HotPath(DEVICE)
-    a = hp.alloc(4096, S1)
-    assert a is not None
-    hp.free(a)
-    hp.alloc(4096, S2)  # S1's event
-    created = [c[1] for c in driver.take() if c[0] == "create"]
+    created = s2_waits_for_s1(hp, driver)
     assert len(created) == 1
     order_streams(None)  # ordering off: the event must not leak
     hp.reset()
@@ -156,11 +157,7 @@ def test_events_are_destroyed_by_the_functions_that_created_them(driver: FakeDri
     hp.configure(BASE, 1 << 20)
     other = FakeDriver()
     order_streams(driver.addresses())
-    b = hp.alloc(4096, S1)
-    assert b is not None
-    hp.free(b)
-    hp.alloc(4096, S2)
-    created = [c[1] for c in driver.take() if c[0] == "create"]
+    created = s2_waits_for_s1(hp, driver)
     order_streams(other.addresses())  # replaced: the first set still destroys its own events
     hp.reset()
     assert driver.take() == [("destroy", e) for e in created]

@@ -188,13 +188,12 @@ def measure(
             Recomputed((block,)).remove()
     capture = Capture(roofline or Roofline())
     ns = [0] * len(names)
-    starts: list[int | None] = [None] * len(names)  # compute before each block first ran
+    starts: dict[int, int] = {}  # block index -> compute before it first ran
     saved: list[dict[int, int]] = [{} for _ in names]  # block id -> rounded bytes
     active: list[tuple[int, int, int]] = []  # (block index, first block id, compute_ns) at entry
 
     def enter(i: int) -> None:
-        if starts[i] is None:
-            starts[i] = capture.compute_ns
+        starts.setdefault(i, capture.compute_ns)
         active.append((i, capture.allocated, capture.compute_ns))
 
     def leave(i: int, output: Any) -> None:
@@ -229,7 +228,8 @@ def measure(
         capture.close()
         gc.collect()
     return [
-        Segment(name, ns[i], sum(saved[i].values()), starts[i] or 0) for i, name in enumerate(names)
+        Segment(name, ns[i], sum(saved[i].values()), starts.get(i, 0))
+        for i, name in enumerate(names)
     ]
 
 
