@@ -47,6 +47,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tidalpool.errors import TidalpoolError
+from tidalpool.torch.attention import fused_attention
 from tidalpool.torch.capture import Capture, tensors_in
 from tidalpool.torch.roofline import Roofline
 
@@ -218,7 +219,8 @@ def measure(
     inputs, target = example_batch
     try:
         capture.persistent(_held(meta_model, meta_loss))
-        with capture, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        with fused_attention(), capture, hooks:
             output = call(meta_model, _upload(inputs))
             loss = meta_loss(output, _upload(target))
             del output, loss

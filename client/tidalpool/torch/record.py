@@ -32,6 +32,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from tidalpool.errors import TidalpoolError
+from tidalpool.torch.attention import fused_attention
 from tidalpool.torch.capture import GRANULE, Capture, tensors_in
 from tidalpool.torch.recompute import is_recomputed, names_of
 from tidalpool.torch.recompute import recompute as recompute_blocks
@@ -125,7 +126,7 @@ def record(
     gc.disable()  # cyclic garbage is freed at iteration ends, not at random points
     try:
         capture.persistent(_held(meta_model, meta_loss))
-        with capture:
+        with fused_attention(), capture:
             for i in range(iterations):
                 capture.begin_iteration()
                 _step(
