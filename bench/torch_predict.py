@@ -15,8 +15,10 @@ way:
           bandwidth, whatever the overlap; and the phase bound (`phase_bound`), which also
           counts when those copies can run
   batch   for a list of batches: the recorded peak (plain PyTorch fits when it is at most
-          `--memory`) and, at `--memory`, whether tidalpool's schedule is feasible, its
-          overhead and the footprint of its placement (Planner I on the swapped blocks);
+          `--memory`), the most bytes one op touches (SuperNeurons' op-wise bound: no
+          schedule fits a limit below it) and, at `--memory`, whether tidalpool's schedule
+          is feasible, its overhead and the footprint of its placement (Planner I on the
+          swapped blocks);
           where that placement needs more than `--memory`, the schedule made for a lower
           limit whose placement fits (`combined.fit`), its overhead and that limit
 
@@ -43,8 +45,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "client"), str(ROOT / "daemon")]
 
-BATCHES = {"gpt2": (2, 3, 4, 6, 8, 12), "resnet50": (64, 96, 128, 192, 288, 384)}
-RECOMPUTE_BATCHES = {"gpt2": (8, 12, 16, 24), "resnet50": (384, 512, 768)}
+BATCHES = {"gpt2": (4, 5, 6, 8, 10, 12, 15), "resnet50": (64, 96, 128, 192, 288, 384)}
+RECOMPUTE_BATCHES = {"gpt2": (10, 12, 13, 14), "resnet50": (384, 512, 768)}
 DEFAULT = {"gpt2": 8, "resnet50": 64}
 
 
@@ -140,7 +142,7 @@ def rows(
 ) -> dict[str, Any]:
     """The trace's peak and compute time, and each policy's result at `limit` bytes (None:
     half of the peak); with `fit`, made for a lower limit where the placement needs more."""
-    from tidalpoold.planner.autoswap import durations, load
+    from tidalpoold.planner.autoswap import durations, load, op_bound
     from tidalpoold.planner.simulate_cli import evaluate
     from tidalpoold.planner.simulate_cli import load as load_trace
 
@@ -155,6 +157,7 @@ def rows(
         "compute_ms": compute_ns / 1e6,
         "bound_overhead": max(0.0, moved_ns / compute_ns - 1),
         "phase_bound_overhead": phase_bound(it, limit, gbps) / compute_ns - 1,
+        "op_bound_bytes": op_bound(it),  # no schedule fits a limit below it
     }
     if limit >= peak:
         out["policies"] = {n: {"feasible": True, "overhead": 0.0} for n in names}
@@ -269,7 +272,8 @@ def main() -> None:
                     f"  batch {batch:4d}: peak {r['peak_bytes'] / gib:6.2f} GiB"
                     f" plain {'fits' if r['peak_bytes'] <= memory else 'no  '};"
                     f" tidalpool {'feasible' if t['feasible'] else 'infeasible'}"
-                    f" {_pct(t['overhead'])}{placed}",
+                    f" {_pct(t['overhead'])}{placed}; one op touches"
+                    f" {r['op_bound_bytes'] / gib:.2f} GiB",
                     flush=True,
                 )
                 table.append({"batch": batch, **r})

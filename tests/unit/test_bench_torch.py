@@ -77,6 +77,7 @@ def test_the_prediction_records_simulates_and_compares_with_the_bandwidth_bound(
     assert small["peak_bytes"] < large["peak_bytes"]
     assert large["peak_bytes"] > 4 << 20  # over the fixed limit: tidalpool's schedule decides
     assert set(large["policies"]) == {"tidalpool"}
+    assert 0 < small["op_bound_bytes"] < large["op_bound_bytes"] <= large["peak_bytes"]
     placed = large["policies"]["tidalpool"]
     assert placed["feasible"] and placed["fits"]  # the placement of what it schedules fits...
     assert placed["footprint_bytes"] <= 4 << 20

@@ -85,7 +85,9 @@ def record(
     whatever backward needs of it). A large output, such as a language model's logits, makes
     the two steps' peaks differ by its size.
 
-    `roofline` estimates the op durations (default: an H100 SXM, see `Roofline`).
+    `roofline` estimates the op durations (default: an H100 SXM, see `Roofline`). Scaled
+    dot-product attention runs the fused kernel a GPU would (`tidalpool.torch.attention`),
+    not the meta device's math path, whose score matrices a GPU never makes.
     `recompute`: blocks of the model to record as `tidalpool.torch.recompute` runs them
     (their saved tensors dropped after their forward and rebuilt in backward); the model itself
     is not changed.
