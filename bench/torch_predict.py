@@ -18,9 +18,9 @@ way:
           `--memory`), the most bytes one op touches (SuperNeurons' op-wise bound: no
           schedule fits a limit below it) and, at `--memory`, whether tidalpool's schedule
           is feasible, its overhead and the footprint of its placement (Planner I on the
-          swapped blocks);
-          where that placement needs more than `--memory`, the schedule made for a lower
-          limit whose placement fits (`combined.fit`), its overhead and that limit
+          swapped blocks); where that placement needs more than `--memory`, the schedule
+          made for a lower limit whose placement fits (`combined.fit`), its overhead and
+          that limit
 
   recompute  at half of the recorded peak: torch.utils.checkpoint on every block (its step
           when its peak fits, else it does not) and `tidalpool.torch.plan_recompute` (the

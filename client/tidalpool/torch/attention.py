@@ -91,9 +91,9 @@ def _fused(
     enable_gqa: bool = False,
 ) -> torch.Tensor | None:
     """The call run by the fused kernel, None when it is the math path's."""
-    if not all(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in (query, key)):
-        return None
-    if not isinstance(value, torch.Tensor) or value.device.type != "meta":
+    if not all(
+        isinstance(t, torch.Tensor) and t.device.type == "meta" for t in (query, key, value)
+    ):
         return None
     choice = kernel(query, key, value, attn_mask, enable_gqa)
     if choice == "flash":
