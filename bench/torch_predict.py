@@ -1,13 +1,13 @@
 """What the planner predicts for the GPU goals of bench/torch_train.py, without a GPU.
 
     PYTHONPATH=client:daemon python bench/torch_predict.py [--models gpt2,resnet50]
-        [--bandwidth 50] [--memory 8GiB] [--json PATH]
+        [--dtype fp32|bf16] [--bandwidth 50] [--memory 8GiB] [--json PATH]
 
-The same models as bench/torch_train.py (fp32, AdamW) are recorded on the meta device as its
-step trains them (`tidalpool.torch.record` with its `LOOP`: gradients set to None, the output
-dropped once the loss is computed; real allocations, op durations from the roofline of an H100
-SXM), then simulated by Planner II (`tidalpool simulate`) with copies at `--bandwidth` GB/s each
-way:
+The same models as bench/torch_train.py (AdamW; fp32, or bf16 autocast with `--dtype bf16`)
+are recorded on the meta device as its step trains them (`tidalpool.torch.record` with its
+`LOOP`: gradients set to None, the output dropped once the loss is computed; real allocations,
+op durations from the roofline of an H100 SXM), then simulated by Planner II
+(`tidalpool simulate`) with copies at `--bandwidth` GB/s each way:
 
   limit   at half of the recorded peak, default batch: the overhead of tidalpool's swap policy
           and of vDNN's offload-all (the closest policy to save_on_cpu), beside two bounds no
@@ -50,7 +50,18 @@ RECOMPUTE_BATCHES = {"gpt2": (10, 12, 13, 14), "resnet50": (384, 512, 768)}
 DEFAULT = {"gpt2": 8, "resnet50": 64}
 
 
-def record(name: str, batch: int, tiny: bool, directory: Path) -> Path:
+AUTOCAST = {"fp32": None, "bf16": "bfloat16"}
+
+
+def autocast(dtype: str) -> Any:
+    """The `autocast` argument of `record` for a `--dtype`."""
+    import torch
+
+    name = AUTOCAST[dtype]
+    return None if name is None else getattr(torch, name)
+
+
+def record(name: str, batch: int, tiny: bool, directory: Path, dtype: str = "fp32") -> Path:
     import tidalpool.torch
     import torch
     from torch_train import LOOP, build
@@ -63,13 +74,21 @@ def record(name: str, batch: int, tiny: bool, directory: Path) -> Path:
         torch.nn.functional.cross_entropy,
         lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4),
         path=path,
+        autocast=autocast(dtype),
         **LOOP,
     )
     return path
 
 
 def recompute_rows(
-    name: str, batch: int, tiny: bool, limit: int, gbps: float, place: bool, directory: Path
+    name: str,
+    batch: int,
+    tiny: bool,
+    limit: int,
+    gbps: float,
+    place: bool,
+    directory: Path,
+    dtype: str = "fp32",
 ) -> dict[str, Any]:
     """Checkpointing every block and tidalpool's recompute plan at `limit` bytes."""
     import tidalpool.torch
@@ -92,6 +111,7 @@ def recompute_rows(
         adamw,
         path=directory / f"{name}.b{batch}.ckpt.csv",
         recompute=blocks,
+        autocast=autocast(dtype),
         **LOOP,
     )
     it = learn.extract(events, events.marks())
@@ -107,6 +127,7 @@ def recompute_rows(
             limit=limit,
             bandwidth_gbps=gbps,
             place=place,
+            autocast=autocast(dtype),
             **LOOP,
             progress=lambda line: print("    " + line, flush=True),
         )
@@ -213,6 +234,7 @@ def main() -> None:
     parser.add_argument("--memory", default="8GiB", help="the fixed limit of the batch table")
     parser.add_argument("--batches", help="comma-separated batches (default: per model)")
     parser.add_argument("--tiny", action="store_true", help="small models (tests)")
+    parser.add_argument("--dtype", choices=tuple(AUTOCAST), default="fp32")
     parser.add_argument(
         "--recompute-batches", help="comma-separated batches of the recompute table at --memory"
     )
@@ -221,16 +243,20 @@ def main() -> None:
     a = parser.parse_args()
     memory = int(parse_size(a.memory))
     skip = set(a.skip.split(",")) - {""}
-    result: dict[str, Any] = {"bandwidth_gbps": a.bandwidth, "memory_bytes": memory}
+    result: dict[str, Any] = {
+        "bandwidth_gbps": a.bandwidth,
+        "memory_bytes": memory,
+        "dtype": a.dtype,
+    }
     gib = 1 << 30
     with tempfile.TemporaryDirectory(prefix="tp-predict-") as tmp:
         for name in a.models.split(","):
             b = DEFAULT[name]
-            trace = record(name, b, a.tiny, Path(tmp))
+            trace = record(name, b, a.tiny, Path(tmp), a.dtype)
             limit = rows(trace, None, ["tidalpool", "vdnn-all"], a.bandwidth, False)
             p = limit["policies"]
             print(
-                f"{name} batch {b}: compute {limit['compute_ms']:.1f} ms, peak"
+                f"{name} batch {b} {a.dtype}: compute {limit['compute_ms']:.1f} ms, peak"
                 f" {limit['peak_bytes'] / gib:.2f} GiB; at half: bound"
                 f" {100 * limit['bound_overhead']:.0f}%, phase bound"
                 f" {100 * limit['phase_bound_overhead']:.0f}%, tidalpool"
@@ -240,7 +266,7 @@ def main() -> None:
             if "recompute" not in skip:
                 print(f"{name} batch {b} at half the peak, recomputing:", flush=True)
                 rc = recompute_rows(
-                    name, b, a.tiny, limit["limit_bytes"], a.bandwidth, False, Path(tmp)
+                    name, b, a.tiny, limit["limit_bytes"], a.bandwidth, False, Path(tmp), a.dtype
                 )
                 print(f"  {_recompute_line(rc)}", flush=True)
                 result[name]["limit"]["recompute"] = rc
@@ -248,7 +274,9 @@ def main() -> None:
                 listed = a.recompute_batches or ",".join(map(str, RECOMPUTE_BATCHES[name]))
                 for batch in (int(x) for x in listed.split(",")):
                     print(f"{name} batch {batch} in {a.memory}, recomputing:", flush=True)
-                    rc = recompute_rows(name, batch, a.tiny, memory, a.bandwidth, True, Path(tmp))
+                    rc = recompute_rows(
+                        name, batch, a.tiny, memory, a.bandwidth, True, Path(tmp), a.dtype
+                    )
                     print(f"  {_recompute_line(rc)}", flush=True)
                     table.append({"batch": batch, **rc})
                 result[name]["recompute_batches"] = table
@@ -257,7 +285,7 @@ def main() -> None:
             table = []
             batches = [int(x) for x in a.batches.split(",")] if a.batches else BATCHES[name]
             for batch in batches:
-                trace = record(name, batch, a.tiny, Path(tmp))
+                trace = record(name, batch, a.tiny, Path(tmp), a.dtype)
                 r = rows(trace, memory, ["tidalpool"], a.bandwidth, True, fit=True)
                 t = r["policies"]["tidalpool"]
                 fp, made_for = t.get("footprint_bytes"), t.get("planned_for_bytes")

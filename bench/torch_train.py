@@ -20,9 +20,10 @@ daemon's plan serves the iteration), each ended by torch.cuda.synchronize().
               tidalpool's SavedTensors on a cuda session beside PyTorch's allocator ("saved"),
               of planned mode with its saved tensors swapped ("planned_swap"), and of the
               same with the blocks `tidalpool.torch.plan_recompute` chooses for the cap
-              recomputed ("planned_recompute"; chosen on the meta device for fp32, at
-              --bandwidth GB/s), same batch; tidalpool's saves get a swap limit of a quarter
-              of the cap and a lease of saves_lease(that), the allocator the rest of the cap
+              recomputed ("planned_recompute"; chosen on the meta device, in bf16 autocast
+              for the bf16 runs, at --bandwidth GB/s), same batch; tidalpool's saves get a
+              swap limit of a quarter of the cap and a lease of saves_lease(that), the
+              allocator the rest of the cap
   batch       the largest batch that trains 3 steps in 8 GiB (doubling, then bisection):
               plain PyTorch capped by set_per_process_memory_fraction, planned mode in an
               8 GiB lease, and planned mode with its saved tensors swapped (swap limit
@@ -201,6 +202,7 @@ def child(a: argparse.Namespace) -> dict[str, Any]:
             blocks,
             limit=a.recompute,
             bandwidth_gbps=a.bandwidth,
+            autocast=torch.bfloat16 if a.dtype == "bf16" else None,
             **LOOP,
         )
         plan.apply()

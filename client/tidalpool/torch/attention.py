@@ -22,6 +22,8 @@ switches (`torch.nn.attention.sdpa_kernel`, `torch.backends.cuda.enable_*_sdp`):
   made additive and padded as PyTorch does;
 - math: anything else, and every call on other devices (left to PyTorch).
 
+Under `tidalpool.torch.autocast.meta_autocast`, q, k, v and a floating mask are cast to its
+16-bit type first, as autocast casts them before PyTorch chooses.
 PyTorch may run cuDNN's attention instead of flash for 16-bit inputs on some GPUs; it saves
 the same tensors. Dropout is kept (its random state is a scalar).
 """
@@ -36,6 +38,8 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
+
+from tidalpool.torch import autocast
 
 _SDPA = F.scaled_dot_product_attention
 _HALF = frozenset({torch.float16, torch.bfloat16})
@@ -95,6 +99,8 @@ def _fused(
         isinstance(t, torch.Tensor) and t.device.type == "meta" for t in (query, key, value)
     ):
         return None
+    if (low := autocast.active()) is not None:  # cast before the choice, as autocast casts
+        query, key, value, attn_mask = autocast.cast((query, key, value, attn_mask), low)
     choice = kernel(query, key, value, attn_mask, enable_gqa)
     if choice == "flash":
         size = query.shape[-1]

@@ -34,6 +34,7 @@ trace, so it assumes the swapping of planned mode with saved tensors swapped or 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
@@ -47,6 +48,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tidalpool.errors import TidalpoolError
+from tidalpool.torch import autocast
 from tidalpool.torch.attention import fused_attention
 from tidalpool.torch.capture import Capture, tensors_in
 from tidalpool.torch.roofline import Roofline
@@ -75,7 +77,15 @@ class _Checkpointed:
         self.own = own  # whether the block had a forward of its own (an instance attribute)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
+        low = autocast.active()
+        if low is None:
+            return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
+
+        def contexts() -> tuple[Any, Any]:
+            # checkpoint restores torch.autocast's state for the recomputation, not this one
+            return contextlib.nullcontext(), autocast.meta_autocast(low)
+
+        return checkpoint(self.forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
 
 
 def is_recomputed(block: nn.Module) -> bool:
@@ -166,6 +176,7 @@ def measure(
     blocks: Sequence[nn.Module],
     *,
     roofline: Roofline | None = None,
+    autocast: torch.dtype | None = None,
 ) -> list[Segment]:
     """For each block, what recomputing it would free and cost, from one forward on the meta
     device (the model is not touched; blocks already recomputed are measured as they would
@@ -176,8 +187,8 @@ def measure(
     of its outputs, which the next layer holds anyway. `recompute_ns`: the roofline estimate of
     the kernels of the block's forward. A block called twice counts both calls. `start_ns`:
     the estimate of the forward's kernels before the block first runs (a block never run
-    gets 0 and frees nothing)."""
-    from tidalpool.torch.record import _held, _upload, call, to_meta
+    gets 0 and frees nothing). `autocast` runs the forward and loss as `record` runs them."""
+    from tidalpool.torch.record import _held, _upload, autocast_region, call, to_meta
 
     names = names_of(model, blocks, "measure")
     meta_of: dict[int, torch.Tensor] = {}
@@ -220,7 +231,7 @@ def measure(
     try:
         capture.persistent(_held(meta_model, meta_loss))
         hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-        with fused_attention(), capture, hooks:
+        with fused_attention(), capture, hooks, autocast_region(autocast):
             output = call(meta_model, _upload(inputs))
             loss = meta_loss(output, _upload(target))
             del output, loss
@@ -276,15 +287,16 @@ def plan_recompute(
     place_time_s: float = 1.0,
     set_to_none: bool = False,
     keep_output: bool = True,
+    autocast: torch.dtype | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> RecomputePlan:
     """Which of `blocks` to recompute so a training step fits `limit` bytes soonest (see the
-    module). `example_batch`, `loss_fn`, `optimizer`, `set_to_none` and `keep_output` are as
-    for `record` (make them match the training loop: they move the peak); copies to and from
-    the host run at `bandwidth_gbps` GB/s each way. With `place`, a candidate fits only when
-    the placement of what its schedule leaves on the device (Planner I, `place_time_s` of
-    search per placement) fits too, as in planned mode, its schedule made for a lower limit
-    where needed (`combined.fit`). `progress` gets a line per candidate.
+    module). `example_batch`, `loss_fn`, `optimizer`, `set_to_none`, `keep_output` and
+    `autocast` are as for `record` (make them match the training loop: they move the peak);
+    copies to and from the host run at `bandwidth_gbps` GB/s each way. With `place`, a
+    candidate fits only when the placement of what its schedule leaves on the device (Planner
+    I, `place_time_s` of search per placement) fits too, as in planned mode, its schedule made
+    for a lower limit where needed (`combined.fit`). `progress` gets a line per candidate.
 
     Raises RecomputeError when no candidate is feasible (the limit is below what a step needs
     with everything recomputed and swapped), ValueError for a limit or bandwidth that is not
@@ -304,7 +316,7 @@ def plan_recompute(
     names = names_of(model, blocks, "plan_recompute")
     gbps = bandwidth_gbps
     say = progress or (lambda _line: None)
-    segments = measure(model, example_batch, loss_fn, blocks, roofline=roofline)
+    segments = measure(model, example_batch, loss_fn, blocks, roofline=roofline, autocast=autocast)
     ranked = order(segments)
     with tempfile.TemporaryDirectory(prefix="tidalpool-recompute-") as tmp:
 
@@ -319,6 +331,7 @@ def plan_recompute(
                 set_to_none=set_to_none,
                 keep_output=keep_output,
                 recompute=[blocks[i] for i in chosen],
+                autocast=autocast,
             )
             it = learn.extract(events, events.marks())
             peak, compute = int(load(it).max()), int(durations(it).sum())

@@ -23,6 +23,7 @@ import gc
 import inspect
 import os
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -33,6 +34,7 @@ from torch.optim import Optimizer
 
 from tidalpool.errors import TidalpoolError
 from tidalpool.torch.attention import fused_attention
+from tidalpool.torch.autocast import meta_autocast
 from tidalpool.torch.capture import GRANULE, Capture, tensors_in
 from tidalpool.torch.recompute import is_recomputed, names_of
 from tidalpool.torch.recompute import recompute as recompute_blocks
@@ -60,6 +62,7 @@ def record(
     set_to_none: bool = False,
     keep_output: bool = True,
     recompute: Sequence[nn.Module] = (),
+    autocast: torch.dtype | None = None,
 ) -> Events:
     """Run `iterations` training steps on the meta device, write their trace to `path`, and
     return its events.
@@ -91,6 +94,9 @@ def record(
     `recompute`: blocks of the model to record as `tidalpool.torch.recompute` runs them
     (their saved tensors dropped after their forward and rebuilt in backward); the model itself
     is not changed.
+    `autocast` (torch.bfloat16 or torch.float16) runs each step's forward and loss as
+    `with torch.autocast("cuda", dtype=autocast):` runs them on a GPU
+    (`tidalpool.torch.autocast.meta_autocast`); backward and the optimizer step run outside.
     Three iterations give `tidalpool plan` a steady iteration (the first one allocates
     gradients and optimizer state).
 
@@ -112,6 +118,10 @@ def record(
     if not any(p.requires_grad for p in parameters):
         raise ValueError(
             f"record: no parameter of the model ({type(model).__name__}) requires grad"
+        )
+    if autocast not in (None, torch.bfloat16, torch.float16):
+        raise ValueError(
+            f"record: autocast must be torch.bfloat16, torch.float16 or None, got {autocast}"
         )
     roofline = roofline or Roofline()
 
@@ -139,6 +149,7 @@ def record(
                     meta_optimizer,
                     set_to_none=set_to_none,
                     keep_output=keep_output,
+                    autocast=autocast,
                 )
                 gc.collect(0)  # all the step made is young: the gc has not run since
             capture.settle()
@@ -155,7 +166,8 @@ def record(
         events,
         comments=[
             f"tidalpool trace v1; model={type(model).__name__} batch={batch or 'none'}"
-            f" optimizer={type(meta_optimizer).__name__} iters={iterations}",
+            f" optimizer={type(meta_optimizer).__name__} iters={iterations}"
+            + ("" if autocast is None else f" autocast={str(autocast).removeprefix('torch.')}"),
             f"recorded on the meta device; sizes rounded to {GRANULE} B as the CUDA caching"
             " allocator rounds them",
             f"op ns = roofline estimate: {roofline.flops_per_s:.4g} FLOP/s (32/64-bit),"
@@ -175,13 +187,15 @@ def _step(
     *,
     set_to_none: bool,
     keep_output: bool,
+    autocast: torch.dtype | None = None,
 ) -> None:
     """One training step on the device; what it made and did not keep goes when it returns."""
     try:
         optimizer.zero_grad(set_to_none=set_to_none)
         x, y = _upload(batch[0]), _upload(batch[1])
-        output = call(model, x)
-        loss = loss_fn(output, y)
+        with autocast_region(autocast):
+            output = call(model, x)
+            loss = loss_fn(output, y)
         if not keep_output:
             del output
     except Exception as e:
@@ -205,6 +219,11 @@ def _step(
             f"record: the backward or optimizer step of iteration {i} cannot run on the meta"
             f" device ({type(e).__name__}: {e})"
         ) from e
+
+
+def autocast_region(dtype: torch.dtype | None) -> AbstractContextManager[None]:
+    """`meta_autocast(dtype)`, or nothing for None."""
+    return nullcontext() if dtype is None else meta_autocast(dtype)
 
 
 def call(model: nn.Module, x: Any) -> Any:
