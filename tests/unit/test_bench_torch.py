@@ -177,3 +177,38 @@ def test_the_child_recomputes_the_blocks_the_plan_picks_for_its_limit(tmp_path: 
     tight = picked[peak * 19 // 20]
     assert tight["blocks"] and set(tight["blocks"]) <= {"blocks.0", "blocks.1"}
     assert tight["predicted_overhead"] > 0
+
+
+def test_a_bf16_child_plans_its_recomputation_in_bf16() -> None:
+    """The plan of a bf16 run is recorded under autocast: nothing to recompute at a limit
+    between the bf16 step's peak and the fp32 step's."""
+    import torch
+    from tidalpool.torch import plan_recompute
+    from torch_train import LOOP, build
+
+    model, make_batch, blocks = build("gpt2", True)
+    peaks = {}
+    for autocast in (None, torch.bfloat16):
+        plan = plan_recompute(
+            model,
+            make_batch(4),
+            torch.nn.functional.cross_entropy,
+            lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4),
+            blocks,
+            limit=1 << 40,
+            autocast=autocast,
+            **LOOP,
+        )
+        peaks[autocast] = plan.candidates[0].peak_bytes
+    limit = (peaks[None] + peaks[torch.bfloat16]) // 2
+    assert peaks[torch.bfloat16] < limit < peaks[None]
+    command = [sys.executable, str(BENCH / "torch_train.py"), "child", "--model", "gpt2"]
+    command += ["--mode", "plain", "--dtype", "bf16", "--batch", "4", "--steps", "1"]
+    command += ["--warmup", "1", "--tiny", "--device", "cpu", "--recompute", str(limit)]
+    command += ["--bandwidth", "1e-6"]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert "error" not in result, result
+    assert result["recompute"]["blocks"] == []
