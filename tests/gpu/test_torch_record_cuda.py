@@ -6,7 +6,6 @@ PyTorch's caching allocator reaches running the same step on the GPU."""
 from __future__ import annotations
 
 import contextlib
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,8 @@ from tidalpoold.planner import learn  # noqa: E402
 from tidalpoold.planner.autoswap import load  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+from tests.unit.test_torch_autocast import graph  # noqa: E402
 
 nn = torch.nn
 RAN = {  # the profiler's op name -> the kernel it is
@@ -72,20 +73,6 @@ class Layers(nn.Module):
 
 def adamw(m: Any) -> Any:
     return torch.optim.AdamW(m.parameters(), lr=1e-4)
-
-
-def graph(loss: Any) -> Counter[str]:
-    """The autograd nodes behind `loss`, by type."""
-    seen, todo, names = set(), [loss.grad_fn], Counter[str]()
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        name = type(node).__name__  # cuDNN's attention saves what flash saves
-        names[name.replace("CudnnAttention", "FlashAttention")] += 1
-        todo += [n for n, _ in node.next_functions]
-    return names
 
 
 @pytest.mark.parametrize("low", [torch.bfloat16, torch.float16])
