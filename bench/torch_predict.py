@@ -50,15 +50,11 @@ RECOMPUTE_BATCHES = {"gpt2": (10, 12, 13, 14), "resnet50": (384, 512, 768)}
 DEFAULT = {"gpt2": 8, "resnet50": 64}
 
 
-AUTOCAST = {"fp32": None, "bf16": "bfloat16"}
-
-
 def autocast(dtype: str) -> Any:
-    """The `autocast` argument of `record` for a `--dtype`."""
+    """The `autocast` argument of `record` for a `--dtype` ("fp32" or "bf16")."""
     import torch
 
-    name = AUTOCAST[dtype]
-    return None if name is None else getattr(torch, name)
+    return torch.bfloat16 if dtype == "bf16" else None
 
 
 def record(name: str, batch: int, tiny: bool, directory: Path, dtype: str = "fp32") -> Path:
@@ -234,7 +230,7 @@ def main() -> None:
     parser.add_argument("--memory", default="8GiB", help="the fixed limit of the batch table")
     parser.add_argument("--batches", help="comma-separated batches (default: per model)")
     parser.add_argument("--tiny", action="store_true", help="small models (tests)")
-    parser.add_argument("--dtype", choices=tuple(AUTOCAST), default="fp32")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument(
         "--recompute-batches", help="comma-separated batches of the recompute table at --memory"
     )

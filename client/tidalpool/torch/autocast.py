@@ -142,10 +142,11 @@ def cast(value: Any, to: torch.dtype) -> Any:
 
 
 def _tensors(args: tuple[Any, ...]) -> Iterator[torch.Tensor]:
+    """The eligible tensors among `args`, alone or in lists and tuples."""
     for a in args:
         if isinstance(a, (list, tuple)):
             yield from _tensors(tuple(a))
-        elif isinstance(a, torch.Tensor):
+        elif _eligible(a):
             yield a
 
 
@@ -171,7 +172,9 @@ def _set(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], name: str, valu
 
 def _kernel(op: Any, policy: str) -> Any:
     """The Python kernel of `op` (an OpOverload) under `policy`."""
-    name = op.name()
+    name = op.name().removeprefix("aten::")
+    appended: Any = getattr(torch.ops.aten.norm, _APPEND[name]) if name in _APPEND else None
+    params = op._schema.arguments
 
     def run(*args: Any, **kwargs: Any) -> Any:
         with torch._C._ExcludeDispatchKeyGuard(DispatchKeySet(_KEY)):
@@ -180,23 +183,19 @@ def _kernel(op: Any, policy: str) -> Any:
                 return op(*args, **kwargs)
             first = args[0] if args else None
             if policy == "banned":
-                raise RuntimeError(f"{name}: {_BANNED}")
-            if policy in ("lower", "fp32"):
-                to = dtype if policy == "lower" else torch.float32
+                raise RuntimeError(f"aten::{name}: {_BANNED}")
+            if policy == "fp32_set_opt_dtype":
+                if _eligible(first):
+                    args, kwargs = _set(op, args, kwargs, "dtype", torch.float32)
+            elif policy == "fp32_append_dtype":
+                if _eligible(first):
+                    full = [*args, *(a.default_value for a in params[len(args) :])]
+                    return appended(*full, dtype=torch.float32)
+            else:  # lower, fp32, promote (to the widest): every eligible input cast
+                wide = policy == "promote" and any(t.dtype == torch.float32 for t in _tensors(args))
+                to = torch.float32 if policy == "fp32" or wide else dtype
                 args = cast(args, to)
                 kwargs = {k: cast(v, to) for k, v in kwargs.items()}
-            elif policy == "fp32_set_opt_dtype" and _eligible(first):
-                args, kwargs = _set(op, args, kwargs, "dtype", torch.float32)
-            elif policy == "fp32_append_dtype" and _eligible(first):
-                target = getattr(torch.ops.aten.norm, _APPEND[op.name().removeprefix("aten::")])
-                params = op._schema.arguments
-                full = [*args, *(a.default_value for a in params[len(args) :])]
-                return target(*full, dtype=torch.float32)
-            elif policy == "promote":
-                eligible = [t for t in _tensors(args) if _eligible(t)]
-                widest = torch.float32 if any(t.dtype == torch.float32 for t in eligible) else dtype
-                args = cast(args, widest)
-                kwargs = {k: cast(v, widest) for k, v in kwargs.items()}
             return op(*args, **kwargs)
 
     return run
@@ -238,11 +237,9 @@ def meta_autocast(dtype: torch.dtype = torch.bfloat16, enabled: bool = True) -> 
         if _users == 0:
             _libraries = _register()
         _users += 1
-    was = (
-        _local.dtype,
-        torch._C._dispatch_tls_is_dispatch_key_included(_KEY),
-        torch._C._dispatch_tls_is_dispatch_key_excluded(_KEY),
-    )
+    was_dtype = _local.dtype
+    was_included = torch._C._dispatch_tls_is_dispatch_key_included(_KEY)
+    was_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded(_KEY)
     _local.dtype = dtype if enabled else None
     _local.depth += 1
     torch._C._dispatch_tls_set_dispatch_key_included(_KEY, enabled)
@@ -250,9 +247,9 @@ def meta_autocast(dtype: torch.dtype = torch.bfloat16, enabled: bool = True) -> 
     try:
         yield
     finally:
-        _local.dtype = was[0]
-        torch._C._dispatch_tls_set_dispatch_key_included(_KEY, was[1])
-        torch._C._dispatch_tls_set_dispatch_key_excluded(_KEY, was[2])
+        _local.dtype = was_dtype
+        torch._C._dispatch_tls_set_dispatch_key_included(_KEY, was_included)
+        torch._C._dispatch_tls_set_dispatch_key_excluded(_KEY, was_excluded)
         _local.depth -= 1
         if _local.depth == 0:
             _local.cache.clear()
