@@ -340,6 +340,52 @@ def test_the_native_conflict_sets_do_not_trust_the_caller(hp: HotPath) -> None:
     assert (hp.stats().hits, hp.stats().misses) == (1, 1)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_a_hit_is_exactly_a_slot_no_live_block_shares_bytes_with(hp: HotPath, seed: int) -> None:
+    """Plans of 5,000 slots (three levels of the library's bitmap of held slots) followed with
+    wrong sizes, frees in any order and blocks kept across steps: each allocation must be a
+    hit exactly when it has its slot's size and no live planned block shares a byte of the
+    slot, judged here against every live block. One slot in 250 is up to 2 MiB long and
+    shares bytes with slots up to a thousand places above it in offset order."""
+    rng = random.Random(seed)
+    n, height = 5000, 8 << 20
+    sizes, offsets = [], []
+    for i in range(n):
+        size = rng.randrange(256, 2 << 20) if i % 250 == 0 else rng.randrange(1, 16 * KiB)
+        sizes.append(size)
+        offsets.append(rng.randrange(0, (height - align_up(size, 256)) // 256 + 1) * 256)
+    plan = table(sizes, offsets, height)
+    hp.configure(BASE, 4 * height, max_iteration_misses=n)
+    hp.install_plan(plan)
+    live: dict[int, tuple[int, int] | None] = {}  # address -> planned span, None when online
+    hits = blocked = wrong_size = 0
+    for _ in range(3):
+        hp.step()
+        for i in range(n):
+            size = sizes[i] + 256 * (rng.random() < 0.05)
+            start, end = offsets[i], offsets[i] + align_up(sizes[i], 256)
+            hit = size == sizes[i] and all(
+                span is None or span[1] <= start or end <= span[0] for span in live.values()
+            )
+            address = hp.alloc(size)
+            assert address is not None
+            assert (address - BASE == start) if hit else (address - BASE >= height), (i, hit)
+            live[address] = (start, end) if hit else None
+            hits += hit
+            wrong_size += size != sizes[i]
+            blocked += size == sizes[i] and not hit
+            while len(live) > rng.randrange(100):  # about 50 live blocks
+                gone = rng.choice(list(live))
+                hp.free(gone)
+                del live[gone]
+        for address in rng.sample(list(live), len(live) // 2):  # the rest cross the step
+            hp.free(address)
+            del live[address]
+    s = hp.stats()
+    assert (s.hits, s.misses, s.fallbacks) == (hits, blocked + wrong_size, 0)
+    assert min(blocked, wrong_size) > n // 10  # about 1,200 and 750 of each kind of miss
+
+
 # ---------------------------------------------------------------- bad input
 
 

@@ -9,8 +9,16 @@
  *          best-fit owns the whole lease; the plan region is one of its live ranges
  *
  * Allocation k of an iteration is a hit when the plan has a slot k of exactly that size and
- * no live block holds slot k or any slot sharing its bytes (slot k's conflict set); anything
- * else is a miss and goes to best-fit, outside the region, where nothing can overlap it.
+ * no live block holds bytes of slot k; anything else is a miss and goes to best-fit, outside
+ * the region, where nothing can overlap it.  Since only hits live in the region, its live
+ * blocks never overlap one another, so one of them overlaps slot k's [start, end) exactly when
+ * the live slot of greatest start below `end` ends after `start`.  Slots are ranked by start
+ * once, at install; the held ranks are a bitmap with a summary level above it for every 64
+ * words below, so that check is a few word operations, whatever the plan:
+ *
+ *   level 1  |1|0|1|...                   bit w: word w of level 0 holds a bit
+ *   level 0  |0100..01|0000..00|0010..00|  bit r: a live block holds the slot of rank r
+ *             ranks 0-63 64-127   128-191     (slots by start; ties by index)
  * Best-fit: the smallest free range that fits, ties to the lowest offset, carved from its low
  * end; a release merges with both neighbours.  Free ranges sit in one array sorted by offset
  * (a few tens in training); live blocks in an open-addressing table keyed by offset.  Memory
@@ -48,10 +56,18 @@ _Static_assert(TIDALPOOL_MAX_STREAMS <= 16, "entry.users holds a bit per ordered
 #define FENCE TIDALPOOL_MAX_STREAMS
 
 typedef struct {
+    uint64_t size, offset;           /* bytes asked; start in the region */
+    uint32_t rank;                   /* place among the slots by start (ties by index) */
+    uint32_t below;                  /* slots whose start is below this one's aligned end */
+} plan_slot;
+
+#define LEVELS 6                     /* 64^6 ranks: any plan (n <= INT32_MAX) */
+typedef struct {
     uint64_t id, n, height, base;    /* base: the region's offset in the lease, once in use */
-    uint64_t *size, *offset;
-    uint64_t *conf_at, *conf;        /* slot i's conflicts: conf[conf_at[i] .. conf_at[i + 1]) */
-    uint8_t *busy;                   /* a live block holds the slot */
+    plan_slot *slot;
+    uint64_t *end;                   /* by rank: the slot's aligned end in the region */
+    uint64_t *held[LEVELS];          /* bitmaps over ranks, in one allocation (held[0]) */
+    unsigned levels;                 /* the top level is a single word */
     uint64_t cursor, live, iteration_misses;
     int active;                      /* 0 once abandoned: no new hits, live slots drain */
 } plan;
@@ -219,7 +235,7 @@ static int reserve(pool *p) {
 
 static void plan_free(plan *pl) {
     if (!pl) return;
-    free(pl->size), free(pl->offset), free(pl->conf_at), free(pl->conf), free(pl->busy);
+    free(pl->slot), free(pl->end), free(pl->held[0]);
     free(pl);
 }
 
@@ -240,47 +256,69 @@ static int by_offset(const void *a, const void *b) {
     return (x->index > y->index) - (x->index < y->index);
 }
 
-/* Conflict sets by a sweep over slots in offset order, run twice: count, then fill. */
-static int conflicts(plan *pl, uint64_t align) {
-    uint64_t n = pl->n, *active = malloc((n + 1) * sizeof *active);
-    uint64_t *count = calloc(n + 1, sizeof *count);
+/* Ranks, aligned ends and `below` from the slots' sizes and offsets; bitmaps, all clear. */
+static int rank_slots(plan *pl, uint64_t align) {
+    uint64_t n = pl->n, words = 0;
     keyed *order = malloc((n + 1) * sizeof *order);
-    int ok = order && active && count;
-    if (ok) {
-        for (uint64_t i = 0; i < n; i++) order[i] = (keyed){pl->offset[i], i};
-        qsort(order, n, sizeof *order, by_offset);
+    pl->end = malloc((n + 1) * sizeof *pl->end);
+    for (uint64_t bits = n;; bits = (bits + 63) / 64) { /* level sizes, bottom up */
+        words += (bits + 63) / 64 + !bits;
+        if (bits <= 64) break;
     }
-    for (int pass = 0; ok && pass < 2; pass++) {
-        uint64_t na = 0;
-        for (uint64_t k = 0; k < n; k++) {
-            uint64_t i = order[k].index, start = order[k].offset, kept = 0;
-            for (uint64_t a = 0; a < na; a++) {
-                uint64_t j = active[a];
-                if (pl->offset[j] + align_up(pl->size[j], align) <= start) continue;
-                active[kept++] = j;
-                if (pass == 0) count[i]++, count[j]++;
-                else pl->conf[count[i]++] = j, pl->conf[count[j]++] = i;
-            }
-            na = kept;
-            active[na++] = i;
-        }
-        if (pass == 0) {
-            uint64_t total = 0;
-            pl->conf_at = malloc((n + 1) * sizeof *pl->conf_at);
-            for (uint64_t i = 0; pl->conf_at && i < n; i++) {
-                pl->conf_at[i] = total;
-                total += count[i];
-            }
-            pl->conf = malloc((total + 1) * sizeof *pl->conf);
-            ok = pl->conf_at && pl->conf;
-            if (ok) {
-                pl->conf_at[n] = total;
-                for (uint64_t i = 0; i < n; i++) count[i] = pl->conf_at[i]; /* fill cursors */
-            }
-        }
+    pl->held[0] = calloc(words, sizeof *pl->held[0]);
+    if (!order || !pl->end || !pl->held[0]) {
+        free(order);
+        return -1;
     }
-    free(order), free(active), free(count);
-    return ok ? 0 : -1;
+    pl->levels = 1;
+    for (uint64_t bits = n; bits > 64; bits = (bits + 63) / 64, pl->levels++)
+        pl->held[pl->levels] = pl->held[pl->levels - 1] + (bits + 63) / 64;
+    for (uint64_t i = 0; i < n; i++) order[i] = (keyed){pl->slot[i].offset, i};
+    qsort(order, n, sizeof *order, by_offset);
+    for (uint64_t r = 0; r < n; r++) {
+        plan_slot *s = &pl->slot[order[r].index];
+        uint64_t lo = r + 1, hi = n; /* below: the first rank starting at or past the end */
+        pl->end[r] = s->offset + align_up(s->size, align);
+        while (lo < hi) {
+            uint64_t mid = lo + (hi - lo) / 2;
+            if (order[mid].offset < pl->end[r]) lo = mid + 1;
+            else hi = mid;
+        }
+        s->rank = (uint32_t)r, s->below = (uint32_t)lo;
+    }
+    free(order);
+    return 0;
+}
+
+/* Rank r becomes held: its bit, and each summary bit up to a word that already had one. */
+static void hold_rank(plan *pl, uint64_t r) {
+    for (unsigned k = 0; k < pl->levels; k++, r >>= 6) {
+        uint64_t was = pl->held[k][r >> 6];
+        pl->held[k][r >> 6] = was | (uint64_t)1 << (r & 63);
+        if (was) break;
+    }
+}
+
+static void unhold_rank(plan *pl, uint64_t r) {
+    for (unsigned k = 0; k < pl->levels; k++, r >>= 6)
+        if ((pl->held[k][r >> 6] &= ~((uint64_t)1 << (r & 63)))) break;
+}
+
+/* The greatest held rank <= x, or -1: up the levels to the first word with such a bit, then
+ * down through the highest bit of each word below it. */
+static int64_t held_at_or_below(const plan *pl, uint64_t x) {
+    unsigned k = 0;
+    for (;; k++) {
+        uint64_t w = pl->held[k][x >> 6] & (~(uint64_t)0 >> (63 - (x & 63)));
+        if (w) {
+            x = (x & ~(uint64_t)63) | (uint64_t)(63 - __builtin_clzll(w));
+            break;
+        }
+        if (!(x >> 6)) return -1; /* no word before this one */
+        x = (x >> 6) - 1;          /* the words before, one level up */
+    }
+    while (k--) x = x << 6 | (uint64_t)(63 - __builtin_clzll(pl->held[k][x]));
+    return (int64_t)x;
 }
 
 int tidalpool_install_plan(int device, uint64_t plan_id, uint64_t n, const uint64_t *sizes,
@@ -302,18 +340,10 @@ int tidalpool_install_plan(int device, uint64_t plan_id, uint64_t n, const uint6
     plan *pl = calloc(1, sizeof *pl);
     if (!pl) return TIDALPOOL_ENOMEM;
     pl->id = plan_id, pl->n = n, pl->height = height, pl->active = 1;
-    pl->size = malloc((n + 1) * sizeof *pl->size);
-    pl->offset = malloc((n + 1) * sizeof *pl->offset);
-    pl->busy = calloc(n + 1, 1);
-    int built = pl->size && pl->offset && pl->busy;
-    if (built) {
-        if (n) {
-            memcpy(pl->size, sizes, n * sizeof *sizes);
-            memcpy(pl->offset, offsets, n * sizeof *offsets);
-        }
-        built = conflicts(pl, align) == 0;
-    }
-    if (!built) {
+    pl->slot = malloc((n + 1) * sizeof *pl->slot);
+    for (uint64_t i = 0; pl->slot && i < n; i++)
+        pl->slot[i] = (plan_slot){sizes[i], offsets[i], 0, 0};
+    if (!pl->slot || rank_slots(pl, align)) {
         plan_free(pl);
         return TIDALPOOL_ENOMEM;
     }
@@ -333,15 +363,17 @@ static int64_t take(pool *p, uint64_t size) {
     plan *pl = p->plan;
     if (!pl || !pl->active) return -1;
     uint64_t i = pl->cursor++;
-    int fits = i < pl->n && pl->size[i] == size && !pl->busy[i];
-    for (uint64_t k = fits ? pl->conf_at[i] : 0; fits && k < pl->conf_at[i + 1]; k++)
-        fits = !pl->busy[pl->conf[k]]; /* a slot sharing these bytes is held: a miss */
+    int fits = i < pl->n && pl->slot[i].size == size;
+    if (fits) { /* the live slot of greatest start below slot i's end must end by its start */
+        int64_t r = held_at_or_below(pl, pl->slot[i].below - 1);
+        fits = r < 0 || pl->end[r] <= pl->slot[i].offset;
+    }
     if (!fits) {
         p->c[TIDALPOOL_ST_MISSES]++;
         pl->iteration_misses++;
         return -1;
     }
-    pl->busy[i] = 1;
+    hold_rank(pl, pl->slot[i].rank);
     pl->live++;
     p->c[TIDALPOOL_ST_HITS]++;
     return (int64_t)i;
@@ -492,7 +524,7 @@ static void *alloc_locked(pool *p, uint64_t size, void *stream, int *tables) {
     int64_t slot = take(p, size);
     uint64_t offset;
     if (slot >= 0) {
-        offset = p->plan->base + p->plan->offset[slot];
+        offset = p->plan->base + p->plan->slot[slot].offset;
     } else if (size > p->capacity || fit_alloc(p, align_up(size, p->align), &offset)) {
         p->c[TIDALPOOL_ST_FAILURES]++;
         return NULL;
@@ -585,7 +617,7 @@ static int free_locked(pool *p, uintptr_t ptr) {
     uint64_t offset = e.key - 1;
     if (e.slot >= 0) {
         plan *pl = p->plan;
-        pl->busy[e.slot] = 0;
+        unhold_rank(pl, pl->slot[e.slot].rank);
         if (!--pl->live && !pl->active) drop_plan(p);
     } else {
         fit_release(p, offset, align_up(e.size, p->align));
@@ -704,8 +736,9 @@ int tidalpool_configure(int device, uint64_t base, uint64_t capacity, uint64_t a
                         uint64_t ring_events, uint32_t max_misses, uint32_t flags) {
     pool *p = at(device);
     if (!p) return TIDALPOOL_EDEVICE;
-    if (flags & ~(uint32_t)TIDALPOOL_NO_TIMESTAMPS || !alignment || alignment & (alignment - 1) || !base || base % alignment ||
-        capacity > UINTPTR_MAX - base || ring_events > ((uint64_t)1 << 32))
+    if (flags & ~(uint32_t)TIDALPOOL_NO_TIMESTAMPS || !alignment || alignment & (alignment - 1) ||
+        !base || base % alignment || capacity > UINTPTR_MAX - base ||
+        ring_events > ((uint64_t)1 << 32))
         return TIDALPOOL_EINVAL;
     uint64_t cap = 2;
     while (cap < ring_events) cap *= 2;

@@ -153,8 +153,8 @@ int tidalpool_configure(int device, uint64_t base, uint64_t capacity, uint64_t a
 int tidalpool_reset(int device);
 
 /* A plan for the steady iteration: allocation i of an iteration takes offset plan_base +
- * offsets[i] when its size is sizes[i] and no block holds a slot sharing those bytes (the
- * conflict sets are computed here, the caller's are not trusted).  It takes over at the next
+ * offsets[i] when its size is sizes[i] and no live block holds any of those bytes (judged
+ * here from the offsets and aligned sizes; the caller is not trusted).  It takes over at the next
  * step at which the plan in use, if any, holds no live block; its `height` bytes are then
  * reserved by best-fit in the lease.  n == 0 is allowed (height 0).  Replaces a pending plan. */
 int tidalpool_install_plan(int device, uint64_t plan_id, uint64_t n, const uint64_t *sizes,
