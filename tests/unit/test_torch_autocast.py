@@ -42,18 +42,31 @@ def peak(events: Events) -> int:
 
 # Registered for CUDA outside autocast_mode.h's lists, with casts of their own: left uncast.
 UNCOVERED = {"aten::_cudnn_rnn", "aten::linalg_matrix_sqrth"}
+# In CUDA autocast's lists of some PyTorch versions only: rms_norm from after 2.11, the
+# named-dimension overloads up to 2.11 (2.13 lists none of them).
+BY_VERSION = {
+    "aten::rms_norm",
+    "aten::prod.dim_Dimname",
+    "aten::softmax.Dimname",
+    "aten::log_softmax.Dimname",
+    "aten::cumprod.dimname",
+    "aten::cumsum.dimname",
+    "aten::sum.dim_DimnameList",
+    "aten::norm.names_ScalarOpt_dim",
+}
 
 
 def test_the_table_is_pytorchs_cuda_autocast_op_list() -> None:
     """Every op CUDA autocast has a kernel for, in this PyTorch, is cast, and nothing else: a
     PyTorch that adds one fails here rather than recording it uncast; an op of the table left
-    out must be one this PyTorch lacks."""
+    out must be one this PyTorch lacks, or one that only some versions list."""
     ops = set(torch._C._dispatch_get_all_op_names())
     cuda = {n for n in ops if torch._C._dispatch_has_kernel_for_dispatch_key(n, "AutocastCUDA")}
     cast = {"aten::" + name for name in ac.covered()}
     assert cast == cuda - UNCOVERED, cast ^ (cuda - UNCOVERED)
     left_out = {"aten::" + name for name in POLICY} - cast
-    assert not left_out & ops, left_out & ops
+    assert not left_out & ops - BY_VERSION, left_out & ops - BY_VERSION
+    assert {"aten::" + name for name in POLICY} >= BY_VERSION
     assert len(cast) > 100
 
 

@@ -61,6 +61,12 @@ _FP32_SET_OPT_DTYPE = (
     "prod prod.dim_int softmax.int log_softmax.int cumprod cumsum linalg_vector_norm"
     " linalg_matrix_norm linalg_matrix_norm.str_ord sum sum.dim_IntList"
 )
+# Named-dimension overloads: CUDA autocast lists them up to PyTorch 2.11 (2.13 no longer does).
+# Named tensors do not exist on the meta device, so they are listed to mirror CUDA's table.
+_NAMED_FP32_SET_OPT_DTYPE = (
+    "prod.dim_Dimname softmax.Dimname log_softmax.Dimname cumprod.dimname cumsum.dimname"
+    " sum.dim_DimnameList"
+)
 _PROMOTE = (
     "addcdiv addcmul atan2 bilinear cross dot vdot grid_sampler index_put tensordot scatter_add"
 )
@@ -69,8 +75,10 @@ POLICY: dict[str, str] = {
     **dict.fromkeys(_LOWER.split(), "lower"),
     **dict.fromkeys(_FP32.split(), "fp32"),
     **dict.fromkeys(_FP32_SET_OPT_DTYPE.split(), "fp32_set_opt_dtype"),
+    **dict.fromkeys(_NAMED_FP32_SET_OPT_DTYPE.split(), "fp32_set_opt_dtype"),
     "norm.Scalar": "fp32_append_dtype",
     "norm.ScalarOpt_dim": "fp32_append_dtype",
+    "norm.names_ScalarOpt_dim": "fp32_append_dtype",
     **dict.fromkeys(_PROMOTE.split(), "promote"),
     "binary_cross_entropy": "banned",
 }
@@ -80,11 +88,20 @@ POLICY: dict[str, str] = {
 def covered() -> dict[str, str]:
     """`POLICY` less the ops that CUDA autocast does not cast in this PyTorch (an op the
     installed version lacks, or does not yet list)."""
+    ops = set(torch._C._dispatch_get_all_op_names())
     has = torch._C._dispatch_has_kernel_for_dispatch_key
-    return {name: policy for name, policy in POLICY.items() if has(f"aten::{name}", "AutocastCUDA")}
+    return {
+        name: policy
+        for name, policy in POLICY.items()
+        if f"aten::{name}" in ops and has(f"aten::{name}", "AutocastCUDA")
+    }
 
 
-_APPEND = {"norm.Scalar": "ScalarOpt_dtype", "norm.ScalarOpt_dim": "ScalarOpt_dim_dtype"}
+_APPEND = {
+    "norm.Scalar": "ScalarOpt_dtype",
+    "norm.ScalarOpt_dim": "ScalarOpt_dim_dtype",
+    "norm.names_ScalarOpt_dim": "names_ScalarOpt_dim_dtype",
+}
 _BANNED = (
     "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast;"
     " use torch.nn.functional.binary_cross_entropy_with_logits or torch.nn.BCEWithLogitsLoss"
