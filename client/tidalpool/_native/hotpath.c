@@ -258,11 +258,13 @@ static int by_offset(const void *a, const void *b) {
 
 /* Ranks, aligned ends and `below` from the slots' sizes and offsets; bitmaps, all clear. */
 static int rank_slots(plan *pl, uint64_t align) {
-    uint64_t n = pl->n, words = 0;
+    uint64_t n = pl->n, words = 0, at[LEVELS]; /* at[k]: level k's first word */
     keyed *order = malloc((n + 1) * sizeof *order);
     pl->end = malloc((n + 1) * sizeof *pl->end);
-    for (uint64_t bits = n;; bits = (bits + 63) / 64) { /* level sizes, bottom up */
-        words += (bits + 63) / 64 + !bits;
+    pl->levels = 0;
+    for (uint64_t bits = n;; bits = (bits + 63) / 64) { /* a bit per word of the level below */
+        at[pl->levels++] = words;
+        words += bits ? (bits + 63) / 64 : 1;
         if (bits <= 64) break;
     }
     pl->held[0] = calloc(words, sizeof *pl->held[0]);
@@ -270,9 +272,7 @@ static int rank_slots(plan *pl, uint64_t align) {
         free(order);
         return -1;
     }
-    pl->levels = 1;
-    for (uint64_t bits = n; bits > 64; bits = (bits + 63) / 64, pl->levels++)
-        pl->held[pl->levels] = pl->held[pl->levels - 1] + (bits + 63) / 64;
+    for (unsigned k = 1; k < pl->levels; k++) pl->held[k] = pl->held[0] + at[k];
     for (uint64_t i = 0; i < n; i++) order[i] = (keyed){pl->slot[i].offset, i};
     qsort(order, n, sizeof *order, by_offset);
     for (uint64_t r = 0; r < n; r++) {
