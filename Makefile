@@ -10,8 +10,8 @@ STAMP  := $(VENV)/.installed-dev
 
 .PHONY: demo test lint typecheck unit stubs bench prometheus dashboards clean
 
-$(STAMP): pyproject.toml daemon/tidalpoold/planner/_exact.c client/tidalpool/_native/hotpath.c \
-          client/tidalpool/_native/hotpath.h client/tidalpool/_native/bench.c
+$(STAMP): pyproject.toml planner/tidalplan/_exact.c client/tidalclient/_native/hotpath.c \
+          client/tidalclient/_native/hotpath.h client/tidalclient/_native/bench.c
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "tidalpool needs Python >= 3.11, $(PYTHON) is " + sys.version.split()[0])'
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev]"

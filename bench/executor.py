@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tidalpool.executor import BestFit, Executor
-from tidalpool.planned import PlanTable
-from tidalpool.units import format_size
+from tidalclient.executor import BestFit, Executor
+from tidalclient.planned import PlanTable
+from tidalcore.units import format_size
 
 # The shared data sits beside the repository (../shared), as on every developer machine and CI.
 TRACES = (str(Path(__file__).resolve().parents[2] / "shared/traces/models"),)
@@ -302,10 +302,10 @@ EXECUTORS: list[Executor] = []
 
 def make_plan(path: Path, replay: Replay) -> PlanTable:
     """The daemon's plan for the replayed iteration: learn, place (exact search), validate."""
-    from tidalpoold.planner.learn import extract, to_problem
-    from tidalpoold.planner.placement import solve
-    from tidalpoold.planner.tracecsv import read_trace_csv
-    from tidalpoold.planner.validate import validate
+    from tidaloffline.formats import read_trace_csv
+    from tidalplan.learn import extract, to_problem
+    from tidalplan.placement import solve
+    from tidalplan.validate import validate
 
     events = read_trace_csv(path)
     iteration = extract(events, events.marks())

@@ -28,13 +28,13 @@ from pathlib import Path
 from typing import Any
 
 import cupy
+import tidalclient.cupy as tpc
 import tidalpool
-import tidalpool.cupy as tpc
-from tidalpool import status
-from tidalpool.demo.net import CupyMemory, Memory, peak_live_bytes, persistent_bytes, train
-from tidalpool.demo.run import SessionMemory
-from tidalpool.devices.cuda import swap_streams
-from tidalpool.local import LocalDaemon
+from tidalclient import status
+from tidalclient.demo.net import CupyMemory, Memory, peak_live_bytes, persistent_bytes, train
+from tidalclient.demo.run import SessionMemory
+from tidalclient.devices.cuda import swap_streams
+from tidalclient.local import LocalDaemon
 
 MiB, GiB = 1 << 20, 1 << 30
 

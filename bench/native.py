@@ -11,7 +11,7 @@ Pairs (ns per malloc+free pair; the median over rounds of round time / pairs in 
   - "via HotPath": the same script driven from Python, one `HotPath.alloc`/`free` per op
     (ctypes plus argument checks): what a Python caller pays, not what PyTorch pays.
   - "via raw ctypes": the same, calling the library's functions directly without the checks.
-  - "Python Executor": tidalpool.executor.Executor with the same plan, the baseline.
+  - "Python Executor": tidalclient.executor.Executor with the same plan, the baseline.
 Workloads: a synthetic plan of 1,024 slots of 1 MiB with no shared bytes, one alloc+free per
 slot; the same without a plan (online best-fit, one free range) and behind 1,000 free holes;
 and the steady iteration of a real trace (default ResNet-50, batch 32; see bench/executor.py
@@ -38,9 +38,9 @@ from typing import Any
 
 import numpy as np
 from executor import Replay, find_trace, load_replay, make_plan  # bench/executor.py
-from tidalpool.executor import Executor
-from tidalpool.native import EVENT_DTYPE, HotPath, library_path, load, recorder_events
-from tidalpool.planned import PlanTable
+from tidalclient.executor import Executor
+from tidalclient.native import EVENT_DTYPE, HotPath, library_path, load, recorder_events
+from tidalclient.planned import PlanTable
 
 BASE = 1 << 40  # the lease's address: nothing is dereferenced
 MiB = 1 << 20

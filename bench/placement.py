@@ -25,11 +25,11 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tidalpool.units import Tick
-from tidalpoold.planner.model import Buffer, Problem
-from tidalpoold.planner.placement import lower_bound, smartpool, solve
-from tidalpoold.planner.tracecsv import read_problem_csv
-from tidalpoold.planner.validate import validate
+from tidalcore.units import Tick
+from tidaloffline.formats import read_problem_csv
+from tidalplan.model import Buffer, Problem
+from tidalplan.placement import lower_bound, smartpool, solve
+from tidalplan.validate import validate
 
 SHARED = Path(__file__).resolve().parents[2] / "shared/traces"
 CHALLENGING = SHARED / "minimalloc/challenging"
@@ -58,8 +58,8 @@ def steady_iteration(path: Path) -> tuple[Problem, int] | None:
     """The trace's steady iteration as a problem (alignment 256) and its ticks; None without
     the learn module."""
     try:
-        from tidalpoold.planner.learn import extract, to_problem
-        from tidalpoold.planner.tracecsv import read_trace_csv
+        from tidaloffline.formats import read_trace_csv
+        from tidalplan.learn import extract, to_problem
     except ImportError:
         return None
     events = read_trace_csv(path)
@@ -115,11 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     exact = not args.no_exact
     if exact:
         try:
-            import tidalpoold.planner.exact  # noqa: F401
+            import tidalplan.exact  # noqa: F401
         except ImportError:
-            print(
-                "note: tidalpoold.planner.exact is not importable: heuristics only", file=sys.stderr
-            )
+            print("note: tidalplan.exact is not importable: heuristics only", file=sys.stderr)
     rows: list[Row] = []
 
     def emit(row: Row) -> None:
@@ -148,9 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     for path in sorted(MODELS.glob("*.trace.csv")):
         loaded = steady_iteration(path)
         if loaded is None:
-            print(
-                "note: tidalpoold.planner.learn is missing: model traces skipped", file=sys.stderr
-            )
+            print("note: tidalplan.learn is missing: model traces skipped", file=sys.stderr)
             break
         name = path.name.removesuffix(".trace.csv")
         emit(measure("model", name, loaded[0], args.time_limit, exact))

@@ -26,9 +26,10 @@ import grpc
 import numpy as np
 import tidalpool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tidalpool import status
-from tidalpool.local import LocalDaemon
-from tidalpool.recorder import ALLOC, FREE, OP, Recorder
+from tidalclient import status
+from tidalclient.local import LocalDaemon
+from tidalclient.recorder import Recorder
+from tidalcore.events import ALLOC, FREE, OP
 
 
 def percentiles(samples_ns: list[float]) -> dict[str, float]:

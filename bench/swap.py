@@ -33,15 +33,15 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tidalpool.units import Tick
-from tidalpoold.planner.autoswap import load, load_min, op_bound
-from tidalpoold.planner.autoswap_bo import tune
-from tidalpoold.planner.learn import extract
-from tidalpoold.planner.model import Access, Iteration, IterBlock, Op
-from tidalpoold.planner.simulate import no_limit, simulate
-from tidalpoold.planner.swap import BASELINE_POLICIES, POLICIES, plans
-from tidalpoold.planner.tracecsv import read_trace_csv
-from tidalpoold.planner.validate import validate_swaps
+from tidalcore.units import Tick
+from tidaloffline.formats import read_trace_csv
+from tidalplan.autoswap import load, load_min, op_bound
+from tidalplan.autoswap_bo import tune
+from tidalplan.learn import extract
+from tidalplan.model import Access, Iteration, IterBlock, Op
+from tidalplan.policies import BASELINE_POLICIES, POLICIES, plans
+from tidalplan.simulate import no_limit, simulate
+from tidalplan.validate import validate_swaps
 
 MODELS = Path(__file__).resolve().parents[2] / "shared/traces/models"
 BANDWIDTHS = (12.0, 50.0)

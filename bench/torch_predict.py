@@ -89,8 +89,8 @@ def recompute_rows(
     """Checkpointing every block and tidalpool's recompute plan at `limit` bytes."""
     import tidalpool.torch
     import torch
-    from tidalpoold.planner import learn
-    from tidalpoold.planner.autoswap import durations, load
+    from tidalplan import learn
+    from tidalplan.autoswap import durations, load
     from torch_train import LOOP, build
 
     model, make_batch, blocks = build(name, tiny)
@@ -159,9 +159,9 @@ def rows(
 ) -> dict[str, Any]:
     """The trace's peak and compute time, and each policy's result at `limit` bytes (None:
     half of the peak); with `fit`, made for a lower limit where the placement needs more."""
-    from tidalpoold.planner.autoswap import durations, load, op_bound
-    from tidalpoold.planner.simulate_cli import evaluate
-    from tidalpoold.planner.simulate_cli import load as load_trace
+    from tidaloffline.simulate_command import evaluate
+    from tidaloffline.simulate_command import load as load_trace
+    from tidalplan.autoswap import durations, load, op_bound
 
     it = load_trace(path)
     peak = int(load(it).max())
@@ -207,8 +207,8 @@ def phase_bound(it: Any, limit: int, gbps: float) -> int:
     import dataclasses
 
     import numpy as np
-    from tidalpoold.planner.autoswap import durations, load
-    from tidalpoold.planner.learn import live_bytes
+    from tidalplan.autoswap import durations, load
+    from tidalplan.learn import live_bytes
 
     compute = durations(it)
     if not len(compute):
@@ -222,7 +222,7 @@ def phase_bound(it: Any, limit: int, gbps: float) -> int:
 
 
 def main() -> None:
-    from tidalpool.units import parse_size
+    from tidalcore.units import parse_size
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="gpt2,resnet50")

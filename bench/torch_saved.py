@@ -33,7 +33,7 @@ from typing import Any
 import tidalpool
 import tidalpool.torch as tt
 import torch
-from tidalpool.local import LocalDaemon
+from tidalclient.local import LocalDaemon
 
 nn = torch.nn
 

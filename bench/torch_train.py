@@ -391,7 +391,7 @@ def main() -> None:
     if a.command == "child":
         print(json.dumps(child(a)))
         return
-    from tidalpool.local import LocalDaemon
+    from tidalclient.local import LocalDaemon
     from tidalpool.torch import saves_lease
 
     skip = set(a.skip.split(",")) - {""}

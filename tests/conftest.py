@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from tidalpool.local import LocalDaemon
+from tidalclient.local import LocalDaemon
 
 StartDaemon = Callable[..., LocalDaemon]
 

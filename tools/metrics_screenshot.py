@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tidalpool.local import LocalDaemon
+from tidalclient.local import LocalDaemon
 
 from tools.prometheus import Prometheus, ensure_prometheus, metrics_address
 from tools.workload import Job, Workload

@@ -23,11 +23,11 @@ from types import TracebackType
 
 import grpc
 import tidalpool
-from tidalpool.demo.net import peak_live_bytes, train
-from tidalpool.demo.run import SessionMemory
-from tidalpool.session import SessionStats
-from tidalpool.units import align_up
-from tidalpool.v1 import admin_pb2, admin_pb2_grpc
+from tidalclient.demo.net import peak_live_bytes, train
+from tidalclient.demo.run import SessionMemory
+from tidalclient.session import SessionStats
+from tidalcore.units import align_up
+from tidalcore.v1 import admin_pb2, admin_pb2_grpc
 
 
 @dataclass(frozen=True)

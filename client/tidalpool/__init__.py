@@ -3,13 +3,16 @@
 import tidalpool
 with tidalpool.attach(device_limit="2GiB") as session:
     x = session.array((1024, 1024), "float32")
+
+This package is the public face: the names a training job or a user needs, from the packages
+where they live (`tidalclient`, the client library; `tidaloffline`, the offline tools), and the
+`tidalpool` command (`tidalpool.cli`). Integrations: `tidalpool.torch`, `tidalpool.cupy`,
+`tidalpool.numpy`.
 """
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
-from tidalpool.errors import (
+from tidalclient.errors import (
     AttachError,
     InvalidBlock,
     LeaseExceeded,
@@ -17,8 +20,9 @@ from tidalpool.errors import (
     SessionClosed,
     TidalpoolError,
 )
-from tidalpool.executor import Block
-from tidalpool.session import Session, SessionStats, attach
+from tidalclient.executor import Block
+from tidalclient.session import Session, SessionStats, attach
+from tidalcore import __version__
 
 __all__ = [
     "AttachError",

@@ -1,5 +1,5 @@
-"""`tidalpool`: the command line (demo, status, top, health, and the planner's plan and
-simulate)."""
+"""`tidalpool`: the command line: demo, status, top and health (the client's views of a
+daemon) and plan and simulate (the offline tools)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,13 @@ from pathlib import Path
 
 import grpc
 from rich.console import Console
-
-from tidalpool import __version__
-from tidalpool.session import socket_dir_from_env
+from tidalclient import status as status_view
+from tidalclient import top as top_view
+from tidalclient.demo.run import run as run_demo
+from tidalclient.health import check
+from tidalclient.session import socket_dir_from_env
+from tidalcore import __version__
+from tidaloffline import plan_command, simulate_command
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,21 +104,17 @@ def main(argv: list[str] | None = None) -> int:
         metavar="SECONDS",
         help="how long to wait for the answer (default 5)",
     )
-    from tidalpoold.planner import plan_cli, simulate_cli
-
-    plan_cli.add_parser(commands)
-    simulate_cli.add_parser(commands)
+    plan_command.add_parser(commands)
+    simulate_command.add_parser(commands)
     args = parser.parse_args(argv)
     if args.command == "plan":
-        return plan_cli.run(args)
+        return plan_command.run(args)
     if args.command == "simulate":
-        return simulate_cli.run(args)
+        return simulate_command.run(args)
     socket_dir = socket_dir_from_env(args.socket_dir)
     console = Console()
 
     if args.command == "demo":
-        from tidalpool.demo.run import run
-
         if args.iterations is None:
             args.iterations = 20 if args.limit is None else 40
         if args.iterations < 1:
@@ -123,14 +123,12 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--limit must be a fraction in (0, 1]")
         if args.copy_gbps is not None and args.copy_gbps <= 0:
             parser.error("--copy-gbps must be positive")
-        ok = run(
+        ok = run_demo(
             socket_dir, args.iterations, console, args.limit, args.copy_gbps, backend=args.backend
         )
         return 0 if ok else 1
 
     if args.command == "top":
-        from tidalpool import top as top_view
-
         if not (args.interval > 0 and math.isfinite(args.interval)):
             parser.error("--interval must be a positive number of seconds")
         if args.iterations is not None and args.iterations < 1:
@@ -140,8 +138,6 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     if args.command == "health":
-        from tidalpool.health import check
-
         if not (args.timeout > 0 and math.isfinite(args.timeout)):
             parser.error("--timeout must be a positive number of seconds")
         answer = check(socket_dir, args.service, args.timeout)
@@ -150,8 +146,6 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stdout if answer.serving else sys.stderr,
         )
         return 0 if answer.serving else 1
-
-    from tidalpool import status as status_view
 
     try:
         pool, sessions = status_view.fetch(socket_dir)

@@ -1,3 +1,5 @@
 """tidalpoold: the per-GPU tidalpool daemon."""
 
-__version__ = "0.1.0"
+from tidalcore import __version__
+
+__all__ = ["__version__"]

@@ -19,17 +19,17 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from tidalpool import framing
-from tidalpool.v1 import handles_pb2
+from tidalcore import framing
+from tidalcore.errors import Failure, InvalidArgument, PermissionDenied, status_of
+from tidalcore.v1 import handles_pb2
+from tidalcore.wire import HANDLES_VERSION
 
 from tidalpoold.backends.base import Backend
-from tidalpoold.errors import Failure, InvalidArgument, PermissionDenied, status_of
 from tidalpoold.sessions import Registry, lease_message
 
 log = logging.getLogger("tidalpoold.handles")
 
 _PEERCRED = struct.Struct("3i")
-VERSION = 2  # of the handles protocol (handles.proto)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,9 +118,10 @@ class HandlesServer:
             for fd in fds:  # a client has no business sending fds
                 os.close(fd)
             admit(peer, self.own_uid, self.allowed_gids)
-            if request.version != VERSION:
+            if request.version != HANDLES_VERSION:
                 raise InvalidArgument(
-                    f"handles protocol version {request.version} is not supported ({VERSION})"
+                    f"handles protocol version {request.version} is not supported"
+                    f" ({HANDLES_VERSION})"
                 )
             session = self.registry.open(
                 request.device_bytes, request.host_bytes, request.job_name, peer.pid, peer.uid

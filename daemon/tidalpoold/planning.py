@@ -26,11 +26,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tidalpool.units import ALIGNMENT, Bytes, Offset
-from tidalpool.v1 import pool_pb2
+from tidalcore.units import ALIGNMENT, Bytes, Offset
+from tidalcore.v1 import pool_pb2
+from tidalplan.model import Iteration, Placement, Problem
+from tidalplan.simulate import SwapPlan
 
-from tidalpoold.planner.model import Iteration, Placement, Problem
-from tidalpoold.planner.simulate import SwapPlan
 from tidalpoold.sessions import PlanFootprint, Session
 from tidalpoold.settings import Settings
 
@@ -156,7 +156,7 @@ class Planner:
         self, key: bytes, problem: Problem, mapping: list[int], sizes: list[int]
     ) -> Placement | None:
         """The cached plan of this signature as a placement, if it fits this iteration."""
-        from tidalpoold.planner.validate import InvalidPlacement, validate
+        from tidalplan.validate import InvalidPlacement, validate
 
         plan = self.cache.get(key)
         if plan is None or list(plan.sizes) != sizes:
@@ -174,10 +174,10 @@ class Planner:
         return placement
 
     def plan(self, session: Session) -> pool_pb2.PlanUpdate:
-        from tidalpoold.planner.learn import extract, signature, to_problem
-        from tidalpoold.planner.placement import lower_bound, solve
-        from tidalpoold.planner.tracecsv import Events
-        from tidalpoold.planner.validate import validate
+        from tidalcore.events import Events
+        from tidalplan.learn import extract, signature, to_problem
+        from tidalplan.placement import lower_bound, solve
+        from tidalplan.validate import validate
 
         started = time.perf_counter()
         trace = session.trace
@@ -204,11 +204,13 @@ class Planner:
             self.cache.put(plan)
             self.plans_made += 1
         if session.swap_limit:
-            from tidalpoold.planner import swap
+            from tidalplan import policies
 
             gbps = self.swap_gbps(session)
             add_swaps(
-                plan, iteration, swap.plan(iteration, "tidalpool", session.swap_limit, gbps, gbps)
+                plan,
+                iteration,
+                policies.plan(iteration, "tidalpool", session.swap_limit, gbps, gbps),
             )
         bound = lower_bound(problem)
         with self._lock:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from tidalpool.units import Bytes, format_size
+from tidalcore.units import Bytes, format_size
 
 
 class PoolExhausted(Exception):

@@ -13,8 +13,7 @@ from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError, Message
-
-from tidalpoold.errors import InvalidArgument, status_of
+from tidalcore.errors import InvalidArgument, status_of
 
 log = logging.getLogger("tidalpoold.rpc")
 

@@ -10,18 +10,16 @@ from collections.abc import Iterator
 from typing import Any
 
 import grpc
-from tidalpool.v1 import admin_pb2, pool_pb2
+from tidalcore.errors import Failure, InvalidArgument, Unauthenticated, status_of
+from tidalcore.v1 import admin_pb2, pool_pb2
+from tidalcore.wire import STREAM_OPEN_KEY, TOKEN_KEY
 
 from tidalpoold import __version__
-from tidalpoold.errors import Failure, InvalidArgument, Unauthenticated, status_of
 from tidalpoold.planning import Planner
 from tidalpoold.rpc import bidi_stream, parse, service, unary
 from tidalpoold.sessions import Reason, Registry, Session, lease_message
 
 log = logging.getLogger("tidalpoold.services")
-
-TOKEN_KEY = "tidalpool-token"
-STREAM_OPEN_KEY = "tidalpool-stream"  # header the daemon sends once a session stream is open
 
 
 class PoolService:

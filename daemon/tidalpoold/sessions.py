@@ -23,10 +23,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from typing import TypeAlias
 
-from tidalpool.v1 import common_pb2, pool_pb2
+from tidalcore.errors import FailedPrecondition, NotFound, ResourceExhausted
+from tidalcore.v1 import common_pb2, pool_pb2
 
 from tidalpoold.backends.base import Backend
-from tidalpoold.errors import FailedPrecondition, NotFound, ResourceExhausted
 from tidalpoold.pool import Lease, PoolAccount, PoolExhausted
 from tidalpoold.settings import Settings
 from tidalpoold.trace import TraceStore

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tidalpool.units import Bytes, format_size, parse_size
+from tidalcore.units import Bytes, format_size, parse_size
+from tidalcore.wire import GRPC_SOCKET, HANDLES_SOCKET
 
 ENV_PREFIX = "TIDALPOOLD_"
 CONFIG_ENV = "TIDALPOOLD_CONFIG"
@@ -327,12 +328,12 @@ class Settings:
     @property
     def grpc_socket(self) -> Path:
         """The gRPC (Attach, Session stream, Admin) Unix socket."""
-        return self.socket_dir / "tidalpool.sock"
+        return self.socket_dir / GRPC_SOCKET
 
     @property
     def handles_socket(self) -> Path:
         """The Unix socket that checks the peer and passes lease fds."""
-        return self.socket_dir / "handles.sock"
+        return self.socket_dir / HANDLES_SOCKET
 
 
 _FIELDS = dataclasses.fields(Settings)

@@ -12,9 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
-from tidalpool.v1 import pool_pb2
-
-from tidalpoold.errors import InvalidArgument
+from tidalcore.errors import InvalidArgument
+from tidalcore.v1 import pool_pb2
 
 _MAX_KIND = max(pool_pb2.EventKind.values())
 

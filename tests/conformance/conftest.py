@@ -21,10 +21,10 @@ from typing import Any
 import numpy as np
 import pytest
 import tidalpool
-from tidalpool import status
-from tidalpool.devices.cuda_driver import DevicePtr, StreamHandle
-from tidalpool.executor import Block
-from tidalpool.local import LocalDaemon
+from tidalclient import status
+from tidalclient.executor import Block
+from tidalclient.local import LocalDaemon
+from tidalcore.cuda_driver import DevicePtr, StreamHandle
 
 from ..conftest import StartDaemon
 from ..gpu.conftest import gpu_missing, nvml_used

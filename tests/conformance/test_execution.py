@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 import tidalpool
-from tidalpool.local import LocalDaemon
+from tidalclient.local import LocalDaemon
 
 from ..integration.test_planning import iteration, run_until_planned
 from .conftest import fill, host_copy

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tidalpool
-from tidalpool import status
-from tidalpool.local import LocalDaemon
+from tidalclient import status
+from tidalclient.local import LocalDaemon
 
 from .conftest import CHUNK, block_bytes, mapped_files
 

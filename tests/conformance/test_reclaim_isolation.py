@@ -9,9 +9,9 @@ import time
 
 import pytest
 import tidalpool
-from tidalpool import status
-from tidalpool.handles import request_lease
-from tidalpool.local import LocalDaemon
+from tidalclient import status
+from tidalclient.handles import request_lease
+from tidalclient.local import LocalDaemon
 
 from ..integration.test_faults import ask, spawn_worker
 from .conftest import CHUNK, block_bytes, mapped_files, physical_device_probe

@@ -15,12 +15,12 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from tidalpool.native import ALLOC_SYMBOL, FREE_SYMBOL, HotPath, library_path
-from tidalpool.planned import PlanTable
-from tidalpoold.planner.learn import extract, to_problem
-from tidalpoold.planner.placement import solve
-from tidalpoold.planner.tracecsv import Events
-from tidalpoold.planner.validate import validate
+from tidalclient.native import ALLOC_SYMBOL, FREE_SYMBOL, HotPath, library_path
+from tidalclient.planned import PlanTable
+from tidalcore.events import Events
+from tidalplan.learn import extract, to_problem
+from tidalplan.placement import solve
+from tidalplan.validate import validate
 
 LEASE = 2 << 30
 STEPS = 10

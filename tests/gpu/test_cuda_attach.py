@@ -13,8 +13,8 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from tidalpool import status
-from tidalpool.local import LocalDaemon
+from tidalclient import status
+from tidalclient.local import LocalDaemon
 
 from ..conftest import StartDaemon
 from .conftest import nvml_used

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Iterator
 
 import pytest
-from tidalpool.devices.cuda_driver import CudaDriver, DevicePtr
+from tidalcore.cuda_driver import CudaDriver, DevicePtr
 from tidalpoold.backends.base import Pool
 from tidalpoold.backends.cuda import CudaBackend, CudaBackendError
 
@@ -54,8 +54,8 @@ def write_device(backend: CudaBackend, index: int, data: bytes) -> None:
 # prints one JSON line. Spawned fresh (CUDA does not survive fork).
 CHILD = r"""
 import json, os, sys
-from tidalpool.devices.cuda import CudaDeviceMapping
-from tidalpool.devices.cuda_driver import CudaDriver
+from tidalclient.devices.cuda import CudaDeviceMapping
+from tidalcore.cuda_driver import CudaDriver
 
 args = json.loads(sys.argv[1])
 driver = CudaDriver()

@@ -10,9 +10,9 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
-from tidalpool.devices.cuda import CudaHostMapping
-from tidalpool.devices.cuda_driver import CudaDriver
-from tidalpool.executor import Block, Executor
+from tidalclient.executor import Block, Executor
+from tidalcore.chunks import PinnedChunkMapping
+from tidalcore.cuda_driver import CudaDriver
 
 MiB = 1 << 20
 
@@ -25,7 +25,7 @@ class Lease:
 class GpuSession:
     """The parts of a Session that tidalpool.cupy uses, over real device and pinned memory."""
 
-    def __init__(self, driver: CudaDriver, device_bytes: int, host: CudaHostMapping) -> None:
+    def __init__(self, driver: CudaDriver, device_bytes: int, host: PinnedChunkMapping) -> None:
         self.executor = Executor(device_bytes)
         self.device = Lease(int(driver.mem_alloc(device_bytes)), device_bytes)
         self.host = host
@@ -49,13 +49,13 @@ class GpuSession:
 @pytest.fixture
 def session() -> Iterator[tuple[Any, GpuSession]]:
     cupy = pytest.importorskip("cupy")
-    import tidalpool.cupy as tpc
+    import tidalclient.cupy as tpc
 
     driver = CudaDriver()
     driver.open_device(0)
     fd = os.memfd_create("tidalpool-test-host", os.MFD_CLOEXEC)
     os.ftruncate(fd, 4 * MiB)
-    host = CudaHostMapping(driver, [fd], 4 * MiB)
+    host = PinnedChunkMapping(driver, [fd], 4 * MiB)
     os.close(fd)
     s = GpuSession(driver, 64 * MiB, host)
     yield cupy, s
@@ -68,7 +68,7 @@ def session() -> Iterator[tuple[Any, GpuSession]]:
 
 
 def test_device_arrays_live_in_the_lease(session: tuple[Any, GpuSession]) -> None:
-    import tidalpool.cupy as tpc
+    import tidalclient.cupy as tpc
 
     cupy, s = session
     tpc.use(s, device=0)  # type: ignore[arg-type]
@@ -88,7 +88,7 @@ def test_device_arrays_live_in_the_lease(session: tuple[Any, GpuSession]) -> Non
 
 def test_pinned_arrays_live_in_the_host_lease(session: tuple[Any, GpuSession]) -> None:
     import cupyx
-    import tidalpool.cupy as tpc
+    import tidalclient.cupy as tpc
 
     cupy, s = session
     tpc.use(s, device=0)  # type: ignore[arg-type]
@@ -100,7 +100,7 @@ def test_pinned_arrays_live_in_the_host_lease(session: tuple[Any, GpuSession]) -
 
 
 def test_ops_record_cupy_arrays_by_block(session: tuple[Any, GpuSession]) -> None:
-    import tidalpool.cupy as tpc
+    import tidalclient.cupy as tpc
 
     cupy, s = session
     allocator = tpc.use(s, pinned=False, device=0)  # type: ignore[arg-type]

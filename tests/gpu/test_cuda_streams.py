@@ -8,16 +8,17 @@ import random
 from collections.abc import Iterator
 
 import pytest
-from tidalpool.devices.cuda import CudaHostMapping, CudaStream, swap_streams
-from tidalpool.devices.cuda_driver import CudaDriver, DevicePtr
-from tidalpool.devices.streams import StreamError
+from tidalclient.devices.cuda import CudaStream, swap_streams
+from tidalclient.devices.streams import StreamError
+from tidalcore.chunks import PinnedChunkMapping
+from tidalcore.cuda_driver import CudaDriver, DevicePtr
 
 MiB = 1 << 20
 SIZE = 32 * MiB
 
 
 @pytest.fixture
-def gpu() -> Iterator[tuple[CudaDriver, CudaHostMapping, DevicePtr]]:
+def gpu() -> Iterator[tuple[CudaDriver, PinnedChunkMapping, DevicePtr]]:
     driver = CudaDriver()
     driver.open_device(0)
     fds = []
@@ -25,7 +26,7 @@ def gpu() -> Iterator[tuple[CudaDriver, CudaHostMapping, DevicePtr]]:
         fd = os.memfd_create("tidalpool-test-host", os.MFD_CLOEXEC)
         os.ftruncate(fd, SIZE)
         fds.append(fd)
-    host = CudaHostMapping(driver, fds, SIZE)
+    host = PinnedChunkMapping(driver, fds, SIZE)
     for fd in fds:
         os.close(fd)
     device = driver.mem_alloc(2 * SIZE)
@@ -35,7 +36,9 @@ def gpu() -> Iterator[tuple[CudaDriver, CudaHostMapping, DevicePtr]]:
     driver.close_device()
 
 
-def test_out_and_back_in_is_bit_exact(gpu: tuple[CudaDriver, CudaHostMapping, DevicePtr]) -> None:
+def test_out_and_back_in_is_bit_exact(
+    gpu: tuple[CudaDriver, PinnedChunkMapping, DevicePtr],
+) -> None:
     driver, host, device = gpu
     assert host.registered
     data = random.Random(7).randbytes(SIZE)
@@ -55,7 +58,7 @@ def test_out_and_back_in_is_bit_exact(gpu: tuple[CudaDriver, CudaHostMapping, De
 
 
 def test_host_functions_run_in_stream_order(
-    gpu: tuple[CudaDriver, CudaHostMapping, DevicePtr],
+    gpu: tuple[CudaDriver, PinnedChunkMapping, DevicePtr],
 ) -> None:
     driver, host, device = gpu
     s = CudaStream(driver, "s", "h2d")
@@ -75,7 +78,7 @@ def test_host_functions_run_in_stream_order(
 
 
 def test_the_compute_stream_waits_for_a_swap_in(
-    gpu: tuple[CudaDriver, CudaHostMapping, DevicePtr],
+    gpu: tuple[CudaDriver, PinnedChunkMapping, DevicePtr],
 ) -> None:
     driver, host, device = gpu
     host.buffer(0, SIZE)[:] = b"\x5a" * SIZE
@@ -91,7 +94,7 @@ def test_the_compute_stream_waits_for_a_swap_in(
     into.close()
 
 
-def test_event_wait_with_a_timeout(gpu: tuple[CudaDriver, CudaHostMapping, DevicePtr]) -> None:
+def test_event_wait_with_a_timeout(gpu: tuple[CudaDriver, PinnedChunkMapping, DevicePtr]) -> None:
     driver, host, device = gpu
     s = CudaStream(driver, "s", "d2h")
     for _ in range(8):

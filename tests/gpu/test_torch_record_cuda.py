@@ -13,11 +13,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from tidaloffline.torch.attention import fused_attention, kernel  # noqa: E402
+from tidaloffline.torch.autocast import meta_autocast  # noqa: E402
+from tidalplan import learn  # noqa: E402
+from tidalplan.autoswap import load  # noqa: E402
 from tidalpool.torch import record  # noqa: E402
-from tidalpool.torch.attention import fused_attention, kernel  # noqa: E402
-from tidalpool.torch.autocast import meta_autocast  # noqa: E402
-from tidalpoold.planner import learn  # noqa: E402
-from tidalpoold.planner.autoswap import load  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tidalpool.local import LocalDaemon
+from tidalclient.local import LocalDaemon
 
 pytest.importorskip("torch")
 

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import tidalpool
-from tidalpool.local import LocalDaemon, is_serving
+from tidalclient.local import LocalDaemon, is_serving
 
 from ..conftest import StartDaemon
 

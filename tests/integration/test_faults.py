@@ -13,9 +13,10 @@ import grpc
 import numpy as np
 import pytest
 import tidalpool
-from tidalpool import framing, status
-from tidalpool.local import LocalDaemon
-from tidalpool.v1 import admin_pb2, admin_pb2_grpc, common_pb2, handles_pb2, pool_pb2, pool_pb2_grpc
+from tidalclient import status
+from tidalclient.local import LocalDaemon
+from tidalcore import framing
+from tidalcore.v1 import admin_pb2, admin_pb2_grpc, common_pb2, handles_pb2, pool_pb2, pool_pb2_grpc
 
 from ..conftest import StartDaemon
 
@@ -212,8 +213,8 @@ def test_peer_with_another_uid_is_refused(start_daemon: StartDaemon) -> None:
     os.chmod(d.socket_dir, 0o755)
     code = (
         "import os, sys, pathlib\n"
-        "from tidalpool.handles import request_lease\n"
-        "from tidalpool.errors import AttachError\n"
+        "from tidalclient.handles import request_lease\n"
+        "from tidalclient.errors import AttachError\n"
         "os.setgid(65534); os.setgroups([]); os.setuid(65534)  # after the imports: /root is 0700\n"
         "try:\n"
         f"    request_lease(pathlib.Path({str(d.socket_dir / 'handles.sock')!r}), 0, 0, 'x')\n"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tidalpool.local import LocalDaemon
+from tidalclient.local import LocalDaemon
 
 from .test_cli import run_cli
 

@@ -7,7 +7,7 @@ import time
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
-from tidalpool.session import SessionStats
+from tidalclient.session import SessionStats
 
 from tools.prometheus import metrics_address
 from tools.workload import Job, Workload

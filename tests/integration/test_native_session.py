@@ -13,9 +13,9 @@ import time
 
 import pytest
 import tidalpool
-from tidalpool.native import HotPath, NativeError
-from tidalpool.native_executor import NativeAllocator, NativeExecutor
-from tidalpool.status import fetch
+from tidalclient.native import HotPath, NativeError
+from tidalclient.native_executor import NativeAllocator, NativeExecutor
+from tidalclient.status import fetch
 
 from ..conftest import StartDaemon
 

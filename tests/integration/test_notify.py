@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from tidalpool.local import LocalDaemon, is_serving
+from tidalclient.local import LocalDaemon, is_serving
 
 from ..conftest import StartDaemon
 

@@ -48,7 +48,7 @@ def test_the_next_run_of_the_same_job_gets_its_plan_from_the_cache(
 
 
 def test_a_corrupted_cached_plan_is_refused_and_solved_again(start_daemon: StartDaemon) -> None:
-    from tidalpool.v1 import pool_pb2
+    from tidalcore.v1 import pool_pb2
 
     d = start_daemon()
     with tidalpool.attach(d.socket_dir, device_limit="8MiB") as s:

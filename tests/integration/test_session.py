@@ -8,8 +8,9 @@ import grpc
 import numpy as np
 import pytest
 import tidalpool
-from tidalpool import status
-from tidalpool.local import LocalDaemon
+from tidalclient import status
+from tidalclient.local import LocalDaemon
+from tidalcore.events import OP
 
 from ..conftest import StartDaemon
 
@@ -69,7 +70,7 @@ def test_an_op_the_session_cannot_see_is_recorded_with_its_duration(daemon: Loca
     s.recorder.record = lambda *event: (sent.append(event), record(*event))  # type: ignore[method-assign]
     s.record_op("forward", 1_500_000)
     (event,) = sent
-    assert event == (tidalpool.recorder.OP, 0, 0, 1_500_000, s.recorder.name_id("forward"))
+    assert event == (OP, 0, 0, 1_500_000, s.recorder.name_id("forward"))
     with pytest.raises(ValueError, match="negative time"):
         s.record_op("forward", -1)
     s.close()
@@ -106,7 +107,7 @@ def test_health_and_reflection_are_served(daemon: LocalDaemon) -> None:
 
 
 def test_a_lease_never_attached_is_reclaimed(start_daemon: StartDaemon) -> None:
-    from tidalpool.handles import request_lease
+    from tidalclient.handles import request_lease
 
     with start_daemon("--attach-timeout-s", "0.5") as d:
         grant = request_lease(d.socket_dir / "handles.sock", 0, 0, "never-attaches")

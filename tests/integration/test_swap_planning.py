@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 
 import tidalpool
-from tidalpool.local import LocalDaemon
-from tidalpool.swap import DEVICE, HOST, LEAVING, SwappingExecutor
+from tidalclient.local import LocalDaemon
+from tidalclient.swap import DEVICE, HOST, LEAVING, SwappingExecutor
 
 KiB = 1024
 

@@ -8,8 +8,8 @@ import threading
 import numpy as np
 import pytest
 import tidalpool
-from tidalpool.local import LocalDaemon
-from tidalpool.numpy import Tensor
+from tidalclient.local import LocalDaemon
+from tidalclient.numpy import Tensor
 
 KiB = 1024
 
@@ -70,7 +70,7 @@ def test_pinned_arrays_stay_while_tensors_swap(daemon: LocalDaemon) -> None:
 
 
 def tidalpool_block(arr: np.ndarray) -> tidalpool.Block:
-    from tidalpool.numpy import block_of
+    from tidalclient.numpy import block_of
 
     return block_of(arr)
 
@@ -126,7 +126,7 @@ def test_copy_bandwidth_must_be_positive(daemon: LocalDaemon) -> None:
 def test_an_op_recorded_with_record_op_counts_in_the_swap_schedule(daemon: LocalDaemon) -> None:
     """The daemon numbers every op of the trace, those of record_op included: a swap scheduled
     after such an op starts right after it, not one op later."""
-    from tidalpool.swap import DEVICE, HOST, LEAVING, ScheduledSwap, SwappingExecutor
+    from tidalclient.swap import DEVICE, HOST, LEAVING, ScheduledSwap, SwappingExecutor
 
     with tidalpool.attach(daemon.socket_dir, swap_limit="1MiB", host_limit="1MiB") as s:
         executor = s.executor

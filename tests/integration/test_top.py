@@ -11,9 +11,9 @@ import sys
 import time
 
 import tidalpool
-from tidalpool.local import LocalDaemon
-from tidalpool.status import fetch
-from tidalpool.units import format_size
+from tidalclient.local import LocalDaemon
+from tidalclient.status import fetch
+from tidalcore.units import format_size
 
 from ..conftest import StartDaemon
 from .test_cli import run_cli

@@ -12,9 +12,9 @@ torch = pytest.importorskip("torch")
 
 import tidalpool  # noqa: E402
 import tidalpool.torch as tt  # noqa: E402
-from tidalpool.local import LocalDaemon  # noqa: E402
-from tidalpool.session import Session  # noqa: E402
-from tidalpool.swap import DEVICE, HOST, SwappingExecutor  # noqa: E402
+from tidalclient.local import LocalDaemon  # noqa: E402
+from tidalclient.session import Session  # noqa: E402
+from tidalclient.swap import DEVICE, HOST, SwappingExecutor  # noqa: E402
 
 nn = torch.nn
 KiB = 1024

@@ -22,7 +22,7 @@ def main() -> None:
     session = tidalpool.attach(socket_dir, device_limit="16MiB", job_name=f"worker-{seed}")
     if session.cuda is not None:  # GPU memory: CuPy arrays allocated from the lease
         import cupy
-        import tidalpool.cupy as tpc
+        import tidalclient.cupy as tpc
 
         cupy.cuda.Device(session.cuda.ordinal).use()
         tpc.use(session, pinned=False)

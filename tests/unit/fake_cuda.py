@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tidalpool.devices.cuda_driver import (
+from tidalcore.cuda_driver import (
     CudaError,
     DeviceFacts,
     DevicePtr,

@@ -11,8 +11,8 @@ allocation order.
 
 from __future__ import annotations
 
-from tidalpool.units import Bytes, Tick
-from tidalpoold.planner.model import Access, Iteration, IterBlock, Op
+from tidalcore.units import Bytes, Tick
+from tidalplan.model import Access, Iteration, IterBlock, Op
 
 
 def build(steps: list[str], persistent: dict[str, int] | None = None) -> Iteration:

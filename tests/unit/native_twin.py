@@ -11,10 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from tidalpool.errors import LeaseExceeded
-from tidalpool.executor import Block, Executor
-from tidalpool.native import HotPath, library_path
-from tidalpool.planned import PlanTable
+from tidalclient.errors import LeaseExceeded
+from tidalclient.executor import Block, Executor
+from tidalclient.native import HotPath, library_path
+from tidalclient.planned import PlanTable
 
 BASE = 1 << 40  # the lease's address: a number, never dereferenced
 
@@ -88,9 +88,9 @@ class Twin:
 
 def trace_plan(path: Path) -> tuple[PlanTable, list[tuple[str, int, int]]]:
     """The daemon's plan for a trace's steady iteration, and the trace's alloc/free/iter events."""
-    from tidalpoold.planner.learn import extract, to_problem
-    from tidalpoold.planner.placement import solve
-    from tidalpoold.planner.tracecsv import read_trace_csv
+    from tidaloffline.formats import read_trace_csv
+    from tidalplan.learn import extract, to_problem
+    from tidalplan.placement import solve
 
     events = read_trace_csv(path)
     iteration = extract(events, events.marks())

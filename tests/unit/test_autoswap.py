@@ -7,8 +7,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tidalpool.units import Bytes, Tick
-from tidalpoold.planner.autoswap import (
+from tidalcore.units import Bytes, Tick
+from tidaloffline.formats import read_trace_csv
+from tidalplan.autoswap import (
     SCORES,
     Candidate,
     aoa,
@@ -22,9 +23,8 @@ from tidalpoold.planner.autoswap import (
     swap_in_tick,
     wdoa,
 )
-from tidalpoold.planner.learn import extract
-from tidalpoold.planner.simulate import Swap, SwapPlan, no_limit, simulate
-from tidalpoold.planner.tracecsv import read_trace_csv
+from tidalplan.learn import extract
+from tidalplan.simulate import Swap, SwapPlan, no_limit, simulate
 
 from .iterations import build
 

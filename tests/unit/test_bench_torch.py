@@ -98,8 +98,8 @@ def test_the_prediction_records_simulates_and_compares_with_the_bandwidth_bound(
 def test_the_phase_bound_counts_when_copies_can_run() -> None:
     import dataclasses
 
-    from tidalpool.units import Bytes, Tick
-    from tidalpoold.planner.model import IterBlock
+    from tidalcore.units import Bytes, Tick
+    from tidalplan.model import IterBlock
     from torch_predict import phase_bound
 
     from tests.unit.iterations import build
@@ -119,11 +119,11 @@ def test_the_phase_bound_counts_when_copies_can_run() -> None:
 
 @pytest.mark.parametrize("trace", ["resnet50.b32", "gpt2.b4"])
 def test_no_swap_schedule_beats_the_phase_bound(trace: str) -> None:
-    from tidalpoold.planner import learn
-    from tidalpoold.planner.autoswap import durations, load
-    from tidalpoold.planner.simulate import simulate
-    from tidalpoold.planner.swap import plan as swap_plan
-    from tidalpoold.planner.tracecsv import read_trace_csv
+    from tidaloffline.formats import read_trace_csv
+    from tidalplan import learn
+    from tidalplan.autoswap import durations, load
+    from tidalplan.policies import plan as swap_plan
+    from tidalplan.simulate import simulate
     from torch_predict import phase_bound
 
     from tests.conftest import shared_file
@@ -146,9 +146,9 @@ def test_no_swap_schedule_beats_the_phase_bound(trace: str) -> None:
 
 def test_the_child_recomputes_the_blocks_the_plan_picks_for_its_limit(tmp_path: Path) -> None:
     import torch
+    from tidalplan import learn
+    from tidalplan.autoswap import load
     from tidalpool.torch import record
-    from tidalpoold.planner import learn
-    from tidalpoold.planner.autoswap import load
     from torch_train import LOOP, build
 
     model, make_batch, _ = build("gpt2", True)

@@ -152,7 +152,15 @@ def test_the_build_context_builds_the_package_with_its_extension(tmp_path: Path)
                 (context / relative).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy(path, context / relative)
     sent = sorted(p.relative_to(context).as_posix() for p in context.rglob("*") if p.is_file())
-    assert {s.split("/")[0] for s in sent} == {"README.md", "client", "daemon", "pyproject.toml"}
+    assert {s.split("/")[0] for s in sent} == {
+        "README.md",
+        "core",
+        "planner",
+        "client",
+        "daemon",
+        "offline",
+        "pyproject.toml",
+    }
     assert not [s for s in sent if s.endswith(".so") or "__pycache__" in s]
     # Every COPY of the build stage names something in the context.
     for keyword, value in instructions():
@@ -171,8 +179,8 @@ def test_the_build_context_builds_the_package_with_its_extension(tmp_path: Path)
     assert out.returncode == 0, out.stderr
     (wheel,) = (tmp_path / "wheels").glob("tidalpool-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert any(re.fullmatch(r"tidalpoold/planner/_exact\.cpython-.*\.so", n) for n in names)
-    assert {"tidalpool/health.py", "tidalpool/top.py", "tidalpoold/notify.py"} <= set(names)
+    assert any(re.fullmatch(r"tidalplan/_exact\.cpython-.*\.so", n) for n in names)
+    assert {"tidalclient/health.py", "tidalclient/top.py", "tidalpoold/notify.py"} <= set(names)
     entry_points = zipfile.ZipFile(wheel).read(
         next(n for n in names if n.endswith("entry_points.txt"))
     )

@@ -18,12 +18,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tidalpool
-from tidalpool.devices.cuda import CudaDeviceMapping, CudaHostMapping, CudaStream
-from tidalpool.devices.lease import map_grant
-from tidalpool.errors import AttachError, InvalidBlock, NotHostMemory
-from tidalpool.handles import Grant, request_lease
-from tidalpool.swap import SwappingExecutor
-from tidalpool.units import Bytes
+from tidalclient.devices.cuda import CudaDeviceMapping, CudaStream
+from tidalclient.devices.lease import map_grant
+from tidalclient.errors import AttachError, InvalidBlock, NotHostMemory
+from tidalclient.handles import Grant, request_lease
+from tidalclient.swap import SwappingExecutor
+from tidalcore.chunks import PinnedChunkMapping
+from tidalcore.units import Bytes
 from tidalpoold import server
 from tidalpoold.backends.cuda import CudaBackend
 from tidalpoold.server import Daemon, build_daemon
@@ -121,7 +122,7 @@ def test_a_vmm_lease_maps_the_sessions_own_chunks_on_the_daemons_gpu(vmm: CudaDa
         assert s.cuda is not None
         assert (s.cuda.mode, s.cuda.ordinal, s.cuda.pci_bus_id) == ("vmm", 0, BUS)
         assert client.calls[:2] == [("device_by_pci_bus_id", BUS), ("open_device", 0)]
-        assert isinstance(s.device, CudaDeviceMapping) and isinstance(s.host, CudaHostMapping)
+        assert isinstance(s.device, CudaDeviceMapping) and isinstance(s.host, PinnedChunkMapping)
         assert (s.device.length, s.host.length) == (2 * C, C)
         # The range reaches exactly the session's chunks (1 and 2: `other` holds 0), in order.
         mine = [vmm.chunk_phys(1), vmm.chunk_phys(2)]
@@ -203,7 +204,7 @@ def test_a_tensors_view_on_cuda_is_a_cupy_array_over_its_device_bytes(
 def test_op_on_cuda_takes_cupy_arrays_and_blocks(
     vmm: CudaDaemon, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import tidalpool.cupy as tpc
+    import tidalclient.cupy as tpc
 
     cupy = fake_cupy()
     monkeypatch.setitem(sys.modules, "cupy", cupy)

@@ -7,9 +7,9 @@ import os
 from pathlib import Path
 
 import pytest
-from tidalpool.devices.cuda_driver import CudaError, DevicePtr
-from tidalpool.units import Bytes
-from tidalpool.v1 import pool_pb2
+from tidalcore.cuda_driver import CudaError, DevicePtr
+from tidalcore.units import Bytes
+from tidalcore.v1 import pool_pb2
 from tidalpoold.backends import SimBackend
 from tidalpoold.backends import cuda as cuda_backend
 from tidalpoold.backends.cuda import (

@@ -13,17 +13,17 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
-from tidalpool.devices.cuda import (
+from tidalclient.devices.cuda import (
     CudaDeviceMapping,
-    CudaHostMapping,
     CudaStream,
     IpcDeviceMapping,
     swap_streams,
 )
-from tidalpool.devices.cuda_driver import CudaError, DevicePtr, MemHandle
-from tidalpool.devices.streams import StreamError
-from tidalpool.errors import InvalidBlock
-from tidalpool.executor import Block, Executor
+from tidalclient.devices.streams import StreamError
+from tidalclient.errors import InvalidBlock
+from tidalclient.executor import Block, Executor
+from tidalcore.chunks import PinnedChunkMapping
+from tidalcore.cuda_driver import CudaError, DevicePtr, MemHandle
 
 from tests.unit.fake_cuda import FakeDriver
 
@@ -177,7 +177,7 @@ def memfd(content: bytes) -> int:
 def test_host_lease_is_its_memfd_chunks_in_order_and_pinned() -> None:
     fake = FakeDriver(granularity=GRAN)
     a, b = memfd(b"a" * C), memfd(b"b" * C)
-    m = CudaHostMapping(fake, [b, a], C)
+    m = PinnedChunkMapping(fake, [b, a], C)
     assert fake.registered == {m.address: 2 * C}
     assert bytes(m.buffer(0, 2)) == b"bb" and bytes(m.buffer(C, 2)) == b"aa"
     m.buffer(C, 3)[:] = b"xyz"
@@ -196,7 +196,7 @@ def test_host_lease_is_its_memfd_chunks_in_order_and_pinned() -> None:
 
 def test_host_chunks_must_be_whole_pages() -> None:
     with pytest.raises(ValueError, match="page size"):
-        CudaHostMapping(None, [0], 1000)
+        PinnedChunkMapping(None, [0], 1000)
 
 
 # -- streams and events ---------------------------------------------------------------------
@@ -417,7 +417,7 @@ class FakeSession:
 
 @pytest.fixture
 def cupy(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.SimpleNamespace]:
-    import tidalpool.cupy as tpc
+    import tidalclient.cupy as tpc
 
     module = fake_cupy()
     monkeypatch.setitem(sys.modules, "cupy", module)
@@ -426,7 +426,7 @@ def cupy(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.SimpleNamespace]:
 
 
 def test_use_routes_cupy_allocations_to_the_lease(cupy: types.SimpleNamespace) -> None:
-    import tidalpool.cupy as tpc
+    import tidalclient.cupy as tpc
 
     session = FakeSession(1 << 20, 1 << 16)
     allocator = tpc.use(session, device=3)  # type: ignore[arg-type]
@@ -446,7 +446,7 @@ def test_use_routes_cupy_allocations_to_the_lease(cupy: types.SimpleNamespace) -
 
 
 def test_freed_when_cupy_drops_the_memory(cupy: types.SimpleNamespace) -> None:
-    import tidalpool.cupy as tpc
+    import tidalclient.cupy as tpc
 
     session = FakeSession(4096, 0)
     allocator = tpc.use(session, pinned=False, device=0)  # type: ignore[arg-type]
@@ -459,7 +459,7 @@ def test_freed_when_cupy_drops_the_memory(cupy: types.SimpleNamespace) -> None:
 
 
 def test_a_full_lease_is_cupys_out_of_memory(cupy: types.SimpleNamespace) -> None:
-    import tidalpool.cupy as tpc
+    import tidalclient.cupy as tpc
 
     session = FakeSession(4096, 512)
     allocator = tpc.use(session, device=0)  # type: ignore[arg-type]
@@ -473,7 +473,7 @@ def test_a_full_lease_is_cupys_out_of_memory(cupy: types.SimpleNamespace) -> Non
 
 
 def test_pinned_arrays_come_from_the_host_lease(cupy: types.SimpleNamespace) -> None:
-    import tidalpool.cupy as tpc
+    import tidalclient.cupy as tpc
 
     session = FakeSession(4096, 1024)
     allocator = tpc.use(session, device=0)  # type: ignore[arg-type]
@@ -489,14 +489,14 @@ def test_pinned_arrays_come_from_the_host_lease(cupy: types.SimpleNamespace) -> 
 
 
 def test_pinned_arrays_are_refused_for_a_swapping_session(cupy: types.SimpleNamespace) -> None:
-    import tidalpool.cupy as tpc
+    import tidalclient.cupy as tpc
 
     with pytest.raises(ValueError, match="pinned=False"):
         tpc.use(FakeSession(4096, 4096, swapping=True), device=0)  # type: ignore[arg-type]
 
 
 def test_op_records_the_blocks_of_cupy_arrays(cupy: types.SimpleNamespace) -> None:
-    import tidalpool.cupy as tpc
+    import tidalclient.cupy as tpc
 
     session = FakeSession(1 << 16, 0)
     allocator = tpc.use(session, pinned=False, device=0)  # type: ignore[arg-type]

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tidalpool.units import Bytes
+from tidalcore.units import Bytes
 from tidalpoold.backends import SimBackend
 from tidalpoold.metrics import DaemonCollector, Metrics
 from tidalpoold.planning import Planner

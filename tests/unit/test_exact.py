@@ -7,11 +7,11 @@ from array import array
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tidalpool.units import Bytes, Tick
-from tidalpoold.planner import _exact
-from tidalpoold.planner.exact import search
-from tidalpoold.planner.model import Buffer, Problem
-from tidalpoold.planner.tracecsv import read_problem_csv
+from tidalcore.units import Bytes, Tick
+from tidaloffline.formats import read_problem_csv
+from tidalplan import _exact
+from tidalplan.exact import search
+from tidalplan.model import Buffer, Problem
 
 from ..conftest import shared_file
 

@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tidalpool.errors import InvalidBlock, LeaseExceeded
-from tidalpool.executor import EVENT_ALLOC, EVENT_FREE, BestFit, Block, Executor
-from tidalpool.units import BlockId, Bytes, Offset
+from tidalclient.errors import InvalidBlock, LeaseExceeded
+from tidalclient.executor import BestFit, Block, Executor
+from tidalcore.events import ALLOC as EVENT_ALLOC
+from tidalcore.events import FREE as EVENT_FREE
+from tidalcore.units import BlockId, Bytes, Offset
 
 KiB = 1024
 

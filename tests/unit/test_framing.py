@@ -8,7 +8,7 @@ import struct
 from collections.abc import Iterator
 
 import pytest
-from tidalpool.framing import (
+from tidalcore.framing import (
     MAX_FDS,
     MAX_MESSAGE,
     FramingError,
@@ -17,8 +17,8 @@ from tidalpool.framing import (
     send,
     send_fds,
 )
-from tidalpool.v1.common_pb2 import Lease, PoolLease
-from tidalpool.v1.handles_pb2 import FdBatch, HandlesRequest, HandlesResponse
+from tidalcore.v1.common_pb2 import Lease, PoolLease
+from tidalcore.v1.handles_pb2 import FdBatch, HandlesRequest, HandlesResponse
 
 
 def open_fds() -> int:

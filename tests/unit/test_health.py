@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from tidalpool.health import Health, check
+from tidalclient.health import Health, check
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from tidalpool.units import parse_size
+from tidalcore.units import parse_size
 from tidalpoold.settings import Settings, add_arguments, settings_from_args
 
 from .test_container import image_env

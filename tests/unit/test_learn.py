@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tidalpool.units import Bytes, Tick
-from tidalpoold.planner.learn import (
+from tidalcore.events import ALLOC, FREE, ITER, OP, READ, WRITE, Events
+from tidalcore.units import Bytes, Tick
+from tidaloffline.formats import read_trace_csv
+from tidalplan.learn import (
     NoIteration,
     Rotation,
     extract,
@@ -21,8 +23,7 @@ from tidalpoold.planner.learn import (
     signature,
     to_problem,
 )
-from tidalpoold.planner.model import Access, Buffer, Iteration, IterBlock, Op, Problem
-from tidalpoold.planner.tracecsv import ALLOC, FREE, ITER, OP, READ, WRITE, Events, read_trace_csv
+from tidalplan.model import Access, Buffer, Iteration, IterBlock, Op, Problem
 
 MODELS = Path(__file__).resolve().parents[3] / "shared/traces/models"
 

@@ -15,12 +15,12 @@ import pytest
 from google.protobuf.message import Message
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from tidalpool.local import is_serving
-from tidalpool.units import Bytes
-from tidalpool.v1 import pool_pb2
+from tidalclient.local import is_serving
+from tidalcore.errors import InvalidArgument
+from tidalcore.units import Bytes
+from tidalcore.v1 import pool_pb2
 from tidalpoold import server
 from tidalpoold.backends import SimBackend
-from tidalpoold.errors import InvalidArgument
 from tidalpoold.metrics import DaemonCollector, Metrics, job_label
 from tidalpoold.planning import Planner
 from tidalpoold.rpc import bidi_stream, service, unary

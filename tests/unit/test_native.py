@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tidalpool.errors import InvalidBlock
-from tidalpool.executor import BestFit
-from tidalpool.native import (
+from tidalclient.errors import InvalidBlock
+from tidalclient.executor import BestFit
+from tidalclient.native import (
     ALLOC_SYMBOL,
     FREE_SYMBOL,
     MAX_DEVICES,
@@ -27,8 +27,8 @@ from tidalpool.native import (
     load,
     stray_calls,
 )
-from tidalpool.planned import PlanRejected, PlanTable
-from tidalpool.units import align_up
+from tidalclient.planned import PlanRejected, PlanTable
+from tidalcore.units import align_up
 
 from ..conftest import shared_file
 from .native_twin import BASE, Twin, fresh, trace_plan

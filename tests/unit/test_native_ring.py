@@ -9,10 +9,11 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from tidalpool.native import EVENT_DTYPE, Events, HotPath, forward, recorder_events
-from tidalpool.planned import PlanTable
-from tidalpool.recorder import ALLOC, FREE, ITER, Recorder
-from tidalpool.v1 import pool_pb2
+from tidalclient.native import EVENT_DTYPE, Events, HotPath, forward, recorder_events
+from tidalclient.planned import PlanTable
+from tidalclient.recorder import Recorder
+from tidalcore.events import ALLOC, FREE, ITER
+from tidalcore.v1 import pool_pb2
 
 from .native_twin import BASE, fresh
 

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from tidalpool.errors import InvalidBlock
-from tidalpool.native import (
+from tidalclient.errors import InvalidBlock
+from tidalclient.native import (
     HotPath,
     NativeError,
     cuda_stream_functions,

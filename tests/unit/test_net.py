@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tidalpool.demo import net
-from tidalpool.demo.net import Array, DType, PlainMemory, peak_live_bytes, persistent_bytes, train
+from tidalclient.demo import net
+from tidalclient.demo.net import Array, DType, PlainMemory, peak_live_bytes, persistent_bytes, train
 
 ALIGN = 256
 F, C = net.FEATURES, net.CLASSES
@@ -196,7 +196,7 @@ def test_loss_does_not_depend_on_thread_count(plain_losses: list[float]) -> None
     # OpenBLAS 0.3.31 gives other bits with 1 thread than with 2 or more; the network must not
     # use it. Two fresh processes (1 and 4 threads) run concurrently and print their losses.
     # (With np.matmul even iteration 0 differs, so two iterations suffice.)
-    code = "from tidalpool.demo.net import *; print(*(x.hex() for x in train(PlainMemory(), 2)))"
+    code = "from tidalclient.demo.net import *; print(*(x.hex() for x in train(PlainMemory(), 2)))"
     runs = []
     for threads in ("1", "4"):
         env = dict(os.environ, PYTHONPATH=str(Path(net.__file__).parents[2]))

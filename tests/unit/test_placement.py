@@ -11,10 +11,11 @@ from collections.abc import Callable
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tidalpool.units import Bytes, Tick
-from tidalpoold.planner import placement
-from tidalpoold.planner.model import Buffer, Problem
-from tidalpoold.planner.placement import (
+from tidalcore.units import Bytes, Tick
+from tidaloffline.formats import read_problem_csv
+from tidalplan import placement
+from tidalplan.model import Buffer, Problem
+from tidalplan.placement import (
     ORDERINGS,
     RULES,
     greedy,
@@ -22,8 +23,7 @@ from tidalpoold.planner.placement import (
     smartpool,
     solve,
 )
-from tidalpoold.planner.tracecsv import read_problem_csv
-from tidalpoold.planner.validate import validate
+from tidalplan.validate import validate
 
 from ..conftest import shared_file
 
@@ -401,7 +401,7 @@ def test_deadline_keeps_the_first_run_and_stops_the_rest() -> None:
 
 
 def test_real_exact_search_reaches_the_peak_of_challenging_a() -> None:
-    pytest.importorskip("tidalpoold.planner.exact")
+    pytest.importorskip("tidalplan.exact")
     p = read_problem_csv(shared_file("traces/minimalloc/challenging/A.1048576.csv"))
     placed = solve(p, time_limit_s=10.0)
     validate(p, placed)

@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from tidalpool.units import Bytes, Offset, Tick
-from tidalpoold.planner import plan_cli
-from tidalpoold.planner.model import Buffer, Placement, Problem
-from tidalpoold.planner.validate import validate
+from tidalcore.units import Bytes, Offset, Tick
+from tidaloffline import plan_command as plan_cli
+from tidalplan.model import Buffer, Placement, Problem
+from tidalplan.validate import validate
 
 # Six buffers (test_placement's SIX); live bytes per tick 5 6 5 7 6 4: the bound is 7.
 PROBLEM_CSV = """id,lower,upper,size
@@ -248,7 +248,7 @@ SIX_PLACED = Placement(
 
 def test_plot_draws_a_png(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    from tidalpoold.planner.plot import plot
+    from tidaloffline.plot import plot
 
     path = tmp_path / "six.png"
     plot(SIX, SIX_PLACED, path, "six buffers")
@@ -257,7 +257,7 @@ def test_plot_draws_a_png(tmp_path: Path) -> None:
 
 def test_plot_refuses_a_placement_of_another_problem(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    from tidalpoold.planner.plot import plot
+    from tidaloffline.plot import plot
 
     with pytest.raises(ValueError, match="5 offsets for 6 buffers: nothing to draw"):
         plot(SIX, Placement(SIX_PLACED.offsets[:5], Bytes(8), "x"), tmp_path / "x.png")
@@ -265,7 +265,7 @@ def test_plot_refuses_a_placement_of_another_problem(tmp_path: Path) -> None:
 
 
 def test_plot_without_matplotlib_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from tidalpoold.planner.plot import MatplotlibMissing, plot
+    from tidaloffline.plot import MatplotlibMissing, plot
 
     for name in ("matplotlib", "matplotlib.backends.backend_agg", "matplotlib.figure"):
         monkeypatch.setitem(sys.modules, name, None)

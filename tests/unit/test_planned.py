@@ -6,9 +6,9 @@ import itertools
 
 import pytest
 from hypothesis import given, settings
-from tidalpool.executor import Block, Executor
-from tidalpool.planned import PlanRejected, PlanTable
-from tidalpool.units import align_up
+from tidalclient.executor import Block, Executor
+from tidalclient.planned import PlanRejected, PlanTable
+from tidalcore.units import align_up
 
 from .plan_scripts import SCRIPT, SLOTS, plans_of
 

@@ -4,7 +4,7 @@ counts up to what covers the excess, the shortest feasible step."""
 from __future__ import annotations
 
 import pytest
-from tidalpoold.planner.recompute import Candidate, Segment, best, order, prefixes
+from tidalplan.recompute import Candidate, Segment, best, order, prefixes
 
 
 def test_segments_are_ranked_by_cost_per_freed_byte_and_useless_ones_left_out() -> None:

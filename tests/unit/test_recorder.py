@@ -7,8 +7,9 @@ import threading
 from collections.abc import Iterator
 
 import pytest
-from tidalpool.recorder import ALLOC, FREE, ITER, OP, READ, WRITE, Recorder
-from tidalpool.v1.pool_pb2 import ClientMessage, StepMark, TraceChunk
+from tidalclient.recorder import Recorder
+from tidalcore.events import ALLOC, FREE, ITER, OP, READ, WRITE
+from tidalcore.v1.pool_pb2 import ClientMessage, StepMark, TraceChunk
 
 Event = tuple[int, int, int, int, int]
 

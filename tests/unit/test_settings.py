@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from tidalpool.units import Bytes
+from tidalcore.units import Bytes
 from tidalpoold.settings import (
     Settings,
     SettingsError,

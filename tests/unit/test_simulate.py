@@ -6,10 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from tidalpool.units import Bytes, Tick
-from tidalpoold.planner.learn import extract, live_bytes
-from tidalpoold.planner.simulate import Result, Swap, SwapPlan, copy_ns, no_limit, simulate
-from tidalpoold.planner.tracecsv import read_trace_csv
+from tidalcore.units import Bytes, Tick
+from tidaloffline.formats import read_trace_csv
+from tidalplan.learn import extract, live_bytes
+from tidalplan.simulate import Result, Swap, SwapPlan, copy_ns, no_limit, simulate
 
 from .iterations import build
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from tidalpool.devices.streams import Stream, StreamError
+from tidalclient.devices.streams import Stream, StreamError
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The committed stubs in client/tidalpool/v1 are what proto/generate.py makes of the protos."""
+"""The committed stubs in core/tidalcore/v1 are what proto/generate.py makes of the protos."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("grpc_tools", reason="grpcio-tools (a dev dependency) is not installed")
 
 REPO = Path(__file__).resolve().parents[2]
-COMMITTED = REPO / "client" / "tidalpool" / "v1"
+COMMITTED = REPO / "core" / "tidalcore" / "v1"
 
 
 def load_generate() -> ModuleType:
@@ -44,7 +44,7 @@ def committed_files() -> dict[str, bytes]:
 
 def generated_files(module: ModuleType, out: Path) -> dict[str, bytes]:
     written: list[Path] = module.generate(out)
-    assert all(p.parent == out / "tidalpool" / "v1" for p in written)
+    assert all(p.parent == out / "tidalcore" / "v1" for p in written)
     return {p.name: p.read_bytes() for p in written}
 
 

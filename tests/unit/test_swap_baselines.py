@@ -6,10 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from tidalpool.units import Tick
-from tidalpoold.planner.learn import extract
-from tidalpoold.planner.simulate import Swap, SwapPlan, no_limit, simulate
-from tidalpoold.planner.swap_baselines import (
+from tidalcore.units import Tick
+from tidaloffline.formats import read_trace_csv
+from tidalplan.baselines import (
     BASELINES,
     superneurons,
     superneurons_candidates,
@@ -18,7 +17,8 @@ from tidalpoold.planner.swap_baselines import (
     vdnn_conv,
     vdnn_dyn,
 )
-from tidalpoold.planner.tracecsv import read_trace_csv
+from tidalplan.learn import extract
+from tidalplan.simulate import Swap, SwapPlan, no_limit, simulate
 
 from .iterations import build
 

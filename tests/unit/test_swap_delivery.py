@@ -6,10 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
-from tidalpool.swap import ScheduledSwap
-from tidalpool.units import Tick
-from tidalpool.v1 import pool_pb2
-from tidalpoold.planner.simulate import Swap, SwapPlan
+from tidalclient.swap import ScheduledSwap
+from tidalcore.units import Tick
+from tidalcore.v1 import pool_pb2
+from tidalplan.simulate import Swap, SwapPlan
 from tidalpoold.planning import DEFAULT_COPY_GBPS, Planner, add_swaps, copy_gbps_of
 from tidalpoold.settings import Settings
 

@@ -13,20 +13,20 @@ from collections.abc import Iterator
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tidalpool.devices.sim import SimMapping
-from tidalpool.errors import InvalidBlock, LeaseExceeded
-from tidalpool.executor import Block
-from tidalpool.planned import PlanTable
-from tidalpool.swap import ARRIVING, DEVICE, HOST, LEAVING, ScheduledSwap, SwappingExecutor
+from tidalclient.errors import InvalidBlock, LeaseExceeded
+from tidalclient.executor import Block
+from tidalclient.planned import PlanTable
+from tidalclient.swap import ARRIVING, DEVICE, HOST, LEAVING, ScheduledSwap, SwappingExecutor
+from tidalcore.chunks import ChunkMapping
 
 KiB = 1024
 
 
-def mapping(nbytes: int) -> SimMapping:
+def mapping(nbytes: int) -> ChunkMapping:
     fd = os.memfd_create("tidalpool-test")
     try:
         os.ftruncate(fd, nbytes)
-        return SimMapping([fd], nbytes)
+        return ChunkMapping([fd], nbytes)
     finally:
         os.close(fd)
 

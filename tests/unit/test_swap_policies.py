@@ -8,17 +8,17 @@ import dataclasses
 import os
 
 import pytest
-from tidalpool.units import Tick
-from tidalpoold.planner.autoswap import autoswap, load, load_min, op_bound
-from tidalpoold.planner.autoswap_bo import cost, tune
-from tidalpoold.planner.combined import combine, fit, pieces
-from tidalpoold.planner.learn import extract
-from tidalpoold.planner.model import Iteration
-from tidalpoold.planner.simulate import Swap, SwapPlan, simulate
-from tidalpoold.planner.swap import BASELINE_POLICIES, POLICIES, plan, plans
-from tidalpoold.planner.tidalpool_swap import RULES, construct, gaps, judge, select
-from tidalpoold.planner.tracecsv import read_trace_csv
-from tidalpoold.planner.validate import InvalidSwapPlan, validate_swaps
+from tidalcore.units import Tick
+from tidaloffline.formats import read_trace_csv
+from tidalplan.autoswap import autoswap, load, load_min, op_bound
+from tidalplan.autoswap_bo import cost, tune
+from tidalplan.combined import combine, fit, pieces
+from tidalplan.gap_cover import RULES, construct, gaps, judge, select
+from tidalplan.learn import extract
+from tidalplan.model import Iteration
+from tidalplan.policies import BASELINE_POLICIES, POLICIES, plan, plans
+from tidalplan.simulate import Swap, SwapPlan, simulate
+from tidalplan.validate import InvalidSwapPlan, validate_swaps
 
 from ..conftest import shared_file
 from .iterations import build
@@ -239,7 +239,7 @@ def test_tidalpool_beats_every_baseline_where_copies_must_stall() -> None:
 
 
 def test_solver_output_never_reaches_stdout(capfd: pytest.CaptureFixture[str]) -> None:
-    from tidalpoold.planner.tidalpool_swap import _stdout_silenced
+    from tidalplan.gap_cover import _stdout_silenced
 
     with _stdout_silenced():
         os.write(1, b"HighsMipSolverData::transformNewIntegerFeasibleSolution\n")

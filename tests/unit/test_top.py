@@ -12,9 +12,9 @@ from pathlib import Path
 import grpc
 import pytest
 from rich.console import Console
-from tidalpool import top
-from tidalpool.top import Rates, Sample, rates, view
-from tidalpool.v1 import admin_pb2, common_pb2
+from tidalclient import top
+from tidalclient.top import Rates, Sample, rates, view
+from tidalcore.v1 import admin_pb2, common_pb2
 
 MiB = 1024 * 1024
 

@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import tidalpool.torch as tt  # noqa: E402
-from tidalpool.torch.oom import TORCH_CHECK_FAIL  # noqa: E402
+from tidalclient.torch.oom import TORCH_CHECK_FAIL  # noqa: E402
 
 
 def test_a_bad_mode_is_refused_before_anything_else(tmp_path: object) -> None:

@@ -1,4 +1,4 @@
-"""`tidalpool.torch.attention`: recording runs scaled dot-product attention with the fused
+"""`tidaloffline.torch.attention`: recording runs scaled dot-product attention with the fused
 kernel a GPU would pick, so a transformer's trace holds no score matrices the GPU never makes."""
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from tidalcore.events import ALLOC, OP, Events  # noqa: E402
+from tidaloffline.torch.attention import fused_attention, kernel  # noqa: E402
+from tidaloffline.torch.capture import round_size  # noqa: E402
+from tidaloffline.torch.recompute_plan import measure  # noqa: E402
+from tidalplan import learn  # noqa: E402
+from tidalplan.autoswap import load  # noqa: E402
 from tidalpool.torch import record  # noqa: E402
-from tidalpool.torch.attention import fused_attention, kernel  # noqa: E402
-from tidalpool.torch.capture import round_size  # noqa: E402
-from tidalpool.torch.recompute import measure  # noqa: E402
-from tidalpoold.planner import learn  # noqa: E402
-from tidalpoold.planner.autoswap import load  # noqa: E402
-from tidalpoold.planner.tracecsv import ALLOC, OP, Events  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 

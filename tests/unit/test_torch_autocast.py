@@ -1,4 +1,4 @@
-"""`tidalpool.torch.autocast`: on the meta device, a step under `meta_autocast` is cast as CUDA
+"""`tidaloffline.torch.autocast`: on the meta device, a step under `meta_autocast` is cast as CUDA
 autocast casts it, so a bf16 recording holds the 16-bit activations a GPU holds."""
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tidalpool.torch import autocast as ac  # noqa: E402
+from tidalcore.events import OP, Events  # noqa: E402
+from tidaloffline.torch import autocast as ac  # noqa: E402
+from tidaloffline.torch.autocast import POLICY, meta_autocast  # noqa: E402
+from tidaloffline.torch.recompute_plan import measure, plan_recompute  # noqa: E402
+from tidalplan import learn  # noqa: E402
+from tidalplan.autoswap import load  # noqa: E402
 from tidalpool.torch import record  # noqa: E402
-from tidalpool.torch.autocast import POLICY, meta_autocast  # noqa: E402
-from tidalpool.torch.recompute import measure, plan_recompute  # noqa: E402
-from tidalpoold.planner import learn  # noqa: E402
-from tidalpoold.planner.autoswap import load  # noqa: E402
-from tidalpoold.planner.tracecsv import OP, Events  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
 nn = torch.nn

@@ -13,8 +13,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from tidalpool.native import library_path
-from tidalpool.torch import oom
+from tidalclient.native import library_path
+from tidalclient.torch import oom
 
 needs_cxx = pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++ compiler (g++)")
 
@@ -95,8 +95,8 @@ def test_hotpath_alloc_does_not_call_a_throwing_handler_through_ctypes(tmp_path:
     handler installed by address, HotPath.alloc gets None, and the process goes on."""
     script = tmp_path / "probe.py"
     script.write_text(
-        "from tidalpool.native import HotPath, on_failure\n"
-        "from tidalpool.torch import oom\n"
+        "from tidalclient.native import HotPath, on_failure\n"
+        "from tidalclient.torch import oom\n"
         "handler = oom.torch_check_fail()\n"
         "assert handler is not None\n"
         "on_failure(handler)\n"

@@ -13,6 +13,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from tidalclient.torch.recompute import is_recomputed  # noqa: E402
+from tidaloffline.torch.recompute_plan import measure  # noqa: E402
+from tidalplan import learn  # noqa: E402
+from tidalplan.autoswap import durations, load  # noqa: E402
 from tidalpool.torch import (  # noqa: E402
     RecomputeError,
     Roofline,
@@ -20,9 +24,6 @@ from tidalpool.torch import (  # noqa: E402
     recompute,
     record,
 )
-from tidalpool.torch.recompute import is_recomputed, measure  # noqa: E402
-from tidalpoold.planner import learn  # noqa: E402
-from tidalpoold.planner.autoswap import durations, load  # noqa: E402
 
 nn = torch.nn
 

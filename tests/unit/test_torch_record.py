@@ -12,20 +12,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from tidalcore.events import ALLOC, FREE, ITER, OP, READ, WRITE, Events  # noqa: E402
+from tidaloffline.formats import read_trace_csv  # noqa: E402
+from tidaloffline.torch.capture import Capture, round_size  # noqa: E402
+from tidalplan import learn  # noqa: E402
 from tidalpool.cli import main  # noqa: E402
 from tidalpool.torch import RecordError, Roofline, record  # noqa: E402
-from tidalpool.torch.capture import Capture, round_size  # noqa: E402
-from tidalpoold.planner import learn  # noqa: E402
-from tidalpoold.planner.tracecsv import (  # noqa: E402
-    ALLOC,
-    FREE,
-    ITER,
-    OP,
-    READ,
-    WRITE,
-    Events,
-    read_trace_csv,
-)
 
 nn = torch.nn
 

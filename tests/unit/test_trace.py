@@ -7,7 +7,8 @@ from typing import cast
 import grpc
 import numpy as np
 import pytest
-from tidalpool.v1.pool_pb2 import (
+from tidalcore.errors import InvalidArgument
+from tidalcore.v1.pool_pb2 import (
     EVENT_KIND_ALLOC,
     EVENT_KIND_FREE,
     EVENT_KIND_ITER,
@@ -18,7 +19,6 @@ from tidalpool.v1.pool_pb2 import (
     StepMark,
     TraceChunk,
 )
-from tidalpoold.errors import InvalidArgument
 from tidalpoold.trace import TraceStore, decode_chunk
 
 U64_MAX = 2**64 - 1

@@ -9,17 +9,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from tidalpool.v1 import pool_pb2
-from tidalpool.v1.pool_pb2 import TraceChunk
-from tidalpoold.planner.model import Buffer, Placement, Problem
-from tidalpoold.planner.tracecsv import (
-    ALLOC,
-    FREE,
-    ITER,
-    OP,
-    READ,
-    WRITE,
-    Events,
+from tidalcore.events import ALLOC, FREE, ITER, OP, READ, WRITE, Events
+from tidalcore.v1 import pool_pb2
+from tidalcore.v1.pool_pb2 import TraceChunk
+from tidaloffline.formats import (
     FormatError,
     detect_format,
     read_problem_csv,
@@ -29,6 +22,7 @@ from tidalpoold.planner.tracecsv import (
     write_solution_csv,
     write_trace_csv,
 )
+from tidalplan.model import Buffer, Placement, Problem
 from tidalpoold.trace import decode_chunk
 
 SHARED = Path(__file__).resolve().parents[3] / "shared"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from tidalpool.units import ALIGNMENT, align_up, format_size, parse_size
+from tidalcore.units import ALIGNMENT, align_up, format_size, parse_size
 
 KiB, MiB, GiB, TiB = 1024, 1024**2, 1024**3, 1024**4
 

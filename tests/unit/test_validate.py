@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tidalpool.units import Bytes, Offset, Tick
-from tidalpoold.planner import validate as validate_module
-from tidalpoold.planner.model import Buffer, Placement, Problem
-from tidalpoold.planner.validate import InvalidPlacement, validate
+from tidalcore.units import Bytes, Offset, Tick
+from tidalplan import validate as validate_module
+from tidalplan.model import Buffer, Placement, Problem
+from tidalplan.validate import InvalidPlacement, validate
 
 
 @pytest.fixture(autouse=True, params=["pairwise", "sweep"])
@@ -166,7 +166,7 @@ def test_shares_no_code_with_the_solver() -> None:
         "math",
         "typing",
         "numpy",
-        "tidalpoold.planner.model",
+        "tidalplan.model",
     }
 
 

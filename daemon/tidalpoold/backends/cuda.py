@@ -25,8 +25,8 @@ import os
 import resource
 from dataclasses import dataclass
 
-from tidalpool.devices.cuda import CudaHostMapping
-from tidalpool.devices.cuda_driver import (
+from tidalcore.chunks import PinnedChunkMapping
+from tidalcore.cuda_driver import (
     CUDA_ERROR_NOT_PERMITTED,
     CUDA_ERROR_NOT_SUPPORTED,
     CudaDriver,
@@ -41,7 +41,7 @@ from tidalpool.devices.cuda_driver import (
     PyNvml,
     StreamHandle,
 )
-from tidalpool.units import format_size
+from tidalcore.units import format_size
 
 from tidalpoold.backends.base import Chunk, Pool
 from tidalpoold.backends.memfd import memfd_chunks
@@ -239,7 +239,7 @@ class CudaBackend:
         host_chunks = memfd_chunks("host", self.chunk_bytes, n_host)
         undo.callback(_close_fds, host_chunks)
         self.host = Pool("host", self.chunk_bytes, host_chunks)
-        self._host_map = CudaHostMapping(driver, [c.fd for c in host_chunks], self.chunk_bytes)
+        self._host_map = PinnedChunkMapping(driver, [c.fd for c in host_chunks], self.chunk_bytes)
         undo.callback(self._host_map.close)
 
         span = min(probe_bytes, device_bytes, host_bytes)

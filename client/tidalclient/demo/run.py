@@ -1,0 +1,227 @@
+"""`tidalpool demo`: train a small network with every tensor in a session.
+
+Starts a daemon (`--backend sim` or `cuda`) in a temporary directory unless one
+answers in the socket directory, trains 20 iterations with a live table, then
+trains the same network outside tidalpool and compares the losses bit for bit:
+with NumPy in host memory on the sim backend, with CuPy on the GPU on cuda
+(there every CuPy allocation of the run comes from the lease too, through
+`tidalpool.cupy`; the baseline uses CuPy's own memory pool). With a limit
+(a fraction of the network's peak live bytes), the session swaps: the table
+shows the bytes swapped out and in and the time ops waited for copies; the
+demo then waits, once, for the daemon's swap plan so that the rest of the run
+follows it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import tidalpool
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+from tidalcore.units import align_up, format_size
+
+from tidalclient.demo.net import CupyMemory, Memory, PlainMemory, peak_live_bytes, train
+from tidalclient.local import LocalDaemon, is_serving
+from tidalclient.numpy import Tensor
+from tidalclient.session import Session, SessionStats
+
+PLAN_WAIT_AT = 4
+"""Under a limit, the iteration after which the demo waits for the daemon's plan (planning
+starts after three step marks; a swap plan weighs every policy and takes about a second)."""
+PLAN_WAIT_S = 15.0
+
+
+def _await_plan(session: Session, timeout_s: float) -> None:
+    """Block until a plan has arrived or `timeout_s` has passed."""
+    deadline = time.monotonic() + timeout_s
+    while not session.plans_received and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+class SessionMemory:
+    """The demo network's Memory, backed by a tidalpool session: every array a Tensor."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    def array(self, shape: tuple[int, ...], dtype: npt.DTypeLike) -> Tensor:
+        return self.session.tensor(shape, dtype)
+
+    def release(self, arr: Tensor) -> None:
+        self.session.release(arr)
+
+    @contextmanager
+    def op(
+        self, name: str, reads: Sequence[Tensor], writes: Sequence[Tensor]
+    ) -> Iterator[tuple[np.ndarray[Any, Any], ...]]:
+        with self.session.op(reads=reads, writes=writes, name=name) as views:
+            yield views
+
+    def step(self) -> None:
+        self.session.step()
+
+
+def _ms(ns: int) -> str:
+    return f"{ns / 1e6:.1f} ms"
+
+
+def run(
+    socket_dir: Path,
+    iterations: int = 20,
+    console: Console | None = None,
+    limit: float | None = None,
+    copy_gbps: float | None = None,
+    backend: str = "sim",
+) -> bool:
+    """Run the demo; True when the losses are bit-identical to the same training outside
+    tidalpool (plain NumPy on sim, plain CuPy on cuda).
+
+    `limit`: swap to keep the device bytes held at or under this fraction of the network's peak
+    live bytes; `copy_gbps` throttles the swap copies; `backend`: the daemon to start when none
+    answers in `socket_dir`."""
+    console = console or Console()
+    with ExitStack() as stack:
+        if is_serving(socket_dir):
+            console.print(f"using the daemon at [bold]{socket_dir}[/]")
+        else:
+            if backend == "cuda":
+                _cupy_or_exit()
+            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="tidalpool-demo-")))
+            console.print(
+                f"no daemon at {socket_dir}: starting a {backend} daemon in [bold]{tmp}[/]"
+            )
+            daemon = stack.enter_context(
+                LocalDaemon.start(tmp, device_pool="1GiB", host_pool="1GiB", backend=backend)
+            )
+            socket_dir = daemon.socket_dir
+
+        peak = peak_live_bytes()
+        lease = align_up(2 * peak, 1 << 20)  # room for best-fit's fragmentation while learning
+        swap_limit = None if limit is None else int(limit * peak)
+        session = stack.enter_context(
+            tidalpool.attach(
+                socket_dir,
+                device_limit=lease,
+                host_limit=lease if swap_limit is not None else None,
+                job_name="demo",
+                swap_limit=swap_limit,
+                copy_gbps=copy_gbps,
+            )
+        )
+        baseline: Memory = PlainMemory()
+        if session.cuda is not None:
+            baseline = _use_gpu(session, stack)
+        where = "sim" if session.cuda is None else f"cuda, GPU {session.cuda.pci_bus_id}"
+        console.print(
+            f"session {session.id} ({where}): device lease {format_size(session.device.length)}, "
+            f"network peak {format_size(peak)} live"
+            + ("" if swap_limit is None else f", swap limit {format_size(swap_limit)} ({limit:g})")
+        )
+        table = Table(title=f"training with tidalpool ({where})")
+        columns = ["iter", "loss", "mode", "live", "footprint", "plan hits", "misses", "events"]
+        if swap_limit is not None:
+            columns += ["resident", "swapped out", "swapped in", "stall"]
+        for column in columns:
+            table.add_column(column, justify="left" if column == "mode" else "right")
+        rows: list[SessionStats] = []
+
+        def row(i: int, loss: float) -> None:
+            if swap_limit is not None and i == PLAN_WAIT_AT and i + 1 < iterations:
+                _await_plan(session, PLAN_WAIT_S)  # so the rest of the run follows the plan
+            s = session.stats()  # sends what is recorded, asks the daemon what it has
+            rows.append(s)
+            cells = [
+                str(i),
+                f"{loss:.6f}",
+                s.mode,
+                format_size(s.live_bytes),
+                format_size(s.footprint_bytes),
+                f"{s.plan_hits:,}",
+                f"{s.plan_misses:,}",
+                f"{s.events_received:,}/{s.events_sent:,}",
+            ]
+            if s.swap is not None:
+                cells += [
+                    format_size(s.swap.resident_bytes),
+                    format_size(s.swap.swapped_out_bytes),
+                    format_size(s.swap.swapped_in_bytes),
+                    _ms(s.swap.stall_ns),
+                ]
+            table.add_row(*cells)
+
+        with Live(table, console=console, refresh_per_second=8):
+            pooled = train(SessionMemory(session), iterations=iterations, on_iteration=row)
+        if not console.is_terminal:
+            console.line()  # Live leaves its last frame without a newline off a terminal
+
+    learning = [r.footprint_bytes for r in rows if r.mode == "learning"]
+    planned = [r.footprint_bytes for r in rows if r.mode == "planned"]
+    swap = rows[-1].swap
+    if swap is not None:
+        console.print(
+            f"swapping under {format_size(swap.limit)} ({limit:g} of the peak "
+            f"{format_size(peak)}): at most {format_size(swap.peak_resident_bytes)} on the device; "
+            f"{format_size(swap.swapped_out_bytes)} out in {swap.swap_outs:,} copies, "
+            f"{format_size(swap.swapped_in_bytes)} in in {swap.swap_ins:,}; "
+            f"ops waited {_ms(swap.stall_ns)} for copies"
+        )
+    if planned:
+        console.print(
+            f"switched to the daemon's plan after {len(learning)} iterations: footprint "
+            f"{format_size(max(learning))} while learning, {format_size(max(planned))} planned; "
+            f"{rows[-1].plan_misses} plan misses in {rows[-1].plan_hits + rows[-1].plan_misses:,} "
+            "allocations"
+        )
+    elif rows[-1].plans_received and swap is not None:
+        console.print(
+            "under a swap limit the daemon's placement plan is not used: the session kept "
+            f"learning; its swap schedule has {swap.scheduled_swaps} swaps, the LRU cache "
+            "swaps the rest"
+        )
+    else:
+        console.print(f"no plan arrived in {len(rows)} iterations: the session kept learning")
+    plain = train(baseline, iterations=iterations)
+    name = "plain NumPy" if isinstance(baseline, PlainMemory) else "plain CuPy"
+    same = pooled == plain
+    if same:
+        console.print(
+            f"[green]losses bit-identical to {name} over {iterations} iterations[/] "
+            f"(first {plain[0]!r}, last {plain[-1]!r})"
+        )
+    else:
+        diff = [i for i, (a, b) in enumerate(zip(pooled, plain, strict=True)) if a != b]
+        console.print(f"[red]losses differ from {name} at iterations {diff}[/]")
+    return same
+
+
+def _cupy_or_exit() -> Any:
+    try:
+        return importlib.import_module("cupy")
+    except ImportError:
+        raise SystemExit(
+            "tidalpool demo on the cuda backend trains with CuPy, which is not installed:"
+            " pip install 'tidalpool[cupy,cuda]'"
+        ) from None
+
+
+def _use_gpu(session: Session, stack: ExitStack) -> Memory:
+    """On cuda: CuPy on the lease's GPU, every CuPy allocation from the lease until the demo
+    ends; returns the baseline memory (plain CuPy)."""
+    import tidalclient.cupy as tpc
+
+    cupy = _cupy_or_exit()
+    assert session.cuda is not None
+    cupy.cuda.Device(session.cuda.ordinal).use()
+    tpc.use(session, pinned=False)
+    stack.callback(tpc.stop)
+    return CupyMemory()

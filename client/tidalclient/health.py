@@ -1,0 +1,49 @@
+"""Is a daemon serving? The standard gRPC health check (grpc.health.v1) over its Unix socket.
+
+`tidalpool health` prints the answer and exits 0 when the daemon serves, 1 otherwise: the
+contract of a container HEALTHCHECK and of a Kubernetes exec probe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tidalcore.wire import GRPC_SOCKET
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+@dataclass(frozen=True, slots=True)
+class Health:
+    """The answer to one check: serving or not, and a sentence that says which and why."""
+
+    serving: bool
+    message: str
+
+
+def check(socket_dir: Path, service: str = "", timeout: float = 5.0) -> Health:
+    """Ask the daemon in `socket_dir` whether `service` ("" for the daemon as a whole; or
+    tidalpool.v1.Pool, tidalpool.v1.Admin) is serving, waiting at most `timeout` seconds."""
+    path = socket_dir / GRPC_SOCKET
+    what = "the daemon" if not service else f"service {service}"
+    if not path.exists():
+        return Health(False, f"no daemon at {socket_dir}: {path} does not exist")
+    with grpc.insecure_channel(f"unix:{path}") as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout
+            )
+        except grpc.RpcError as e:
+            code = e.code()
+            if code == grpc.StatusCode.NOT_FOUND:
+                return Health(False, f"the daemon at {path} has no service {service!r}")
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return Health(False, f"no answer from {path} within {timeout:g} s")
+            return Health(False, f"no daemon answers at {path}: {e.details()}")
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    if reply.status == SERVING:
+        return Health(True, f"serving: {what} at {path}")
+    return Health(False, f"not serving: {what} at {path} is {status}")

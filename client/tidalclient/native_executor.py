@@ -1,0 +1,228 @@
+"""A session's executor when a framework allocates through the native hot path (planned mode).
+
+The framework (PyTorch's pluggable allocator) calls `tidalpool_alloc`/`tidalpool_free` in C;
+nothing in Python runs per allocation. This class does, per batch or per iteration, what the
+Python `Executor` does per call:
+
+    framework ──alloc/free──▶ hotpath.so ──ring──▶ pull() ──forward──▶ Recorder ──▶ daemon
+    session.step() ──▶ step() (the ITER event travels through the ring, in order)
+    daemon's plan ──▶ Session._receive_plan ──▶ install_plan() ──▶ native plan table
+    session stats and heartbeats ◀── the native counters
+
+`pull` runs on the recorder's thread before each of its drains (every few milliseconds), so the
+trace reaches the daemon as the Python executor's does. Python code cannot allocate here:
+`malloc`, `free` and `op` refuse with `NativeAllocator`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import NoReturn
+
+import numpy as np
+from tidalcore.units import ALIGNMENT
+
+from tidalclient.errors import TidalpoolError
+from tidalclient.executor import Block, executor_ids
+from tidalclient.native import EVENT_DTYPE, HotPath, NativeError, NativeStats, forward
+from tidalclient.planned import PlanTable
+from tidalclient.recorder import Recorder
+
+log = logging.getLogger("tidalpool")
+
+DRAIN_BATCH = 1 << 16
+"""Events moved out of the ring per native call."""
+
+
+_serving: set[int] = set()  # native device indices configured for a live session
+_serving_lock = threading.Lock()
+
+
+class NativeAllocator(TidalpoolError):
+    """The session's allocations come from the native allocator (the framework's), not Python."""
+
+
+class NativeExecutor:
+    """The native hot path of one device, serving a session's lease."""
+
+    def __init__(
+        self,
+        hotpath: HotPath,
+        base: int,
+        capacity: int,
+        *,
+        ring_events: int = 1 << 20,
+        max_iteration_misses: int = 8,
+        timestamps: bool = False,  # the recorder does not send event times: skip the clock
+    ) -> None:
+        with _serving_lock:
+            if hotpath.device in _serving:
+                raise NativeError(
+                    f"native device {hotpath.device} already serves another session of this"
+                    " process: close it first"
+                )
+            _serving.add(hotpath.device)
+        try:
+            hotpath.configure(
+                base,
+                capacity,
+                alignment=ALIGNMENT,
+                ring_events=ring_events,
+                max_iteration_misses=max_iteration_misses,
+                timestamps=timestamps,
+            )
+        except BaseException:
+            with _serving_lock:
+                _serving.discard(hotpath.device)
+            raise
+        self.hotpath = hotpath
+        self._session = next(executor_ids)
+        self._capacity = capacity & ~(ALIGNMENT - 1)
+        self._recorder: Recorder | None = None
+        self._lock = threading.Lock()  # one puller at a time, events forwarded in order
+        self._buffer = np.empty(DRAIN_BATCH, dtype=EVENT_DTYPE)
+        self._closed = False
+        self._final: NativeStats | None = None  # the counters when the session ended
+        self._warned_overflow = False
+
+    def connect(self, recorder: Recorder) -> None:
+        """Send the trace to `recorder`: its thread pulls the ring before each of its drains."""
+        self._recorder = recorder
+        recorder.source = self.pull
+
+    # -- trace -------------------------------------------------------------------------
+    def pull(self) -> int:
+        """Forward every event in the ring to the recorder; how many."""
+        total = 0
+        with self._lock:
+            recorder = self._recorder
+            if self._closed or recorder is None:
+                return 0
+            while True:
+                try:
+                    n = self.hotpath.drain_into(self._buffer)
+                except NativeError as e:  # the lease was reset under us: nothing more to read
+                    log.warning("tidalpool: cannot drain the native trace ring: %s", e)
+                    break
+                forward(self._buffer[:n], recorder)
+                total += n
+                if n < len(self._buffer):
+                    break
+            if not self._warned_overflow and total and self.hotpath.stats().overflow:
+                self._warned_overflow = True
+                log.warning(
+                    "tidalpool: the native trace ring overflowed (events lost; the daemon may"
+                    " learn a wrong iteration): raise ring_events"
+                )
+        return total
+
+    # -- iterations and plans ----------------------------------------------------------
+    def step(self) -> int:
+        """An iteration boundary; the new iteration number."""
+        return self.hotpath.step()
+
+    def begin_iteration(self) -> None:
+        self.step()
+
+    def install_plan(self, table: PlanTable) -> None:
+        """Hand a plan to the native table (it takes over at a later step); PlanRejected when
+        it does not suit the lease."""
+        self.hotpath.install_plan(table)
+
+    # -- what Python may not do here ---------------------------------------------------
+    def _refuse(self, what: str) -> NoReturn:
+        raise NativeAllocator(
+            f"{what}: this session's allocations come from the native allocator (the"
+            " framework's, e.g. PyTorch's); Python code cannot allocate in its lease"
+        )
+
+    def malloc(self, nbytes: int) -> Block:
+        self._refuse("malloc")
+
+    def free(self, block: Block) -> None:
+        self._refuse("free")
+
+    def pin(self, block: Block) -> None:
+        self._refuse("pin")
+
+    def begin_op(self, blocks: Sequence[Block]) -> list[int]:
+        self._refuse("op")
+
+    def end_op(self, blocks: Sequence[Block]) -> None:
+        self._refuse("op")
+
+    # -- the end -----------------------------------------------------------------------
+    def close(self) -> None:
+        """Forget the lease in the native library: pointers freed later are ignored (counted
+        as bad frees), and allocations return NULL until a new session configures it."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._recorder is not None:
+                self._recorder.source = None
+            self._final = self.hotpath.stats()
+            self.hotpath.reset()
+            with _serving_lock:
+                _serving.discard(self.hotpath.device)
+
+    # -- views -------------------------------------------------------------------------
+    def stats(self) -> NativeStats:
+        return self._final if self._final is not None else self.hotpath.stats()
+
+    @property
+    def session(self) -> int:
+        """A process-unique id, as the Python executor's (no block carries it here)."""
+        return self._session
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def mode(self) -> str:
+        return "planned" if self.stats().planned else "learning"
+
+    @property
+    def live_bytes(self) -> int:
+        return self.stats().live_bytes
+
+    @property
+    def peak_live_bytes(self) -> int:
+        return self.stats().peak_live_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self.stats().used_bytes
+
+    @property
+    def live_blocks(self) -> int:
+        return self.stats().live_blocks
+
+    @property
+    def mallocs(self) -> int:
+        return self.stats().mallocs
+
+    @property
+    def frees(self) -> int:
+        return self.stats().frees
+
+    @property
+    def plan_hits(self) -> int:
+        return self.stats().hits
+
+    @property
+    def plan_misses(self) -> int:
+        return self.stats().misses
+
+    @property
+    def high_water(self) -> int:
+        """The highest lease byte in use now (the native path keeps no per-iteration mark)."""
+        if self._closed:
+            return 0
+        ranges = self.hotpath.free_ranges()
+        if ranges and ranges[-1][0] + ranges[-1][1] >= self._capacity:
+            return ranges[-1][0]
+        return self._capacity

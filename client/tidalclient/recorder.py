@@ -1,0 +1,120 @@
+"""The recorder: trace events from the hot path to the daemon, in the background.
+
+`record()` is one list append (no lock, no I/O). A drainer thread takes what
+has accumulated every few milliseconds, packs it into columnar `TraceChunk`s
+and hands them to the session stream, followed by any step marks, in order.
+
+    malloc/free/op ──append──▶ [pending events] ──drain──▶ TraceChunk ──▶ stream
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from tidalcore.events import ITER
+from tidalcore.v1 import pool_pb2
+
+Event = tuple[int, int, int, int, int]  # kind, block id, size, duration ns, name id
+
+
+class Recorder:
+    def __init__(
+        self,
+        send: Callable[[pool_pb2.ClientMessage], None],
+        chunk_events: int = 4096,
+        period_s: float = 0.01,
+    ) -> None:
+        self._send = send
+        self.chunk_events = chunk_events
+        self.period_s = period_s
+        self._pending: list[Event] = []
+        self._names: dict[str, int] = {}
+        self._new_names: dict[int, str] = {}
+        self._steps: list[pool_pb2.StepMark] = []
+        self._lock = threading.Lock()  # drainer vs. step/flush; never taken by record()
+        self._wake = threading.Event()
+        self._stopped = False
+        self.source: Callable[[], object] | None = None  # called before each drain (native path)
+        self.events_sent = 0
+        self.chunks_sent = 0
+        self._thread = threading.Thread(target=self._run, name="tidalpool-recorder", daemon=True)
+        self._thread.start()
+
+    # -- hot path -----------------------------------------------------------------
+    def record(
+        self, kind: int, block_id: int, size: int = 0, duration_ns: int = 0, name_id: int = 0
+    ) -> None:
+        self._pending.append((kind, block_id, size, duration_ns, name_id))
+
+    def name_id(self, name: str) -> int:
+        """A small id for an op name; new names travel with the next chunk."""
+        found = self._names.get(name)
+        if found is None:
+            with self._lock:
+                found = self._names.setdefault(name, len(self._names) + 1)
+                self._new_names[found] = name
+        return found
+
+    # -- boundaries ---------------------------------------------------------------
+    @property
+    def events_recorded(self) -> int:
+        with self._lock:
+            return self.events_sent + len(self._pending)
+
+    def step(self, iteration: int) -> None:
+        """Mark an iteration boundary after every event recorded so far."""
+        self.record(ITER, iteration)
+        with self._lock:
+            before = self.events_sent + len(self._pending)
+            self._steps.append(pool_pb2.StepMark(iteration=iteration, events_before=before))
+        self._wake.set()
+
+    def flush(self) -> None:
+        """Send everything recorded so far (synchronously)."""
+        self._drain()
+
+    def close(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=5)
+        self._drain()
+
+    # -- drainer ------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopped:
+            self._wake.wait(self.period_s)
+            self._wake.clear()
+            self._drain()
+
+    def _drain(self) -> None:
+        source = self.source
+        if source is not None:  # events kept elsewhere (the native ring) come in first
+            source()
+        with self._lock:
+            n = len(self._pending)
+            batch = self._pending[:n]
+            del self._pending[:n]  # appends after index n survive: only this thread deletes
+            new_names, self._new_names = self._new_names, {}
+            steps, self._steps = self._steps, []
+            for start in range(0, n, self.chunk_events):
+                part = batch[start : start + self.chunk_events]
+                self._send(pool_pb2.ClientMessage(trace=self._pack(part, new_names)))
+                new_names = {}
+                self.events_sent += len(part)
+                self.chunks_sent += 1
+            if new_names:  # names registered with no events yet
+                self._send(pool_pb2.ClientMessage(trace=self._pack([], new_names)))
+            for mark in steps:
+                self._send(pool_pb2.ClientMessage(step=mark))
+
+    def _pack(self, events: list[Event], new_names: dict[int, str]) -> pool_pb2.TraceChunk:
+        chunk = pool_pb2.TraceChunk(first_event=self.events_sent, new_names=new_names)
+        if events:
+            kinds, ids, sizes, durations, names = zip(*events, strict=True)
+            chunk.kinds.extend(kinds)
+            chunk.block_ids.extend(ids)
+            chunk.sizes.extend(sizes)
+            chunk.durations_ns.extend(durations)
+            chunk.name_ids.extend(names)
+        return chunk

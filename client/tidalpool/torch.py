@@ -1,0 +1,73 @@
+"""PyTorch integration (`import tidalpool.torch`): the public names, from where they live.
+
+At run time (`tidalclient.torch`):
+- `attach(socket_dir, mode="pool" | "planned", optimizer=...)`: PyTorch's CUDA memory comes from
+  a tidalpool lease, through PyTorch's caching allocator ("pool") or replacing it with the
+  native planned allocator ("planned"); `step()` marks an iteration boundary.
+- `SavedTensors(session, optimizer)`: while active, the tensors autograd saves for backward
+  live in the session (CPU tensors on sim, CUDA tensors on cuda), where the swap engine moves
+  them to the host lease under the session's swap limit.
+- `recompute(blocks)`: those blocks of the model rebuild what they save for backward instead
+  of keeping it.
+
+Offline, on the meta device (`tidaloffline.torch`):
+- `record(model, example_batch, loss_fn, optimizer, iterations=3, path=...)`: a trace CSV v1
+  of real training iterations run on the meta device (no memory, no GPU), for `tidalpool plan`
+  and `tidalpool simulate`.
+- `plan_recompute(model, ..., blocks=, limit=)`: the blocks to recompute so that a step fits
+  `limit` soonest, with swapping for the rest; `Roofline`: the GPU whose op durations a
+  recorded trace estimates (default: an H100 SXM).
+
+Needs PyTorch: `pip install 'tidalpool[torch]'`.
+"""
+
+from __future__ import annotations
+
+from tidalclient.torch.allocator import (
+    TorchAttachError,
+    TorchSession,
+    TorchStats,
+    attach,
+    current,
+    saves_lease,
+    step,
+)
+from tidalclient.torch.oom import torch_check_fail
+from tidalclient.torch.recompute import Recomputed, recompute
+from tidalclient.torch.saved import (
+    COMPUTE_OP,
+    ComputeGaps,
+    Saved,
+    SavedStats,
+    SavedTensors,
+    SaveOrder,
+)
+from tidaloffline.torch.recompute_plan import RecomputeError, RecomputePlan, plan_recompute
+from tidaloffline.torch.record import OptimizerFactory, RecordError, record
+from tidaloffline.torch.roofline import Roofline
+
+__all__ = [
+    "COMPUTE_OP",
+    "ComputeGaps",
+    "OptimizerFactory",
+    "RecomputeError",
+    "RecomputePlan",
+    "Recomputed",
+    "RecordError",
+    "Roofline",
+    "SaveOrder",
+    "Saved",
+    "SavedStats",
+    "SavedTensors",
+    "TorchAttachError",
+    "TorchSession",
+    "TorchStats",
+    "attach",
+    "current",
+    "plan_recompute",
+    "recompute",
+    "record",
+    "saves_lease",
+    "step",
+    "torch_check_fail",
+]

@@ -1,0 +1,137 @@
+"""Mapping memfd chunks (a sim lease, or any host lease): side by side in one range this process
+reserves, page-locked for a GPU where asked.
+
+    reserve   base ─▶ |.............. PROT_NONE ..............|   (anonymous, lease length)
+    map       base ─▶ | chunk fd 0 | chunk fd 1 | chunk fd 2 |   (MAP_SHARED | MAP_FIXED)
+
+Chunk k of the lease lands at base + k * chunk_bytes, so the executor sees one contiguous
+lease although the chunks are scattered in the pool. The process holds no fd of any other
+chunk: it can reach no other session's memory.
+
+Arrays point into the mapping by address. When the session ends while arrays still exist,
+`retire()` swaps the range for private anonymous memory at the same address: stale arrays
+then read zeros and can never reach a chunk the pool has since leased to another session,
+and nothing crashes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from collections.abc import Sequence
+
+from tidalcore.cuda_driver import Driver
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.mmap.restype = ctypes.c_void_p
+_LIBC.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
+_LIBC.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_PROT_NONE = 0
+_MAP_FIXED = 0x10
+_MAP_NORESERVE = 0x4000
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_RW = mmap.PROT_READ | mmap.PROT_WRITE
+
+
+def _mmap(address: int | None, length: int, prot: int, flags: int, fd: int, what: str) -> int:
+    got = _LIBC.mmap(address, length, prot, flags, fd, 0)
+    if got is None or got == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"cannot {what}: {os.strerror(err)}")
+    return int(got)
+
+
+class ChunkMapping:
+    """The chunks `fds` (each `chunk_bytes`), mapped in order from `address` in this process.
+    The fds stay the caller's: close them after mapping (the mapping keeps the memory). Any
+    memfd-chunk lease maps this way: the cuda host lease is one, page-locked on top."""
+
+    def __init__(self, fds: Sequence[int], chunk_bytes: int) -> None:
+        if not fds or chunk_bytes <= 0:
+            raise ValueError(f"a lease of {len(fds)} chunks of {chunk_bytes} bytes maps nothing")
+        self.length = len(fds) * chunk_bytes
+        self.chunk_bytes = chunk_bytes
+        anonymous = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
+        self.address = _mmap(None, self.length, _PROT_NONE, anonymous, -1, "reserve the lease")
+        try:
+            for k, fd in enumerate(fds):
+                at = self.address + k * chunk_bytes
+                _mmap(at, chunk_bytes, _RW, mmap.MAP_SHARED | _MAP_FIXED, fd, f"map chunk {k}")
+        except OSError:
+            _LIBC.munmap(self.address, self.length)
+            raise
+        self._view = memoryview((ctypes.c_char * self.length).from_address(self.address)).cast("B")
+        self.retired = False
+
+    def buffer(self, offset: int, nbytes: int) -> memoryview:
+        """The bytes [offset, offset+nbytes) of the lease (tests and copies)."""
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.length:
+            raise ValueError(f"range {offset}+{nbytes} is outside the lease of {self.length} bytes")
+        return self._view[offset : offset + nbytes]
+
+    def retire(self) -> None:
+        """Replace the shared chunks with private zero pages at the same address."""
+        if self.retired:
+            return
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED
+        _mmap(self.address, self.length, _RW, flags, -1, "retire the lease mapping")
+        self.retired = True
+
+    def close(self) -> None:
+        """Unmap the range (only when no pointer into it is left)."""
+        if self.length:
+            _LIBC.munmap(self.address, self.length)
+            self.length = 0
+            self.retired = True
+
+
+class PinnedChunkMapping(ChunkMapping):
+    """A host lease: the memfd chunks `fds`, contiguous at `address` (as on sim), page-locked.
+
+    `retire()` unregisters the range and swaps it for private zero pages at the same address,
+    as the sim mapping does.
+    """
+
+    def __init__(
+        self, driver: Driver | None, fds: Sequence[int], chunk_bytes: int, register: bool = True
+    ) -> None:
+        if chunk_bytes % mmap.PAGESIZE:
+            raise ValueError(f"chunk of {chunk_bytes} bytes is not a multiple of the page size")
+        super().__init__(fds, chunk_bytes)
+        self._driver = driver
+        self.registered = False
+        if register and driver is not None:
+            try:
+                driver.host_register(self.address, self.length)
+            except BaseException:
+                super().close()
+                raise
+            self.registered = True
+
+    def zero(self, offset: int, nbytes: int) -> None:
+        self.buffer(offset, nbytes)  # bounds
+        ctypes.memset(self.address + offset, 0, nbytes)
+
+    def _unregister(self) -> None:
+        if self.registered and self._driver is not None:
+            self.registered = False
+            self._driver.host_unregister(self.address)
+
+    def retire(self) -> None:
+        if self.retired:
+            return
+        self._unregister()
+        super().retire()
+
+    def close(self) -> None:
+        """Unregister and unmap (only when no pointer into the range is left)."""
+        self._unregister()
+        super().close()

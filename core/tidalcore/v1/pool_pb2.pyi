@@ -1,0 +1,205 @@
+from tidalcore.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    EVENT_KIND_UNSPECIFIED: _ClassVar[EventKind]
+    EVENT_KIND_ALLOC: _ClassVar[EventKind]
+    EVENT_KIND_FREE: _ClassVar[EventKind]
+    EVENT_KIND_READ: _ClassVar[EventKind]
+    EVENT_KIND_WRITE: _ClassVar[EventKind]
+    EVENT_KIND_OP: _ClassVar[EventKind]
+    EVENT_KIND_ITER: _ClassVar[EventKind]
+EVENT_KIND_UNSPECIFIED: EventKind
+EVENT_KIND_ALLOC: EventKind
+EVENT_KIND_FREE: EventKind
+EVENT_KIND_READ: EventKind
+EVENT_KIND_WRITE: EventKind
+EVENT_KIND_OP: EventKind
+EVENT_KIND_ITER: EventKind
+
+class AttachRequest(_message.Message):
+    __slots__ = ("client_version", "pid", "swap_limit_bytes", "copy_gbps")
+    CLIENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    SWAP_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COPY_GBPS_FIELD_NUMBER: _ClassVar[int]
+    client_version: str
+    pid: int
+    swap_limit_bytes: int
+    copy_gbps: float
+    def __init__(self, client_version: _Optional[str] = ..., pid: _Optional[int] = ..., swap_limit_bytes: _Optional[int] = ..., copy_gbps: _Optional[float] = ...) -> None: ...
+
+class AttachResponse(_message.Message):
+    __slots__ = ("session_id", "lease", "heartbeat_interval_ms", "trace_chunk_events")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CHUNK_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    lease: _common_pb2.Lease
+    heartbeat_interval_ms: int
+    trace_chunk_events: int
+    def __init__(self, session_id: _Optional[str] = ..., lease: _Optional[_Union[_common_pb2.Lease, _Mapping]] = ..., heartbeat_interval_ms: _Optional[int] = ..., trace_chunk_events: _Optional[int] = ...) -> None: ...
+
+class ClientMessage(_message.Message):
+    __slots__ = ("heartbeat", "trace", "step")
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    TRACE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    heartbeat: Heartbeat
+    trace: TraceChunk
+    step: StepMark
+    def __init__(self, heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., trace: _Optional[_Union[TraceChunk, _Mapping]] = ..., step: _Optional[_Union[StepMark, _Mapping]] = ...) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ("device_used_bytes", "device_peak_bytes", "host_used_bytes", "plan_misses", "swapped_out_bytes", "swapped_in_bytes", "swap_stall_ns")
+    DEVICE_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PLAN_MISSES_FIELD_NUMBER: _ClassVar[int]
+    SWAPPED_OUT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SWAPPED_IN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SWAP_STALL_NS_FIELD_NUMBER: _ClassVar[int]
+    device_used_bytes: int
+    device_peak_bytes: int
+    host_used_bytes: int
+    plan_misses: int
+    swapped_out_bytes: int
+    swapped_in_bytes: int
+    swap_stall_ns: int
+    def __init__(self, device_used_bytes: _Optional[int] = ..., device_peak_bytes: _Optional[int] = ..., host_used_bytes: _Optional[int] = ..., plan_misses: _Optional[int] = ..., swapped_out_bytes: _Optional[int] = ..., swapped_in_bytes: _Optional[int] = ..., swap_stall_ns: _Optional[int] = ...) -> None: ...
+
+class TraceChunk(_message.Message):
+    __slots__ = ("first_event", "kinds", "block_ids", "sizes", "durations_ns", "name_ids", "new_names")
+    class NewNamesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: str
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[str] = ...) -> None: ...
+    FIRST_EVENT_FIELD_NUMBER: _ClassVar[int]
+    KINDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    DURATIONS_NS_FIELD_NUMBER: _ClassVar[int]
+    NAME_IDS_FIELD_NUMBER: _ClassVar[int]
+    NEW_NAMES_FIELD_NUMBER: _ClassVar[int]
+    first_event: int
+    kinds: _containers.RepeatedScalarFieldContainer[EventKind]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    durations_ns: _containers.RepeatedScalarFieldContainer[int]
+    name_ids: _containers.RepeatedScalarFieldContainer[int]
+    new_names: _containers.ScalarMap[int, str]
+    def __init__(self, first_event: _Optional[int] = ..., kinds: _Optional[_Iterable[_Union[EventKind, str]]] = ..., block_ids: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ..., durations_ns: _Optional[_Iterable[int]] = ..., name_ids: _Optional[_Iterable[int]] = ..., new_names: _Optional[_Mapping[int, str]] = ...) -> None: ...
+
+class StepMark(_message.Message):
+    __slots__ = ("iteration", "events_before")
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    iteration: int
+    events_before: int
+    def __init__(self, iteration: _Optional[int] = ..., events_before: _Optional[int] = ...) -> None: ...
+
+class ServerMessage(_message.Message):
+    __slots__ = ("plan", "quota", "error", "goodbye")
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    GOODBYE_FIELD_NUMBER: _ClassVar[int]
+    plan: PlanUpdate
+    quota: QuotaChange
+    error: SessionError
+    goodbye: Goodbye
+    def __init__(self, plan: _Optional[_Union[PlanUpdate, _Mapping]] = ..., quota: _Optional[_Union[QuotaChange, _Mapping]] = ..., error: _Optional[_Union[SessionError, _Mapping]] = ..., goodbye: _Optional[_Union[Goodbye, _Mapping]] = ...) -> None: ...
+
+class PlanUpdate(_message.Message):
+    __slots__ = ("plan_id", "signature", "sizes", "offsets", "height_bytes", "swap_blocks", "swap_persistent", "swap_out_after", "swap_in_at", "swap_in_before")
+    PLAN_ID_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SWAP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SWAP_PERSISTENT_FIELD_NUMBER: _ClassVar[int]
+    SWAP_OUT_AFTER_FIELD_NUMBER: _ClassVar[int]
+    SWAP_IN_AT_FIELD_NUMBER: _ClassVar[int]
+    SWAP_IN_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    plan_id: int
+    signature: bytes
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    height_bytes: int
+    swap_blocks: _containers.RepeatedScalarFieldContainer[int]
+    swap_persistent: _containers.RepeatedScalarFieldContainer[bool]
+    swap_out_after: _containers.RepeatedScalarFieldContainer[int]
+    swap_in_at: _containers.RepeatedScalarFieldContainer[int]
+    swap_in_before: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, plan_id: _Optional[int] = ..., signature: _Optional[bytes] = ..., sizes: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., height_bytes: _Optional[int] = ..., swap_blocks: _Optional[_Iterable[int]] = ..., swap_persistent: _Optional[_Iterable[bool]] = ..., swap_out_after: _Optional[_Iterable[int]] = ..., swap_in_at: _Optional[_Iterable[int]] = ..., swap_in_before: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class QuotaChange(_message.Message):
+    __slots__ = ("device_limit_bytes", "host_limit_bytes", "reason")
+    DEVICE_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    device_limit_bytes: int
+    host_limit_bytes: int
+    reason: str
+    def __init__(self, device_limit_bytes: _Optional[int] = ..., host_limit_bytes: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class SessionError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    message: str
+    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class Goodbye(_message.Message):
+    __slots__ = ("reason", "message")
+    class Reason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        REASON_UNSPECIFIED: _ClassVar[Goodbye.Reason]
+        REASON_DETACHED: _ClassVar[Goodbye.Reason]
+        REASON_EVICTED: _ClassVar[Goodbye.Reason]
+        REASON_SHUTDOWN: _ClassVar[Goodbye.Reason]
+    REASON_UNSPECIFIED: Goodbye.Reason
+    REASON_DETACHED: Goodbye.Reason
+    REASON_EVICTED: Goodbye.Reason
+    REASON_SHUTDOWN: Goodbye.Reason
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    reason: Goodbye.Reason
+    message: str
+    def __init__(self, reason: _Optional[_Union[Goodbye.Reason, str]] = ..., message: _Optional[str] = ...) -> None: ...
+
+class DetachRequest(_message.Message):
+    __slots__ = ("last",)
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    last: Heartbeat
+    def __init__(self, last: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
+
+class DetachResponse(_message.Message):
+    __slots__ = ("session",)
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    session: _common_pb2.SessionInfo
+    def __init__(self, session: _Optional[_Union[_common_pb2.SessionInfo, _Mapping]] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("session",)
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    session: _common_pb2.SessionInfo
+    def __init__(self, session: _Optional[_Union[_common_pb2.SessionInfo, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,16 @@
+"""Names both ends of a connection agree on: socket files, gRPC metadata keys, versions."""
+
+from __future__ import annotations
+
+GRPC_SOCKET = "tidalpool.sock"
+"""The daemon's gRPC socket, in its socket directory."""
+HANDLES_SOCKET = "handles.sock"
+"""The handles socket (leases and their fds), in the same directory."""
+
+HANDLES_VERSION = 2
+"""Version of the handles protocol (proto/tidalpool/v1/handles.proto)."""
+
+TOKEN_KEY = "tidalpool-token"
+"""gRPC metadata key of a session's token on every session RPC."""
+STREAM_OPEN_KEY = "tidalpool-stream"
+"""Header the daemon sends once a session stream is the session's (value "1")."""

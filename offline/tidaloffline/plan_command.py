@@ -1,0 +1,232 @@
+"""`tidalpool plan INPUT`: place the buffers of a problem, a trace or a snapshot, and report.
+
+INPUT is a placement CSV (MiniMalloc's `id,lower,upper,size`), a trace CSV v1
+(its steady iteration is extracted and placed) or a PyTorch memory snapshot
+pickle. The command prints the lower bound, SmartPool's height, the solver's
+height, their ratios to the bound, the seconds and whether the plan is proven
+optimal; `--out` writes `id,lower,upper,size,offset`; `--plot` draws the
+placement. Every placement is validated before it is printed or written.
+Progress goes to stderr once a solve has run for a second. Exit status: 0 done,
+1 an invalid placement (a bug), 2 bad input or options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from tidalcore.units import ALIGNMENT, format_size
+from tidalplan.model import Problem
+from tidalplan.placement import SMARTPOOL_MAX_BUFFERS, lower_bound, smartpool, solve
+from tidalplan.validate import InvalidPlacement, validate
+
+PROGRESS_AFTER_S = 1.0
+
+
+class InputError(Exception):
+    """The input or an option cannot be used; the message names the file and the problem."""
+
+
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    problem: Problem
+    labels: tuple[str, ...] | None  # ids to write, when they differ from Buffer.id
+    description: str
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `plan` on an argparse subparsers object; the handler is `run`."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "plan",
+        help="place the blocks of a trace, snapshot or placement CSV, and compare",
+        description="Place the buffers of INPUT (a placement CSV, a trace CSV v1 or a PyTorch"
+        " memory snapshot) and compare with the lower bound and SmartPool.",
+    )
+    parser.add_argument(
+        "input", type=Path, metavar="INPUT", help="placement CSV, trace or snapshot"
+    )
+    parser.add_argument(
+        "--time-limit",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds the solver may spend (default 10)",
+    )
+    parser.add_argument("--out", type=Path, metavar="SOLUTION.csv", help="write the placement")
+    parser.add_argument("--plot", type=Path, metavar="PICTURE.png", help="draw the placement")
+    parser.add_argument(
+        "--alignment",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help=f"offset alignment (default {ALIGNMENT} for traces and snapshots, the file's"
+        " own (1 unless it has an alignment column) for placement CSVs)",
+    )
+    parser.add_argument("--no-exact", action="store_true", help="heuristics only, no exact search")
+    parser.set_defaults(handler=run)
+    return parser
+
+
+def load(path: Path, alignment: int | None) -> Loaded:
+    """The problem in `path`, whatever its format (InputError naming the file if unusable)."""
+    from tidaloffline import formats as tracecsv  # lazily: the CLI starts fast
+
+    if alignment is not None and alignment < 1:
+        raise InputError(f"--alignment must be at least 1, got {alignment}")
+    if not path.exists():
+        raise InputError(f"{path}: no such file")
+    if not path.is_file():
+        raise InputError(f"{path}: not a file")
+    try:
+        kind = tracecsv.detect_format(path)
+        if kind == "problem":
+            problem, labels = tracecsv.read_problem_csv_with_labels(path)
+            a = alignment if alignment is not None else problem.alignment
+            return Loaded(
+                Problem(problem.buffers, a),
+                labels,
+                f"placement CSV, {len(problem.buffers)} buffers, alignment {a}",
+            )
+        a = alignment if alignment is not None else ALIGNMENT
+        if kind == "trace":
+            from tidalplan import learn
+
+            events = tracecsv.read_trace_csv(path)
+            iteration = learn.extract(events, events.marks())
+            problem, mapping = learn.to_problem(iteration, alignment=a)
+            labels = tuple(str(iteration.blocks[i].id) for i in mapping)
+            return Loaded(
+                problem,
+                labels,
+                f"trace CSV, iteration {iteration.index}: {len(problem.buffers)} buffers,"
+                f" alignment {a}",
+            )
+        problem = tracecsv.read_snapshot(path)
+        return Loaded(
+            Problem(problem.buffers, a),
+            None,
+            f"memory snapshot, {len(problem.buffers)} buffers, alignment {a}",
+        )
+    except OSError as e:
+        raise InputError(f"{path}: cannot read: {e.strerror or e}") from None
+    except ValueError as e:  # FormatError, NoIteration, bad values
+        text = str(e)
+        raise InputError(text if str(path) in text else f"{path}: {text}") from None
+
+
+class _Progress:
+    """Prints the solver's lines to `stream` once `after` seconds have passed (held until then)."""
+
+    def __init__(self, stream: TextIO, clock: Callable[[], float], after: float) -> None:
+        self.stream, self.clock, self.after = stream, clock, after
+        self.start = clock()
+        self.held: list[tuple[float, str]] = []
+
+    def __call__(self, message: str) -> None:
+        elapsed = self.clock() - self.start
+        self.held.append((elapsed, message))
+        if elapsed >= self.after:
+            for at, line in self.held:
+                print(f"[{at:6.1f} s] {line}", file=self.stream, flush=True)
+            self.held.clear()
+
+
+def run(
+    args: argparse.Namespace,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> int:
+    """Carry out `tidalpool plan` with parsed arguments; the exit status."""
+    out = out if out is not None else sys.stdout
+    err = err if err is not None else sys.stderr
+    try:
+        if not args.time_limit > 0:
+            raise InputError(f"--time-limit must be positive, got {args.time_limit}")
+        if args.plot is not None:
+            try:
+                import matplotlib  # noqa: F401
+            except ImportError:
+                raise InputError(
+                    f"--plot {args.plot}: drawing needs matplotlib, which is not installed"
+                    " (pip install matplotlib, or the dev extra)"
+                ) from None
+        loaded = load(args.input, args.alignment)
+    except InputError as e:
+        print(f"tidalpool plan: {e}", file=err)
+        return 2
+
+    problem = loaded.problem
+    bound = lower_bound(problem)
+    baseline = None
+    if len(problem.buffers) <= SMARTPOOL_MAX_BUFFERS:
+        baseline = smartpool(problem)
+    started = clock()
+    placement = solve(
+        problem,
+        time_limit_s=args.time_limit,
+        use_exact=not args.no_exact,
+        progress=_Progress(err, clock, PROGRESS_AFTER_S),
+    )
+    seconds = clock() - started
+    try:
+        validate(problem, placement)
+        if baseline is not None:
+            validate(problem, baseline)
+    except InvalidPlacement as e:
+        print(f"tidalpool plan: {args.input}: invalid placement, not used: {e}", file=err)
+        return 1
+
+    def ratio(height: int) -> str:
+        return f"{height / bound:.4f}" if bound else "-"
+
+    print(f"input: {args.input} ({loaded.description})", file=out)
+    print(f"lower bound: {bound} B ({format_size(bound)})", file=out)
+    if baseline is not None:
+        print(f"smartpool: {baseline.height} B (ratio {ratio(baseline.height)})", file=out)
+    else:
+        print(
+            f"smartpool: skipped ({len(problem.buffers)} buffers; it is quadratic,"
+            f" run up to {SMARTPOOL_MAX_BUFFERS})",
+            file=out,
+        )
+    print(
+        f"height: {placement.height} B (ratio {ratio(placement.height)}, {placement.solver})",
+        file=out,
+    )
+    print(f"seconds: {seconds:.2f}", file=out)
+    print(f"optimal: {'yes' if placement.optimal else 'no'}", file=out)
+
+    try:
+        if args.out is not None:
+            from tidaloffline.formats import write_solution_csv
+
+            write_solution_csv(args.out, problem, placement, loaded.labels)
+            print(f"solution: {args.out}", file=out)
+        if args.plot is not None:
+            from tidaloffline.plot import plot
+
+            plot(problem, placement, args.plot, f"{args.input.name}: {placement.solver}")
+            print(f"picture: {args.plot}", file=out)
+    except OSError as e:
+        name = e.filename if e.filename is not None else (args.out or args.plot)
+        print(f"tidalpool plan: {name}: cannot write: {e.strerror or e}", file=err)
+        return 2
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m tidaloffline.plan_command INPUT ...`: the command on its own."""
+    parser = argparse.ArgumentParser(prog="tidalpool")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""The values the planner passes around.
+
+Time is measured in ticks: the index of an event (alloc, free or op) within an
+iteration's event stream. A block allocated at tick a and freed at tick f is
+live over [a, f); two blocks may share bytes only if their lifetimes do not
+intersect. Because a free and a later alloc are different ticks, a block freed
+before another is allocated between the same two ops never overlaps it, which
+is exactly the reuse an allocator can honour at run time (Layrub's intra-layer
+reuse at the granularity the trace gives).
+
+    address
+      ▲   ┌────────┐
+      │   │   b2   │        ┌──────┐
+      │ ┌─┴──────┬─┘        │  b3  │     a placement: each buffer a rectangle
+      │ │   b1   │          └──────┘     [lower, upper) × [offset, offset+size)
+      └─┴────────┴───────────────────▶ tick
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tidalcore.units import Bytes, Offset, Tick
+
+
+@dataclass(frozen=True, slots=True)
+class Buffer:
+    """One rectangle of a placement problem: `size` bytes live over [lower, upper)."""
+
+    id: int
+    lower: Tick
+    upper: Tick
+    size: Bytes
+
+    def __post_init__(self) -> None:
+        if self.size <= 0:
+            raise ValueError(f"buffer {self.id}: size must be positive, got {self.size}")
+        if self.upper <= self.lower:
+            raise ValueError(f"buffer {self.id}: empty lifetime [{self.lower}, {self.upper})")
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """Buffers to place; offsets must be multiples of `alignment`."""
+
+    buffers: tuple[Buffer, ...]
+    alignment: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Offsets parallel to `Problem.buffers`, the height they reach, and who made them."""
+
+    offsets: tuple[Offset, ...]
+    height: Bytes
+    solver: str
+    optimal: bool = False  # proven: height equals a lower bound, or an exact search finished
+    stats: dict[str, float] = field(default_factory=dict, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Access:
+    """An op reads or writes a block."""
+
+    tick: Tick  # the op's tick
+    block: int
+    write: bool
+
+
+@dataclass(frozen=True, slots=True)
+class IterBlock:
+    """A block allocated and freed within the iteration (or crossing its boundary)."""
+
+    id: int  # block id in the trace
+    size: Bytes
+    start: Tick  # alloc tick
+    end: Tick  # free tick; for a block freed in the next iteration: `ticks` + its free tick there
+    crosses: bool = False  # allocated here, freed in the next iteration
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    tick: Tick
+    name: str
+    duration_ns: int
+
+
+@dataclass(frozen=True, slots=True)
+class Iteration:
+    """One steady training iteration, as learned from the event stream.
+
+    `blocks` are in allocation order: allocation i of the iteration is blocks[i].
+    `persistent` are live across every iteration (weights, optimizer state): their
+    ids and sizes; they are not part of the per-iteration placement.
+    """
+
+    ticks: int  # events (alloc, free, op) in the iteration
+    blocks: tuple[IterBlock, ...]
+    ops: tuple[Op, ...]
+    accesses: tuple[Access, ...]
+    persistent: tuple[tuple[int, Bytes], ...]
+    index: int = 0  # which iteration of the stream it is (0-based)

@@ -1,0 +1,380 @@
+"""Simulate one steady iteration under a memory limit and a swap plan.
+
+Three engines, deterministic, in integer nanoseconds (AutoSwap, SmartPool IV-E):
+
+    compute   ─[op]─[op]──wait──[op]─[op]─▶ ticks in order; allocs and frees take no time
+    swap-out        └──[out b]──┐           serial; starts after its op, frees b's bytes at its end
+    swap-in                     └─[in b]──┐ serial; takes b's bytes at its start,
+                                          ▼ must end before the op that needs b
+
+Device bytes at any moment are the persistent bytes plus `learn.live_bytes` at
+the tick compute has reached, less the bytes of blocks swapped out (copy done,
+swap-in not yet started). A tick where `live_bytes` rises is a malloc: compute
+waits there until it fits under the limit (delayed malloc); a swap-in waits
+likewise (delayed swap-in). Only finishing swap-outs free bytes while compute
+waits, so a wait with none pending is reported as infeasible instead of hanging.
+At equal times, swap-outs finish first, then swap-ins start, then compute moves.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from tidalcore.units import Bytes, Tick
+
+from tidalplan.learn import live_bytes
+from tidalplan.model import Iteration
+
+_NEVER = 1 << 62  # a time after every event
+
+
+@dataclass(frozen=True, slots=True)
+class Swap:
+    """Swap a block out after one op and back in before a later one.
+
+    `block` indexes `Iteration.blocks`, or `Iteration.persistent` when
+    `persistent` is set. `out_after` and `in_before` are op ticks: the swap-out
+    starts once op `out_after` has finished; op `in_before` cannot start until
+    the swap-in has finished. The swap-in is issued when compute reaches tick
+    `in_at`: by default the op before `in_before`, but no earlier than the tick
+    after `out_after` (or tick 0 for a swap that crosses the boundary). It never
+    starts before its own swap-out has finished.
+
+    A persistent block may cross the iteration boundary (`in_before` <=
+    `out_after`): it is then off the device when the iteration begins, comes back
+    before `in_before`, and leaves again after `out_after`, as in the steady state.
+    The block must not be accessed strictly between `out_after` and `in_before`.
+    """
+
+    block: int
+    out_after: Tick
+    in_before: Tick
+    in_at: Tick | None = None
+    persistent: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SwapPlan:
+    """The swaps of one iteration. A block may be swapped more than once, over intervals
+    that do not overlap: one swap's `in_before` is at or before the next one's `out_after`
+    (a crossing swap of a persistent block holds the ends of the iteration, the others lie
+    between its `in_before` and its `out_after`)."""
+
+    swaps: tuple[Swap, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """The simulated iteration.
+
+    The iteration ends when compute has run every tick and both copy engines are
+    idle. When `feasible` is False (a malloc or a swap-in can never fit, or the
+    device starts over the limit) the times and bytes describe the timeline up to
+    the point where it got stuck.
+    """
+
+    iteration_ns: int
+    baseline_ns: int  # the same iteration with no limit and no swaps
+    overhead: float  # iteration_ns / baseline_ns - 1 (0.0 when baseline_ns is 0)
+    peak_bytes: Bytes  # device bytes at their highest over the timeline
+    out_bytes: Bytes  # bytes of the swap-outs that started
+    in_bytes: Bytes  # bytes of the swap-ins that started
+    stall_ns: int  # compute waiting for swap-ins or delayed mallocs
+    feasible: bool
+    curve: tuple[tuple[int, int], ...]  # (time ns, device bytes) at the start and at each change
+    # When each tick happened (an op started, after any wait); per swap of the plan (in plan
+    # order): when its bytes left
+    # (its swap-out finished) and came back (its swap-in started). _NEVER: did not happen.
+    tick_ns: tuple[int, ...] = field(default=(), compare=False)
+    swap_ns: tuple[tuple[int, int], ...] = field(default=(), compare=False)
+    # The same as ticks: the first tick that saw the bytes gone / back (`ticks`: after the last
+    # tick, the next iteration's start), -1 if it did not happen. Ticks order events that share
+    # a time: compute's allocs and frees take none.
+    swap_ticks: tuple[tuple[int, int], ...] = field(default=(), compare=False)
+
+
+def copy_ns(size: int, gbps: float) -> int:
+    """ceil(size / gbps) nanoseconds: `size` bytes at `gbps` GB/s (GB = 1e9 bytes), exactly."""
+    num, den = gbps.as_integer_ratio()
+    return -(-size * den // num)
+
+
+@dataclass(slots=True)
+class _In:
+    """A swap-in in the in-engine's queue."""
+
+    size: int
+    issue_tick: int
+    need_tick: int
+    out: int  # index of its swap-out in the out list, -1: none this iteration (wraps)
+    ns: int
+    swap: int  # its index in the plan
+    issued: int = _NEVER  # when compute reached `issue_tick`
+    started: int = _NEVER  # when the copy started (the bytes came back)
+    started_tick: int = -1  # the first tick that saw them back
+    done: int = _NEVER  # when the copy finished
+
+
+def _checked(it: Iteration, plan: SwapPlan) -> list[tuple[int, Swap]]:
+    """(size, swap) for every swap of the plan; ValueError names the first bad one."""
+    op_ticks = [op.tick for op in it.ops]
+    op_index = {t: k for k, t in enumerate(op_ticks)}
+    swapped = {
+        it.persistent[s.block][0] if s.persistent else it.blocks[s.block].id
+        for s in plan.swaps
+        if 0 <= s.block < len(it.persistent if s.persistent else it.blocks)
+    }
+    touched: dict[int, list[int]] = {}
+    for a in it.accesses if plan.swaps else ():
+        if a.block in swapped:
+            touched.setdefault(a.block, []).append(a.tick)
+    per_block: dict[tuple[bool, int], list[Swap]] = {}
+    out: list[tuple[int, Swap]] = []
+    for s in plan.swaps:
+        where = it.persistent if s.persistent else it.blocks
+        if not 0 <= s.block < len(where):
+            raise ValueError(f"{s}: no such block")
+        per_block.setdefault((s.persistent, s.block), []).append(s)
+        if s.out_after not in op_index or s.in_before not in op_index:
+            raise ValueError(f"{s}: out_after and in_before must be op ticks")
+        first = 0 if s.in_before <= s.out_after else s.out_after + 1
+        if s.in_at is not None and not first <= s.in_at <= s.in_before:
+            raise ValueError(f"{s}: in_at must lie in [{first}, in_before]")
+        if s.persistent:
+            trace_id, size = it.persistent[s.block]
+        else:
+            b = it.blocks[s.block]
+            trace_id, size = b.id, b.size
+            if not b.start < s.out_after < s.in_before < b.end:
+                raise ValueError(f"{s}: not start < out_after < in_before < end of its block")
+        lo, hi = s.out_after, s.in_before
+        away = (
+            [t for t in touched.get(trace_id, ()) if lo < t < hi]
+            if lo < hi
+            else [t for t in touched.get(trace_id, ()) if t > lo or t < hi]
+        )
+        if away:
+            raise ValueError(f"{s}: block accessed at tick {away[0]} while swapped out")
+        out.append((size, s))
+    for mine in per_block.values():
+        _disjoint(mine)
+    return out
+
+
+def _disjoint(swaps: list[Swap]) -> None:
+    """ValueError unless the away intervals of one block's swaps do not overlap."""
+    if len(swaps) < 2:
+        return
+    crossing = [s for s in swaps if s.in_before <= s.out_after]
+    inside = sorted((s for s in swaps if s.in_before > s.out_after), key=lambda s: s.out_after)
+    if len(crossing) > 1:
+        raise ValueError(f"{crossing[1]}: block swapped across the boundary twice")
+    for prev, nxt in itertools.pairwise(inside):
+        if nxt.out_after < prev.in_before:
+            raise ValueError(f"{nxt}: overlaps {prev}, another swap of the same block")
+    for c in crossing:
+        for s in inside:
+            if s.out_after < c.in_before or s.in_before > c.out_after:
+                raise ValueError(f"{s}: overlaps {c}, another swap of the same block")
+
+
+def simulate(
+    it: Iteration,
+    plan: SwapPlan,
+    limit_bytes: int | None,
+    out_gbps: float,
+    in_gbps: float,
+    compute_scale: float = 1.0,
+) -> Result:
+    """Run one steady iteration of `it` under `plan` and `limit_bytes` (None: no limit).
+
+    Op durations are the trace's times `compute_scale`, rounded to whole ns;
+    copies take `copy_ns` at `out_gbps` / `in_gbps`. ValueError for a malformed
+    plan or non-positive bandwidths.
+    """
+    if not (0 < out_gbps < math.inf and 0 < in_gbps < math.inf and 0 <= compute_scale < math.inf):
+        raise ValueError("bandwidths must be positive and compute_scale non-negative")
+    swaps = _checked(it, plan)
+    limit = _NEVER if limit_bytes is None else limit_bytes
+    durations: dict[int, int] = {op.tick: round(op.duration_ns * compute_scale) for op in it.ops}
+    baseline = sum(durations.values())
+    live = live_bytes(it).tolist() if it.ticks else [0]
+    op_ticks = [op.tick for op in it.ops]
+    op_pos = {t: k for k, t in enumerate(op_ticks)}
+
+    # Swap-outs leave after their op, in op order (then plan order): (size, ns) per op tick.
+    outs_after: dict[int, list[int]] = {}
+    out_size: list[int] = []
+    out_ns: list[int] = []
+    out_done: list[int] = []
+    out_tick: list[int] = []
+    ins: list[_In] = []
+    off = 0  # bytes off the device now
+    out_swap: list[int] = []  # plan index of each swap-out
+    order = sorted(range(len(swaps)), key=lambda j: (swaps[j][1].out_after, swaps[j][1].in_before))
+    for j in order:
+        size, s = swaps[j]
+        wraps = s.in_before <= s.out_after
+        k = len(out_size)
+        out_swap.append(j)
+        outs_after.setdefault(s.out_after, []).append(k)
+        out_size.append(size)
+        out_ns.append(copy_ns(size, out_gbps))
+        out_done.append(_NEVER)
+        out_tick.append(-1)
+        pos = op_pos[s.in_before]
+        first = 0 if wraps else s.out_after + 1
+        issue = s.in_at if s.in_at is not None else max(op_ticks[pos - 1] if pos else 0, first)
+        ins.append(_In(size, issue, s.in_before, -1 if wraps else k, copy_ns(size, in_gbps), j))
+        if wraps:
+            off += size
+    ins.sort(key=lambda x: (x.issue_tick, x.need_tick))
+    needs: dict[int, list[_In]] = {}
+    for x in ins:
+        needs.setdefault(x.need_tick, []).append(x)
+
+    persistent = sum(size for _, size in it.persistent)
+    level = live[-1]  # transient bytes compute has reached: the previous iteration's end
+    device = persistent + level - off
+    curve = [(0, device)]
+    peak = device
+    moved_out = moved_in = 0
+    releases: deque[tuple[int, int, int]] = deque()  # swap-out ends in time order: (time, size, k)
+    out_free = 0
+    in_free = 0
+    head = 0  # the next swap-in to start
+    blocked = False  # the head did not fit; it retries after the next free
+    retry = 0
+
+    def note(t: int) -> None:
+        nonlocal peak
+        d = persistent + level - off
+        curve.append((int(t), d))
+        peak = max(peak, d)
+
+    def next_start() -> int:
+        if head == len(ins) or blocked:
+            return _NEVER
+        x = ins[head]
+        after = 0 if x.out < 0 else out_done[x.out]
+        return max(x.issued, in_free, after, retry)
+
+    def step(until: int) -> int | None:
+        """Process the earliest copy event at or before `until`; its time, None if none."""
+        nonlocal off, head, blocked, retry, in_free, moved_in
+        r = releases[0][0] if releases else _NEVER
+        s = next_start()
+        t = min(r, s)
+        if t > until or t == _NEVER:
+            return None
+        if r <= s:
+            _, size, k = releases.popleft()
+            off += size
+            out_tick[k] = tick
+            note(r)
+            if blocked:
+                blocked, retry = False, r
+            return r
+        x = ins[head]
+        if persistent + level - off + x.size > limit:
+            blocked = True
+            return s
+        off -= x.size
+        moved_in += x.size
+        note(s)
+        x.started, x.started_tick = s, tick
+        in_free = x.done = s + x.ns
+        head += 1
+        retry = 0
+        return s
+
+    now = 0
+    stall = 0
+    feasible = device <= limit
+    issue_at: dict[int, list[_In]] = {}
+    for x in ins:
+        issue_at.setdefault(x.issue_tick, []).append(x)
+    tick = 0
+    tick_ns: list[int] = []
+    while feasible and tick < it.ticks:
+        tick_ns.append(now)
+        for x in issue_at.get(tick, ()):
+            x.issued = now
+        while (releases and releases[0][0] <= now) or (
+            head < len(ins) and not blocked and ins[head].issued <= now
+        ):  # a copy event may be due: let `step` decide
+            if step(now) is None:
+                break
+        rise = live[tick] - level
+        if tick in durations:  # an op: wait for its swap-ins, run, then queue its swap-outs
+            waiting = [x for x in needs.get(tick, ()) if x.done == _NEVER]
+            while waiting and feasible:
+                if step(_NEVER) is None:
+                    feasible = False
+                waiting = [x for x in waiting if x.done == _NEVER]
+            if not feasible:
+                break
+            start = max([now, *(x.done for x in needs.get(tick, ()))])
+            stall += start - now
+            tick_ns[-1] = start
+            now = start + durations[tick]
+            for k in outs_after.get(tick, ()):
+                out_free = out_done[k] = max(now, out_free) + out_ns[k]
+                releases.append((out_free, out_size[k], k))
+                moved_out += out_size[k]
+        elif rise > 0:  # a malloc: wait for swap-outs to make room
+            start = now
+            while persistent + live[tick] - off > limit:
+                if not releases:
+                    feasible = False
+                    break
+                t = step(_NEVER)
+                start = max(start, t if t is not None else start)
+            if not feasible:
+                break
+            stall += start - now
+            tick_ns[-1] = now = start
+        if rise:
+            level = live[tick]
+            note(now)
+            if rise < 0 and blocked:
+                blocked, retry = False, now
+        tick += 1
+    end = now
+    if feasible:
+        while (t := step(_NEVER)) is not None:
+            end = max(end, t)
+        if head < len(ins):
+            feasible = False
+        end = max([end, out_free, in_free])
+    iteration = int(end)
+    swap_ns = [(_NEVER, _NEVER)] * len(swaps)
+    swap_ticks = [(-1, -1)] * len(swaps)
+    for k, j in enumerate(out_swap):
+        swap_ns[j] = (out_done[k], swap_ns[j][1])
+        swap_ticks[j] = (out_tick[k], swap_ticks[j][1])
+    for x in ins:
+        swap_ns[x.swap] = (swap_ns[x.swap][0], x.started)
+        swap_ticks[x.swap] = (swap_ticks[x.swap][0], x.started_tick)
+    return Result(
+        iteration_ns=iteration,
+        baseline_ns=baseline,
+        overhead=iteration / baseline - 1 if baseline else 0.0,
+        peak_bytes=Bytes(peak),
+        out_bytes=Bytes(moved_out),
+        in_bytes=Bytes(moved_in),
+        stall_ns=int(stall),
+        feasible=feasible,
+        curve=tuple(curve),
+        tick_ns=tuple(tick_ns),
+        swap_ns=tuple((int(a), int(b)) for a, b in swap_ns),
+        swap_ticks=tuple(swap_ticks),
+    )
+
+
+def no_limit(it: Iteration, compute_scale: float = 1.0) -> Result:
+    """The baseline: `it` with no limit and no swaps."""
+    return simulate(it, SwapPlan(), None, 1.0, 1.0, compute_scale)
