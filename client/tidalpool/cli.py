@@ -4,11 +4,13 @@ daemon) and plan and simulate (the offline tools)."""
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import sys
 from pathlib import Path
 
 import grpc
+import optuna
 from rich.console import Console
 from tidalclient import status as status_view
 from tidalclient import top as top_view
@@ -20,6 +22,7 @@ from tidaloffline import plan_command, simulate_command
 
 
 def main(argv: list[str] | None = None) -> int:
+    optuna.logging.set_verbosity(logging.WARNING)  # the planner's tuning: say only what matters
     parser = argparse.ArgumentParser(
         prog="tidalpool", description="tidalpool: GPU memory for training jobs."
     )

@@ -15,7 +15,6 @@ GPSampler needs PyTorch, which the daemon does not depend on.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import optuna
@@ -59,11 +58,17 @@ def tune(
     """The weights of the best of `trials` trials, with their plan and simulated result."""
     if trials < 1:
         raise ValueError(f"trials must be at least 1, got {trials}")
+    # Ask and tell: `Study.optimize` would log every trial and change nothing else. The
+    # study's creation logs one line through Optuna's logger, which the process's edge (the
+    # daemon, the command line) configures; the planner leaves logging alone.
+    sampler = optuna.samplers.TPESampler(seed=seed)
+    study = optuna.create_study(direction="minimize", sampler=sampler)
+    for pure in _PURE[:trials]:
+        study.enqueue_trial(dict(zip("abcd", pure, strict=True)))
     best: Tuned | None = None
     best_cost = float("inf")
-
-    def objective(trial: optuna.Trial) -> float:
-        nonlocal best, best_cost
+    for _ in range(trials):
+        trial = study.ask()
         w: Weights = (
             trial.suggest_float("a", -1.0, 1.0),
             trial.suggest_float("b", -1.0, 1.0),
@@ -75,15 +80,7 @@ def tune(
         c = cost(r, limit)
         if c < best_cost:
             best, best_cost = Tuned(w, plan, r, trials), c
-        return c
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.create_study(direction="minimize", sampler=optuna.samplers.TPESampler(seed=seed))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        for w in _PURE[:trials]:
-            study.enqueue_trial(dict(zip("abcd", w, strict=True)))
-        study.optimize(objective, n_trials=trials)
+        study.tell(trial, c)
     assert best is not None
     return best
 

@@ -27,7 +27,7 @@ This policy schedules the copies itself, on the no-stall timeline of the trace:
    without uncovering an earlier tick, keep the best by one of three `RULES`. When no gap can
    be added without a stall, the rest is covered by the most promising gaps
    regardless of the engines (`simulate` then charges the stalls).
-3. `select`: an integer program over the same gaps (HiGHS via SciPy) for the fewest bytes
+3. `select`: an integer program over the same gaps (HiGHS, through highspy) for the fewest bytes
    moved that cover every tick's excess, once counting the copy times (engines idle) and once
    not; where copies must stall anyway, moving fewer bytes is what keeps the stall short.
 4. The three rules' plans, each also with its swap-ins issued as late as possible (at
@@ -39,16 +39,16 @@ This policy schedules the copies itself, on the no-stall timeline of the trace:
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import os
-import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Literal
 
+import highspy
 import numpy as np
 import numpy.typing as npt
+from highspy._core import _Highs
+from scipy.sparse import csr_matrix
 from tidalcore.units import Tick
 
 from tidalplan.autoswap import durations, load
@@ -61,6 +61,7 @@ _GAP = 0.02  # and the relative gap at which it stops
 _FIRST_ROWS = 64  # rows it starts with, and the most it adds per round
 _ROUNDS = 12
 _BUSY_WEIGHT = 0.5
+_FEASIBLE = 2  # HiGHS' primal_solution_status of a feasible solution
 
 Rule = Literal["gain", "gain-per-byte", "engine-first"]
 RULES: tuple[Rule, ...] = ("gain", "gain-per-byte", "engine-first")
@@ -318,36 +319,49 @@ def construct(
     )
 
 
-@contextlib.contextmanager
-def _stdout_silenced() -> Iterator[None]:
-    """File descriptor 1 to /dev/null for a while: HiGHS' MIP solver prints some messages with
-    printf whatever its output options say, and `tidalpool simulate --json` owns stdout. The
-    daemon writes nothing to stdout (its logs go to stderr)."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        with open(os.devnull, "wb") as null:
-            os.dup2(null.fileno(), 1)
-        yield
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
+def _cover_milp(
+    cost: npt.NDArray[np.float64], cover: csr_matrix, need: npt.NDArray[np.float64]
+) -> npt.NDArray[np.float64] | None:
+    """min cost·x over binary x such that cover·x >= need, by HiGHS within `_NODE_LIMIT`
+    branch-and-bound nodes (deterministic, unlike a time limit); None when it found no
+    feasible x. Silent through HiGHS' own option, set before any other call as HiGHS asks:
+    `highspy._core._Highs` is the binding's solver itself (`highspy.Highs` calls a method while it
+    is made, which writes HiGHS' banner before an option can be set)."""
+    lp = highspy.HighsLp()
+    lp.num_col_, lp.num_row_ = cover.shape[1], cover.shape[0]
+    lp.col_cost_ = cost
+    lp.col_lower_ = np.zeros(lp.num_col_)
+    lp.col_upper_ = np.ones(lp.num_col_)
+    lp.row_lower_ = need
+    lp.row_upper_ = np.full(lp.num_row_, highspy.kHighsInf)
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+    lp.a_matrix_.start_ = cover.indptr
+    lp.a_matrix_.index_ = cover.indices
+    lp.a_matrix_.value_ = cover.data
+    lp.integrality_ = [highspy.HighsVarType.kInteger] * lp.num_col_
+    solver = _Highs()
+    solver.setOptionValue("output_flag", False)
+    solver.setOptionValue("presolve", "off")
+    solver.setOptionValue("mip_max_nodes", _NODE_LIMIT)
+    solver.setOptionValue("mip_rel_gap", _GAP)
+    solver.passModel(lp)
+    solver.run()
+    if solver.getInfo().primal_solution_status != _FEASIBLE:
+        return None
+    return np.asarray(solver.getSolution().col_value, dtype=np.float64)
 
 
 def select(
     it: Iteration, limit: int, out_gbps: float, in_gbps: float, with_copies: bool
 ) -> SwapPlan | None:
     """The fewest bytes moved that bring every tick under `limit`: an integer program over all
-    gaps (HiGHS through SciPy), min sum(size_k x_k) such that at every over-limit tick the gaps
+    gaps (HiGHS, through highspy), min sum(size_k x_k) such that at every over-limit tick the gaps
     covering it hold at least its excess. With `with_copies`, a gap covers the ticks between
     its swap-out's end and its swap-in's start with idle engines, and the swap-in is issued as
     late as that allows; without, it covers its whole gap and the swap-in is issued at the op
     that needs it (`simulate` charges the copies as stalls). Consecutive ticks covered by the
     same gaps are one row (their largest excess). None when no selection covers the limit, or
     HiGHS finds none within its node limit (deterministic, unlike a time limit)."""
-    from scipy.optimize import Bounds, LinearConstraint, milp
-    from scipy.sparse import csr_matrix
-
     tl = _Timeline(it, limit)
     every = gaps(it, out_gbps, in_gbps)
     if not every or int(tl.need.max(initial=0)) <= 0:
@@ -396,17 +410,10 @@ def select(
     busy = (g.out_ns + g.in_ns) / np.maximum(gap_ns, 1)
     cost = size / float(size.max()) * (1.0 + _BUSY_WEIGHT * np.minimum(busy, 4.0))
     for _ in range(_ROUNDS):
-        with _stdout_silenced():
-            result = milp(
-                c=cost,
-                constraints=LinearConstraint(cover[active], lb=need[active]),
-                integrality=np.ones(len(every)),
-                bounds=Bounds(0, 1),
-                options={"node_limit": _NODE_LIMIT, "presolve": False, "mip_rel_gap": _GAP},
-            )
-        if result.x is None:
+        solution = _cover_milp(cost, cover[active], need[active])
+        if solution is None:
             return None
-        x = np.round(result.x)
+        x = np.round(solution)
         short = need - cover @ x
         missing = np.flatnonzero(short > 0.5)
         if not len(missing):
@@ -418,10 +425,10 @@ def select(
     assert x is not None
     swaps = []
     for k in np.flatnonzero(x > 0.5).tolist():
-        x = every[k]
-        first = 0 if x.wraps else x.a + 1
-        at = max(min(int(hi[k]), x.c), first) if with_copies else x.c
-        swaps.append(Swap(x.block, x.a, x.c, Tick(at), x.persistent))
+        gap = every[k]
+        first = 0 if gap.wraps else gap.a + 1
+        at = max(min(int(hi[k]), gap.c), first) if with_copies else gap.c
+        swaps.append(Swap(gap.block, gap.a, gap.c, Tick(at), gap.persistent))
     return SwapPlan(tuple(sorted(swaps, key=lambda s: (s.out_after, s.in_before, s.block))))
 
 

@@ -105,7 +105,7 @@ class FakeCuda:
         m.setattr(allocator, "on_failure", lambda h: calls.append(("on_failure", h)))
         m.setattr(allocator, "order_streams", lambda f: calls.append(("order_streams", f)))
         m.setattr(allocator, "cuda_stream_functions", lambda: (11, 12, 13, 14))
-        real_attach = tidalpool.attach
+        real_attach = allocator.session_attach
 
         def attach(*args: Any, **kwargs: Any) -> tidalpool.Session:
             session = real_attach(*args, **kwargs)
@@ -113,7 +113,7 @@ class FakeCuda:
                 session.cuda = FakeLease()  # type: ignore[assignment]
             return session
 
-        m.setattr(tidalpool, "attach", attach)
+        m.setattr(allocator, "session_attach", attach)
 
     def names(self) -> list[str]:
         return [c[0] for c in self.calls]

@@ -24,7 +24,6 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import tidalpool
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
@@ -34,6 +33,7 @@ from tidalclient.demo.net import CupyMemory, Memory, PlainMemory, peak_live_byte
 from tidalclient.local import LocalDaemon, is_serving
 from tidalclient.numpy import Tensor
 from tidalclient.session import Session, SessionStats
+from tidalclient.session import attach as session_attach
 
 PLAN_WAIT_AT = 4
 """Under a limit, the iteration after which the demo waits for the daemon's plan (planning
@@ -109,7 +109,7 @@ def run(
         lease = align_up(2 * peak, 1 << 20)  # room for best-fit's fragmentation while learning
         swap_limit = None if limit is None else int(limit * peak)
         session = stack.enter_context(
-            tidalpool.attach(
+            session_attach(
                 socket_dir,
                 device_limit=lease,
                 host_limit=lease if swap_limit is not None else None,

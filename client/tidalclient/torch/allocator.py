@@ -43,7 +43,6 @@ from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import tidalpool
 import torch
 from tidalcore.units import ALIGNMENT, parse_size
 from torch.optim import Optimizer
@@ -61,6 +60,7 @@ from tidalclient.native import (
 )
 from tidalclient.native_executor import NativeExecutor
 from tidalclient.session import Session, SessionStats
+from tidalclient.session import attach as session_attach
 from tidalclient.torch import oom
 from tidalclient.torch.saved import SavedStats, SavedTensors, innermost
 
@@ -140,7 +140,7 @@ def attach(
         )
     if not torch.cuda.is_available():
         raise TorchAttachError("tidalpool.torch.attach needs a CUDA GPU that PyTorch can use")
-    session = tidalpool.attach(
+    session = session_attach(
         socket_dir,
         device_limit=device_limit,
         host_limit=ALIGNMENT,  # this session never uses host memory: the smallest lease
@@ -162,7 +162,7 @@ def attach(
     if limit is not None:
         saves: Session | None = None
         try:
-            saves = tidalpool.attach(
+            saves = session_attach(
                 socket_dir,
                 device_limit=saves_lease(limit),
                 host_limit=host_limit,
