@@ -1,11 +1,12 @@
-"""Latency of a malloc+free pair through the learning-mode Executor, against a naive first-fit.
+"""Latency of a malloc+free pair through the learning-mode PythonExecutor, against a naive
+first-fit.
 
 Workloads: (a) one size allocated and freed over and over in an empty lease; (a') the same
 behind 1000 free 256 B holes, where a first fit must walk past every hole; (b) the alloc/free
 events of one training iteration of a real trace (ResNet-50, batch 32), replayed again and
 again in steady state in a lease of twice the peak live bytes.
 
-Allocators: `Executor` (what a session calls: validation, Block, counters), the bare `BestFit`
+Allocators: `PythonExecutor` (what a session calls: validation, Block, counters), the bare `BestFit`
 under it, and `NaiveFirstFit`, a first fit over a Python list written below as the baseline.
 
 Each malloc and each free is timed on its own (perf_counter_ns, the timer's own cost
@@ -31,8 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tidalclient.executor import BestFit, Executor
-from tidalclient.planned import PlanTable
+from tidalclient.executors.bestfit import BestFit
+from tidalclient.executors.python import PythonExecutor
+from tidalclient.plans import Plan, PlanTable
 from tidalcore.units import format_size
 
 # The shared data sits beside the repository (../shared), as on every developer machine and CI.
@@ -155,7 +157,7 @@ PLANS: dict[str, PlanTable] = {}  # the plan of the replayed iteration, made onc
 def make(kind: str, capacity: int) -> tuple[Malloc, Free, Callable[[Any], int]]:
     """malloc, free, and the offset of what malloc returned, for one allocator."""
     if kind.startswith("Executor"):
-        ex = Executor(capacity)
+        ex = PythonExecutor(capacity)
         if kind == "Executor, planned":
             EXECUTORS.append(ex)
         return ex.malloc, ex.free, lambda block: int(block.offset)
@@ -213,8 +215,8 @@ def mix(kind: str, replay: Replay, overhead: int, out: Sample) -> None:
     begin: Callable[[], None] = lambda: None  # noqa: E731
     if kind == "Executor, planned":  # the setup was learned online; the iteration runs planned
         ex = EXECUTORS[-1]
-        ex.install_plan(PLANS["replay"])
-        begin = ex.begin_iteration
+        ex.install_plan(Plan(PLANS["replay"]))
+        begin = ex.step
     high = max(offset_of(handles[b]) + size for b, size in replay.setup)
     clock = time.perf_counter_ns
     pending: dict[int, int] = {}  # block -> its malloc's ns, until it is freed
@@ -297,7 +299,7 @@ def measure(replay: Replay, overhead: int) -> list[dict[str, Any]]:
     return results
 
 
-EXECUTORS: list[Executor] = []
+EXECUTORS: list[PythonExecutor] = []
 
 
 def make_plan(path: Path, replay: Replay) -> PlanTable:

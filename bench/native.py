@@ -11,7 +11,7 @@ Pairs (ns per malloc+free pair; the median over rounds of round time / pairs in 
   - "via HotPath": the same script driven from Python, one `HotPath.alloc`/`free` per op
     (ctypes plus argument checks): what a Python caller pays, not what PyTorch pays.
   - "via raw ctypes": the same, calling the library's functions directly without the checks.
-  - "Python Executor": tidalclient.executor.Executor with the same plan, the baseline.
+  - "Python Executor": tidalclient.executors.python.Executor with the same plan, the baseline.
 Workloads: a synthetic plan of 1,024 slots of 1 MiB with no shared bytes, one alloc+free per
 slot; the same without a plan (online best-fit, one free range) and behind 1,000 free holes;
 and the steady iteration of a real trace (default ResNet-50, batch 32; see bench/executor.py
@@ -38,9 +38,9 @@ from typing import Any
 
 import numpy as np
 from executor import Replay, find_trace, load_replay, make_plan  # bench/executor.py
-from tidalclient.executor import Executor
-from tidalclient.native import EVENT_DTYPE, HotPath, library_path, load, recorder_events
-from tidalclient.planned import PlanTable
+from tidalclient.executors.python import PythonExecutor
+from tidalclient.hotpath import EVENT_DTYPE, HotPath, library_path, load, recorder_events
+from tidalclient.plans import Plan, PlanTable
 
 BASE = 1 << 40  # the lease's address: nothing is dereferenced
 MiB = 1 << 20
@@ -178,18 +178,18 @@ def via_hotpath(
 
 
 def python_executor(script: Script, capacity: int, plan: PlanTable | None) -> float:
-    ex = Executor(capacity)
+    ex = PythonExecutor(capacity)
     table: list[Any] = [None] * script.table_size
     for handle, size in script.setup:
         table[handle] = ex.malloc(size)
     if plan is not None:
-        ex.install_plan(plan)
+        ex.install_plan(Plan(plan))
     ops = list(zip(script.handles.tolist(), script.sizes.tolist(), strict=True))
     renames = script.renames.reshape(-1, 2).tolist()
     malloc, free = ex.malloc, ex.free
 
     def run() -> None:
-        ex.begin_iteration()  # included, as in the C loop
+        ex.step()  # included, as in the C loop
         for handle, size in ops:
             if size:
                 table[handle] = malloc(size)
@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ns per malloc+free pair, median over rounds ({C_ROUNDS} in C, {PY_ROUNDS} in Python)")
     print(
         f"{'workload':<34}{'C loop':>9}{'unstamped':>11}{'via HotPath':>13}{'raw ctypes':>12}"
-        f"{'Py Executor':>13}{'plan misses':>13}"
+        f"{'Py PythonExecutor':>13}{'plan misses':>13}"
     )
     for r in rows:
         misses = f"{r['misses']}/{r['hits'] + r['misses']}" if r["hits"] + r["misses"] else ""

@@ -24,14 +24,40 @@ import math
 import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from tidalclient.devices.lease import CudaLease, DeviceLease, HostLease
 from tidalclient.errors import InvalidBlock, TidalpoolError
-from tidalclient.executor import BestFit, Block
+from tidalclient.executors.base import Block, Executor
+from tidalclient.executors.bestfit import BestFit
+from tidalclient.numpy import Tensor
 
-if TYPE_CHECKING:
-    from tidalclient.devices.lease import CudaLease
-    from tidalclient.session import Session
+
+class CupySession(Protocol):
+    """What CuPy's allocators need of the session they allocate from (a `Session`)."""
+
+    @property
+    def executor(self) -> Executor: ...
+
+    @property
+    def device(self) -> DeviceLease: ...
+
+    @property
+    def host(self) -> HostLease: ...
+
+    @property
+    def cuda(self) -> CudaLease | None: ...
+
+    def malloc(self, nbytes: int) -> Block: ...
+
+    def free(self, block: Block) -> None: ...
+
+    def address(self, block: Block) -> int: ...
+
+    def op(
+        self, reads: Sequence[Any] = (), writes: Sequence[Any] = (), name: str = "op"
+    ) -> contextlib.AbstractContextManager[tuple[Any, ...]]: ...
+
 
 log = logging.getLogger("tidalpool.cupy")
 
@@ -65,7 +91,7 @@ class Allocator:
     and done on the next allocation or `op`, on the calling thread.
     """
 
-    def __init__(self, session: Session, cupy: Any, device: int, pinned: bool) -> None:
+    def __init__(self, session: CupySession, cupy: Any, device: int, pinned: bool) -> None:
         self.session = session
         self._cupy = cupy
         self.device = device
@@ -74,7 +100,7 @@ class Allocator:
         self._by_pointer: weakref.WeakValueDictionary[int, _Owner] = weakref.WeakValueDictionary()
         self._host: BestFit | None = None
         if pinned:
-            if hasattr(session.executor, "swap_stats"):
+            if session.executor.stats().swap is not None:
                 raise ValueError(
                     "pinned host arrays come from the host lease, which a swapping session"
                     " (swap_limit=) uses for swapped-out blocks: use(session, pinned=False)"
@@ -92,7 +118,8 @@ class Allocator:
         except (TidalpoolError, ValueError) as e:
             log.warning("tidalpool.cupy: cannot allocate %d bytes: %s", size, e)
             lease = self.session.device.length
-            raise cp.memory.OutOfMemoryError(size, self.session.executor.used_bytes, lease) from e
+            used = self.session.executor.used_bytes
+            raise cp.memory.OutOfMemoryError(size, used, lease) from e
         owner = _Owner(self, block)
         address = self.session.address(block)
         self._by_pointer[address] = owner
@@ -138,13 +165,13 @@ _current: Allocator | None = None
 _previous: Any = None  # CuPy's device allocator before the first use()
 
 
-def use(session: Session, *, pinned: bool = True, device: int | None = None) -> Allocator:
+def use(session: CupySession, *, pinned: bool = True, device: int | None = None) -> Allocator:
     """Make CuPy allocate from `session` (device arrays; pinned host arrays too unless
     `pinned=False`) until `stop()`. `device` is the CUDA ordinal of the lease (default: the
     session's GPU on the cuda backend, else CuPy's current device)."""
     global _current, _previous
     cupy: Any = importlib.import_module("cupy")
-    cuda = getattr(session, "cuda", None)
+    cuda = session.cuda
     if device is None:
         device = int(cupy.cuda.Device().id) if cuda is None else cuda.ordinal
     ordinal = device
@@ -177,7 +204,7 @@ def current() -> Allocator:
 
 @contextlib.contextmanager
 def op(
-    session: Session, reads: Sequence[Any] = (), writes: Sequence[Any] = (), name: str = "op"
+    session: CupySession, reads: Sequence[Any] = (), writes: Sequence[Any] = (), name: str = "op"
 ) -> Iterator[tuple[Any, ...]]:
     """`Session.op` for CuPy arrays of the session: records the reads and writes and the op's
     time, and yields the arrays themselves (they are pinned, so they never move)."""
@@ -186,11 +213,9 @@ def op(
         yield (*reads, *writes)
 
 
-def blocks_of(session: Session, items: Sequence[Any]) -> list[Block]:
+def blocks_of(session: CupySession, items: Sequence[Any]) -> list[Block]:
     """The blocks under `items`: tensors of `session`, CuPy arrays of it (allocated after
     `use(session)`) or blocks themselves; InvalidBlock for anything else."""
-    from tidalclient.numpy import Tensor
-
     blocks = []
     allocator = None
     for item in items:

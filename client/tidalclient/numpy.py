@@ -17,16 +17,28 @@ import contextlib
 import math
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from tidalclient.errors import InvalidBlock
-from tidalclient.executor import Block
+from tidalclient.executors.base import Block, Executor
 
-if TYPE_CHECKING:
-    from tidalclient.session import Session
+
+class Session(Protocol):
+    """What arrays and tensors need of the session whose lease holds them (a `Session`)."""
+
+    @property
+    def executor(self) -> Executor: ...
+
+    def malloc(self, nbytes: int) -> Block: ...
+
+    def free(self, block: Block) -> None: ...
+
+    def address(self, block: Block) -> int: ...
+
+    def bury(self, block: Block) -> None: ...
 
 
 class _Owner:

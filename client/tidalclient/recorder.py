@@ -11,11 +11,22 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Protocol
 
 from tidalcore.events import ITER
 from tidalcore.v1 import pool_pb2
 
 Event = tuple[int, int, int, int, int]  # kind, block id, size, duration ns, name id
+
+
+class TraceSink(Protocol):
+    """Where executors and the native ring put their events (a `Recorder`, or a test's list)."""
+
+    def record(
+        self, kind: int, block_id: int, size: int = 0, duration_ns: int = 0, name_id: int = 0
+    ) -> None: ...
+
+    def step(self, iteration: int) -> None: ...
 
 
 class Recorder:

@@ -1,58 +1,54 @@
-"""`tidalpool.attach()` and the Session a training job holds.
+"""`tidalpool.attach()` and the Session a training job holds, built from its parts.
 
-    attach() ──handles socket──▶ token + its chunks' fds ──map──▶ Attach (gRPC)
-             ──▶ Session stream (heartbeats, trace chunks, step marks ▲ goodbye, plans)
+    attach() ──handles socket──▶ token + its chunks' fds ──map──▶ leases (devices/lease.py)
+             ──▶ Connection (connection.py): Attach, the Session stream and its threads
+             ──▶ Recorder (recorder.py): the trace, in chunks on the stream
+             ──▶ Executor (executors/): blocks in the lease; Swapping over it with a swap limit
+             ──▶ Views (views.py): what ops see of blocks, NumPy on sim, CuPy on cuda
+             ──▶ Session: the job's handle on all of them
 
-The hot path (`malloc`, `free`, `op`) never leaves the process: the executor
-allocates inside the mapped lease and the recorder appends an event. With a
-`swap_limit`, the executor is the swap engine (swap.py): blocks not in use wait
-in the host lease while the device bytes held stay under the limit.
-
-On the cuda backend the device lease is GPU memory: NumPy cannot view it, so
-`array` and `buffer` refuse, and arrays come from `tidalpool.cupy` (CuPy
-allocates from the lease); `op` takes CuPy arrays, raw blocks and tensors (whose
-views are then CuPy arrays).
+The hot path (`malloc`, `free`, `op`) never leaves the process: the executor allocates inside
+the mapped lease and the recorder appends an event. The daemon's plans reach the executor,
+decoded once (plans.py), from the connection's listener.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import queue
 import sys
-import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import grpc
-from tidalcore import __version__
 from tidalcore.chunks import ChunkMapping
 from tidalcore.events import OP, READ, WRITE
-from tidalcore.units import ALIGNMENT, parse_size
-from tidalcore.v1 import pool_pb2, pool_pb2_grpc
-from tidalcore.wire import GRPC_SOCKET, HANDLES_SOCKET, STREAM_OPEN_KEY, TOKEN_KEY
+from tidalcore.units import parse_size
+from tidalcore.v1 import pool_pb2
+from tidalcore.wire import HANDLES_SOCKET
 
+from tidalclient.connection import Connection
 from tidalclient.devices.lease import CudaLease, DeviceLease, HostLease, MappedLease, map_grant
-from tidalclient.errors import AttachError, InvalidBlock, NotHostMemory, SessionClosed
-from tidalclient.executor import Block, Executor
+from tidalclient.errors import InvalidBlock, SessionClosed
+from tidalclient.executors.base import Block, Executor, SwapStats
+from tidalclient.executors.native import NativeExecutor
+from tidalclient.executors.python import PythonExecutor
+from tidalclient.executors.swapping import Swapping
 from tidalclient.handles import Grant, request_lease
-from tidalclient.native import HotPath
-from tidalclient.native_executor import NativeExecutor
-from tidalclient.planned import PlanRejected, PlanTable
+from tidalclient.hotpath import HotPath, NativeStats
+from tidalclient.numpy import Tensor, array, release
+from tidalclient.plans import PlanRejected, decode
 from tidalclient.recorder import Recorder
-from tidalclient.swap import ScheduledSwap, SwappingExecutor, SwapStats
+from tidalclient.views import CudaViews, HostViews, Views
 
 if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
     from tidalcore.cuda_driver import Driver
-
-    from tidalclient.numpy import Tensor
 
 log = logging.getLogger("tidalpool")
 
@@ -81,6 +77,7 @@ class SessionStats:
     plan_misses: int  # allocations a plan could not serve (placed online)
     footprint_bytes: int  # highest lease byte used in the current iteration so far
     swap: SwapStats | None  # bytes swapped, stall time...; None for a session without swapping
+    native: NativeStats | None = None  # the native hot path's counters (allocator="native")
 
 
 def socket_dir_from_env(socket_dir: str | os.PathLike[str] | None) -> Path:
@@ -110,9 +107,9 @@ def attach(
     the copies run at the link's speed and it only tells the daemon's planner).
     `driver` is the CUDA driver a cuda lease is mapped with (default: cuda-bindings).
     `allocator="native"`: the session's allocations come from the native hot path
-    (`tidalclient.native`), called by a framework such as PyTorch; `native_device` is the device
-    index the framework passes it (default: the lease's GPU as this process numbers it, 0 on
-    sim). Python's `malloc`/`op` then refuse, and swapping is not available.
+    (`tidalclient.hotpath`), called by a framework such as PyTorch; `native_device` is the
+    device index the framework passes it (default: the lease's GPU as this process numbers it,
+    0 on sim). Python's `malloc`/`op` then refuse, and swapping is not available.
     Raises AttachError when there is no daemon or it refuses (wrong uid, pool
     exhausted, its GPU not visible here).
     """
@@ -132,18 +129,38 @@ def attach(
         mapped = map_lease(grant, driver)
     finally:
         grant.close()  # the mappings keep the chunks; the fds are no longer needed
-    return Session(
-        directory,
-        grant.response.session_id,
-        grant.response.token,
-        mapped.device,
-        mapped.host,
-        swap_limit=swap_bytes,
-        copy_gbps=copy_gbps,
-        cuda=mapped.cuda,
-        allocator=allocator,
-        native_device=native_device,
+    undo: list[Callable[[], None]] = [mapped.device.retire, mapped.host.retire]
+    try:
+        native = None
+        if allocator == "native":  # before Attach: a device already in use refuses here
+            if native_device is None:
+                native_device = mapped.cuda.ordinal if mapped.cuda is not None else 0
+            native = NativeExecutor(
+                HotPath(native_device), mapped.device.address, mapped.device.length
+            )
+            undo.append(native.close)
+        connection = Connection(directory, grant.response.session_id, grant.response.token)
+        undo.append(connection.close)
+        reply = connection.attach(swap_bytes, copy_gbps)
+        recorder = Recorder(connection.send, chunk_events=reply.trace_chunk_events or 4096)
+        executor: Executor
+        if native is not None:
+            native.connect(recorder)
+            executor = native
+        else:
+            executor = _python_executor(mapped, recorder, swap_bytes, copy_gbps)
+    except BaseException:
+        for step in reversed(undo):
+            step()
+        raise
+    session = Session(grant.response.session_id, mapped, connection, recorder, executor)
+    connection.start(
+        on_plan=session._receive_plan,
+        on_end=session._ended,
+        heartbeat=session._heartbeat,
+        interval_s=(reply.heartbeat_interval_ms or 1000) / 1000,
     )
+    return session
 
 
 def map_lease(grant: Grant, driver: Driver | None = None) -> MappedLease:
@@ -153,104 +170,64 @@ def map_lease(grant: Grant, driver: Driver | None = None) -> MappedLease:
     return map_grant(grant, driver)
 
 
+def _python_executor(
+    mapped: MappedLease, recorder: Recorder, swap_limit: int | None, copy_gbps: float | None
+) -> Executor:
+    """Blocks placed in Python; swapped under `swap_limit` (or when copies are throttled)."""
+    placed = PythonExecutor(mapped.device.length, trace=recorder)
+    if swap_limit is None and copy_gbps is None:
+        return placed
+    streams: dict[str, Any] = {}
+    if mapped.cuda is not None:  # two CUDA copy streams, ordered against the compute stream
+        from tidalclient.devices.cuda import compute_stream, swap_streams
+
+        driver = mapped.cuda.driver
+        streams = {"streams": lambda _gbps: swap_streams(driver), "compute": compute_stream(driver)}
+    return Swapping(
+        placed,
+        device_address=mapped.device.address,
+        host_address=mapped.host.address,
+        host_capacity=mapped.host.length,
+        limit=swap_limit,
+        gbps=copy_gbps,
+        **streams,
+    )
+
+
 class Session:
     """A lease of device and host memory, and the executor that allocates in it."""
 
     def __init__(
         self,
-        socket_dir: Path,
         session_id: str,
-        token: str,
-        device: DeviceLease,
-        host: HostLease,
-        swap_limit: int | None = None,
-        copy_gbps: float | None = None,
-        cuda: CudaLease | None = None,
-        allocator: str = "python",
-        native_device: int | None = None,
+        mapped: MappedLease,
+        connection: Connection,
+        recorder: Recorder,
+        executor: Executor,
     ) -> None:
         self.id = session_id
-        self.device = device
-        self.host = host
-        self.cuda = cuda  # None on sim
-        self._metadata = ((TOKEN_KEY, token),)
-        self._channel = grpc.insecure_channel(f"unix:{socket_dir / GRPC_SOCKET}")
-        self._stub = pool_pb2_grpc.PoolStub(self._channel)
-        self._closed = False  # the session is over: closed here, or ended by the daemon
-        self._released = False  # threads joined, channel closed, mappings retired
-        self._goodbye: pool_pb2.Goodbye | None = None
-        self.errors: list[pool_pb2.SessionError] = []  # refusals the daemon reported
+        self.device: DeviceLease = mapped.device
+        self.host: HostLease = mapped.host
+        self.cuda: CudaLease | None = mapped.cuda  # None on sim
+        self.connection = connection
+        self.recorder = recorder
+        self.executor = executor
+        self.views: Views
+        if mapped.cuda is None:
+            assert isinstance(mapped.device, ChunkMapping)  # a sim lease: memfd chunks
+            self.views = HostViews(mapped.device)
+        else:
+            self.views = CudaViews(self, mapped.cuda)
         self.plans_received = 0
         self.plans_rejected = 0
-        self._iteration = 0
-        native = None
-        if allocator == "native":  # before Attach: a device already in use refuses here
-            if native_device is None:
-                native_device = cuda.ordinal if cuda is not None else 0
-            try:
-                native = NativeExecutor(HotPath(native_device), device.address, device.length)
-            except BaseException:
-                self._channel.close()
-                device.retire()
-                host.retire()
-                raise
-        try:
-            reply = self._stub.Attach(
-                pool_pb2.AttachRequest(
-                    client_version=__version__,
-                    pid=os.getpid(),
-                    swap_limit_bytes=swap_limit or 0,
-                    copy_gbps=copy_gbps or 0.0,
-                ),
-                metadata=self._metadata,
-                timeout=10,
-            )
-        except grpc.RpcError as e:
-            if native is not None:
-                native.close()
-            self._channel.close()
-            device.retire()
-            host.retire()
-            raise AttachError(f"Attach failed ({e.code().name}): {e.details()}") from e
-        self._outbox: queue.SimpleQueue[pool_pb2.ClientMessage | None] = queue.SimpleQueue()
-        self._responses = self._stub.Session(self._outgoing(), metadata=self._metadata)
-        # The daemon sends headers once the stream is the session's: from then on every end of
-        # the session (a shutdown included) reaches this client as a Goodbye on it.
-        if (STREAM_OPEN_KEY, "1") not in (self._responses.initial_metadata() or ()):
-            code, details = self._responses.code(), self._responses.details()
-            if native is not None:
-                native.close()
-            self._channel.close()
-            device.retire()
-            host.retire()
-            raise AttachError(f"session stream refused ({code.name}): {details}")
-        self.recorder = Recorder(self._outbox.put, chunk_events=reply.trace_chunk_events or 4096)
-        self.executor: Executor | NativeExecutor
-        if native is not None:
-            native.connect(self.recorder)
-            self.executor = native
-        elif swap_limit is None and copy_gbps is None:
-            self.executor = Executor(device.length, record=self.recorder.record)
-        else:
-            self.executor = SwappingExecutor(
-                device.length,
-                device_address=device.address,
-                host_address=host.address,
-                host_capacity=host.length,
-                limit=swap_limit,
-                gbps=copy_gbps,
-                record=self.recorder.record,
-                **_cuda_streams(cuda),
-            )
+        self._closed = False  # the session is over: closed here, or ended by the daemon
+        self._released = False  # threads joined, channel closed, mappings retired
         self._dead: deque[Block] = deque()  # blocks of garbage tensors, freed at the next op
-        self._heartbeat_s = (reply.heartbeat_interval_ms or 1000) / 1000
-        self._stop = threading.Event()
-        self._threads = [
-            threading.Thread(target=self._listen, name="tidalpool-listen", daemon=True),
-            threading.Thread(target=self._beat, name="tidalpool-heartbeat", daemon=True),
-        ]
-        for t in self._threads:
-            t.start()
+
+    @property
+    def errors(self) -> list[pool_pb2.SessionError]:
+        """Messages of this session the daemon refused."""
+        return self.connection.errors
 
     # -- allocation -------------------------------------------------------------------
     def malloc(self, nbytes: int) -> Block:
@@ -266,25 +243,12 @@ class Session:
     def address(self, block: Block) -> int:
         """The block's address in this process now (sim: host memory). With swapping it holds
         until the block's next swap-out: use `op` to access a block that is not pinned."""
-        return self.device.address + self._offset(block)
+        return self.device.address + self.executor.offset(block)
 
     def buffer(self, block: Block) -> memoryview:
         """The block's bytes (sim backend), where they are now (see `address`)."""
-        self._need_host_memory("buffer")
-        assert isinstance(self.device, ChunkMapping)
-        return self.device.buffer(self._offset(block), block.size)
-
-    def _need_host_memory(self, what: str) -> None:
-        if self.cuda is not None:
-            raise NotHostMemory(
-                f"Session.{what}() views the lease with NumPy, but this session's device lease"
-                f" is GPU memory (cuda backend, GPU {self.cuda.pci_bus_id}): use"
-                " tidalpool.cupy.use(session) and CuPy arrays, and tidalpool.cupy.op()"
-            )
-
-    def _offset(self, block: Block) -> int:
-        ex = self.executor
-        return ex.offset(block) if isinstance(ex, SwappingExecutor) else block.offset
+        self.views.need_host_memory("buffer")
+        return self.views.buffer(block, self.executor.offset(block))
 
     def array(
         self, shape: int | Sequence[int], dtype: npt.DTypeLike = "float32"
@@ -292,25 +256,19 @@ class Session:
         """A NumPy array over lease memory, freed when it (and every view of it) is gone.
         It holds an address, so its block is pinned: never swapped out. Sim backend only
         (on cuda: CuPy arrays through `tidalpool.cupy`)."""
-        from tidalclient.numpy import array
-
-        self._need_host_memory("array")
+        self.views.need_host_memory("array")
         return array(self, shape, dtype)
 
     def tensor(self, shape: int | Sequence[int], dtype: npt.DTypeLike = "float32") -> Tensor:
         """An array whose bytes may be swapped out between ops: compute on the views `op`
         yields (NumPy arrays on sim, CuPy arrays on cuda). Freed by `release` or once it is
         garbage."""
-        from tidalclient.numpy import Tensor
-
         if self._dead:
             self._free_dead()
         return Tensor(self, shape, dtype)
 
     def release(self, array: np.ndarray[Any, Any] | Tensor) -> None:
         """Free an array's or tensor's block now instead of when it is garbage."""
-        from tidalclient.numpy import release
-
         release(self, array)
 
     def bury(self, block: Block) -> None:
@@ -335,40 +293,24 @@ class Session:
         must not be used after it. On cuda a tensor's view is a CuPy array over its device
         bytes, a block is yielded as its device address, and CuPy arrays of the session (see
         `tidalpool.cupy`) are yielded as they are."""
-        from tidalclient.numpy import BYTE, Tensor, block_of, view
-
         if self._released:
             raise SessionClosed(self._why_closed())
         if self._dead:
             self._free_dead()
         items = (*reads, *writes)
-        if self.cuda is not None:
-            from tidalclient.cupy import blocks_of, device_view
-
-            blocks = blocks_of(self, items)
-        else:
-            blocks = [item if isinstance(item, Block) else block_of(item) for item in items]
+        views = self.views
+        blocks = views.blocks_of(items)
         offsets = self.executor.begin_op(blocks)
         record = self.recorder.record
         base = self.device.address
-        views: list[Any] = []
+        yielded: list[Any] = []
         for i, (item, block, offset) in enumerate(zip(items, blocks, offsets, strict=True)):
             record(READ if i < len(reads) else WRITE, block.id)
-            if self.cuda is not None:
-                if isinstance(item, Tensor):
-                    views.append(device_view(base + offset, item.shape, item.dtype, self.cuda))
-                else:
-                    views.append(base + offset if item is block else item)
-            elif item is block:
-                views.append(view(base + offset, (block.size,), BYTE))
-            elif isinstance(item, Tensor):
-                views.append(view(base + offset, item.shape, item.dtype))
-            else:  # a pinned array
-                views.append(item)
+            yielded.append(views.view(item, block, base + offset))
         name_id = self.recorder.name_id(name)
         start = time.perf_counter_ns()
         try:
-            yield tuple(views)
+            yield tuple(yielded)
         finally:
             record(OP, 0, 0, time.perf_counter_ns() - start, name_id)
             self.executor.end_op(blocks)
@@ -380,35 +322,21 @@ class Session:
             raise ValueError(f"an op cannot take negative time ({duration_ns} ns)")
         if self._released:
             raise SessionClosed(self._why_closed())
-        native = isinstance(self.executor, NativeExecutor)
-        if not native:  # an op of the iteration: a swap schedule counts it (and acts around it)
-            self.executor.begin_op([])
+        self.executor.begin_op(())  # an op of the iteration: a swap schedule counts it
         self.recorder.record(OP, 0, 0, duration_ns, self.recorder.name_id(name))
-        if not native:
-            self.executor.end_op([])
+        self.executor.end_op(())
 
     def step(self) -> None:
         """An iteration boundary: call it at the start of every training iteration."""
-        if isinstance(self.executor, NativeExecutor):  # its ITER event comes through the ring
-            self._iteration = self.executor.step()
-            return
-        self._iteration += 1
-        self.executor.begin_iteration()  # where a received plan takes over
-        self.recorder.step(self._iteration)
+        self.executor.step()
 
     # -- views ------------------------------------------------------------------------
     def stats(self) -> SessionStats:
         received = -1
         if not self._closed:
-            try:
-                self.recorder.flush()
-                reply = self._stub.Stats(
-                    pool_pb2.StatsRequest(), metadata=self._metadata, timeout=10
-                )
-                received = reply.session.events_received
-            except grpc.RpcError:
-                pass
-        ex = self.executor
+            self.recorder.flush()
+            received = self.connection.events_received()
+        ex = self.executor.stats()
         return SessionStats(
             session_id=self.id,
             device_lease_bytes=self.device.length,
@@ -427,7 +355,8 @@ class Session:
             plan_hits=ex.plan_hits,
             plan_misses=ex.plan_misses,
             footprint_bytes=ex.high_water,
-            swap=ex.swap_stats() if isinstance(ex, SwappingExecutor) else None,
+            swap=ex.swap,
+            native=ex.native,
         )
 
     @property
@@ -441,26 +370,12 @@ class Session:
         if self._released:
             return
         self.recorder.close()
-        if self._goodbye is None:
-            try:
-                last = self._heartbeat()
-                request = pool_pb2.DetachRequest(last=last)
-                self._stub.Detach(request, metadata=self._metadata, timeout=10)
-            except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.UNAUTHENTICATED:  # already ended daemon-side
-                    log.warning("tidalpool: Detach failed: %s", e.details())
-        self._finish()
-
-    def _finish(self) -> None:
+        if not self.connection.ended:
+            self.connection.detach(self._heartbeat())
         self._closed = True
         self._released = True
         self.executor.close()  # copies in flight end before the mappings go
-        self._stop.set()
-        self._outbox.put(None)
-        for t in self._threads:
-            if t is not threading.current_thread():
-                t.join(timeout=5)
-        self._channel.close()
+        self.connection.close()
         self.device.retire()
         self.host.retire()
 
@@ -471,102 +386,38 @@ class Session:
         self.close()
 
     def _why_closed(self) -> str:
-        if self._goodbye is not None:
-            reason = (
-                pool_pb2.Goodbye.Reason.Name(self._goodbye.reason).removeprefix("REASON_").lower()
-            )
-            return f"session {self.id} is over ({reason}: {self._goodbye.message})"
+        goodbye = self.connection.goodbye
+        if goodbye is not None:
+            reason = pool_pb2.Goodbye.Reason.Name(goodbye.reason).removeprefix("REASON_").lower()
+            return f"session {self.id} is over ({reason}: {goodbye.message})"
         return f"session {self.id} is closed"
 
-    # -- background -----------------------------------------------------------------------
-    def _outgoing(self) -> Iterator[pool_pb2.ClientMessage]:
-        while True:
-            msg = self._outbox.get()
-            if msg is None:
-                return
-            yield msg
+    # -- from the connection's threads --------------------------------------------------
+    def _ended(self) -> None:
+        """The daemon ended the session: malloc refuses from now on."""
+        self._closed = True
 
-    def _listen(self) -> None:
-        try:
-            for msg in self._responses:
-                body = msg.WhichOneof("body")
-                if body == "goodbye":
-                    self._goodbye = msg.goodbye
-                    self._closed = True  # malloc refuses from now on
-                elif body == "plan":
-                    self._receive_plan(msg.plan)
-                elif body == "error":
-                    self.errors.append(msg.error)
-                    log.warning(
-                        "tidalpool: daemon refused a message: %s %s",
-                        msg.error.code,
-                        msg.error.message,
-                    )
-        except grpc.RpcError as e:
-            if not self._stop.is_set() and self._goodbye is None:
-                self._goodbye = pool_pb2.Goodbye(message=f"session stream failed: {e.code().name}")
-                self._closed = True
-
-    def _receive_plan(self, plan: pool_pb2.PlanUpdate) -> None:
+    def _receive_plan(self, update: pool_pb2.PlanUpdate) -> None:
         """Ready a plan for the hot path here, off it; the executor switches at the next step()."""
         try:
-            table = PlanTable.build(
-                plan.plan_id, list(plan.sizes), list(plan.offsets), plan.height_bytes, ALIGNMENT
-            )
-        except PlanRejected as e:
-            self.plans_rejected += 1
-            log.warning("tidalpool: ignoring a plan: %s", e)
-            return
-        try:
-            self.executor.install_plan(table)
-        except PlanRejected as e:  # the native table checks the plan against its lease
+            self.executor.install_plan(decode(update))
+        except PlanRejected as e:  # the native table also checks the plan against its lease
             self.plans_rejected += 1
             log.warning("tidalpool: ignoring a plan: %s", e)
             return
         self.plans_received += 1
-        if plan.swap_blocks and isinstance(self.executor, SwappingExecutor):
-            columns = (
-                plan.swap_blocks,
-                plan.swap_persistent,
-                plan.swap_out_after,
-                plan.swap_in_at,
-                plan.swap_in_before,
-            )
-            try:  # ValueError: columns of unequal lengths, or a malformed swap
-                swaps = [
-                    ScheduledSwap(block, out_after, in_before, in_at, persistent)
-                    for block, persistent, out_after, in_at, in_before in zip(*columns, strict=True)
-                ]
-                self.executor.install_schedule(swaps)
-            except ValueError as e:
-                log.warning("tidalpool: ignoring the swap schedule of plan %d: %s", plan.plan_id, e)
-
-    def _beat(self) -> None:
-        while not self._stop.wait(self._heartbeat_s):
-            self._outbox.put(pool_pb2.ClientMessage(heartbeat=self._heartbeat()))
 
     def _heartbeat(self) -> pool_pb2.Heartbeat:
         """The session as the daemon's metrics show it: bytes held now, counts since attach."""
-        ex = self.executor
+        ex = self.executor.stats()
         beat = pool_pb2.Heartbeat(
             device_used_bytes=ex.used_bytes,
             device_peak_bytes=ex.peak_live_bytes,
             plan_misses=ex.plan_misses,
         )
-        if isinstance(ex, SwappingExecutor):
-            beat.host_used_bytes = ex.host_used_bytes
-            beat.swapped_out_bytes = ex.swapped_out_bytes
-            beat.swapped_in_bytes = ex.swapped_in_bytes
-            beat.swap_stall_ns = ex.stall_ns
+        if ex.swap is not None:
+            beat.host_used_bytes = ex.swap.host_used_bytes
+            beat.swapped_out_bytes = ex.swap.swapped_out_bytes
+            beat.swapped_in_bytes = ex.swap.swapped_in_bytes
+            beat.swap_stall_ns = ex.swap.stall_ns
         return beat
-
-
-def _cuda_streams(cuda: CudaLease | None) -> dict[str, Any]:
-    """The swap engine's streams on cuda: two CUDA copy streams, ordered against the compute
-    stream (CuPy's current stream, else the legacy default stream). Nothing on sim."""
-    if cuda is None:
-        return {}
-    from tidalclient.devices.cuda import compute_stream, swap_streams
-
-    driver = cuda.driver
-    return {"streams": lambda _gbps: swap_streams(driver), "compute": compute_stream(driver)}

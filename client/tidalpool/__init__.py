@@ -20,7 +20,7 @@ from tidalclient.errors import (
     SessionClosed,
     TidalpoolError,
 )
-from tidalclient.executor import Block
+from tidalclient.executors.base import Block
 from tidalclient.session import Session, SessionStats, attach
 from tidalcore import __version__
 

@@ -7,7 +7,7 @@
                                                        │    counts, the backend's facts
                                                        ├─ RpcMetrics: calls by method and code
                                                        │    (a gRPC server interceptor)
-                                                       └─ plan durations (Planner.on_planned)
+                                                       └─ plan durations (PlanWorker.on_planned)
 
 The daemon's own paths do no more for metrics than a gRPC call's or a plan's counter and
 histogram update: the collector copies, at scrape time, what the registry and planner already
@@ -40,7 +40,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from tidalpoold import __version__
-from tidalpoold.planning import Planner
+from tidalpoold.plan_worker import PlanWorker
 from tidalpoold.sessions import Registry, Snapshot
 
 Facts = Mapping[str, str | int | float]
@@ -69,7 +69,7 @@ class DaemonCollector(Collector):
     def __init__(
         self,
         registry: Registry,
-        planner: Planner,
+        planner: PlanWorker,
         facts: Callable[[], Facts],
         started: float | None = None,
     ) -> None:

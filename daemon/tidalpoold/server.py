@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from tidalpoold.backends import Backend, open_backend
 from tidalpoold.handles import HandlesServer
 from tidalpoold.metrics import DaemonCollector, Metrics
-from tidalpoold.planning import Planner, copy_gbps_of
+from tidalpoold.plan_worker import PlanWorker, copy_gbps_of
 from tidalpoold.services import AdminService, PoolService
 from tidalpoold.sessions import Reason, Registry
 from tidalpoold.settings import Settings, describe
@@ -39,7 +39,7 @@ class Daemon:
     grpc_server: grpc.Server
     handles: HandlesServer
     health: health.HealthServicer
-    planner: Planner
+    planner: PlanWorker
     grpc_socket: Path
     handles_socket: Path
     _stop: threading.Event
@@ -125,7 +125,7 @@ def _build(
         cuda_mode=settings.cuda_mode,
     )
     registry = Registry(settings, backend)
-    planner = Planner(
+    planner = PlanWorker(
         settings,
         copy_gbps=copy_gbps_of(backend),
         on_planned=metrics.on_planned if metrics else None,

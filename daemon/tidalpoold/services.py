@@ -15,7 +15,7 @@ from tidalcore.v1 import admin_pb2, pool_pb2
 from tidalcore.wire import STREAM_OPEN_KEY, TOKEN_KEY
 
 from tidalpoold import __version__
-from tidalpoold.planning import Planner
+from tidalpoold.plan_worker import PlanWorker
 from tidalpoold.rpc import bidi_stream, parse, service, unary
 from tidalpoold.sessions import Reason, Registry, Session, lease_message
 
@@ -27,7 +27,7 @@ class PoolService:
 
     name = "tidalpool.v1.Pool"
 
-    def __init__(self, registry: Registry, planner: Planner | None = None) -> None:
+    def __init__(self, registry: Registry, planner: PlanWorker | None = None) -> None:
         self.registry = registry
         self.planner = planner
 

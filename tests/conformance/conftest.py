@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import tidalpool
 from tidalclient import status
-from tidalclient.executor import Block
+from tidalclient.executors.base import Block
 from tidalclient.local import LocalDaemon
 from tidalcore.cuda_driver import DevicePtr, StreamHandle
 

@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from tidalclient.native import ALLOC_SYMBOL, FREE_SYMBOL, HotPath, library_path
-from tidalclient.planned import PlanTable
+from tidalclient.hotpath import ALLOC_SYMBOL, FREE_SYMBOL, HotPath, library_path
+from tidalclient.plans import PlanTable
 from tidalcore.events import Events
 from tidalplan.learn import extract, to_problem
 from tidalplan.placement import solve

@@ -46,7 +46,7 @@ print(json.dumps({
     "in_lease": all(lo <= a.data.ptr < hi for a in (x, y)),
     "last": last,
     "sum": total,
-    "live_blocks": s.executor.live_blocks,
+    "live_blocks": s.executor.stats().live_blocks,
 }), flush=True)
 sys.stdin.readline()
 del x, y

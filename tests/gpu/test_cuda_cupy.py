@@ -10,7 +10,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
-from tidalclient.executor import Block, Executor
+from tidalclient.executors.base import Block
+from tidalclient.executors.python import PythonExecutor
 from tidalcore.chunks import PinnedChunkMapping
 from tidalcore.cuda_driver import CudaDriver
 
@@ -26,9 +27,10 @@ class GpuSession:
     """The parts of a Session that tidalpool.cupy uses, over real device and pinned memory."""
 
     def __init__(self, driver: CudaDriver, device_bytes: int, host: PinnedChunkMapping) -> None:
-        self.executor = Executor(device_bytes)
+        self.executor = PythonExecutor(device_bytes)
         self.device = Lease(int(driver.mem_alloc(device_bytes)), device_bytes)
         self.host = host
+        self.cuda = None  # tidalpool.cupy.use() is given the device
         self.ops: list[tuple[list[int], list[int], str]] = []
 
     def malloc(self, nbytes: int) -> Block:

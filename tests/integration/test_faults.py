@@ -97,7 +97,7 @@ def test_malformed_trace_chunk_is_refused_and_the_session_goes_on(
         bad = pool_pb2.TraceChunk(
             first_event=0, kinds=[pool_pb2.EVENT_KIND_ALLOC], block_ids=[1, 2]
         )
-        s._outbox.put(pool_pb2.ClientMessage(trace=bad))  # as a broken client would
+        s.connection.send(pool_pb2.ClientMessage(trace=bad))  # as a broken client would
         deadline = time.monotonic() + 3
         while not s.errors and time.monotonic() < deadline:
             time.sleep(0.02)

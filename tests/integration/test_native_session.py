@@ -13,8 +13,8 @@ import time
 
 import pytest
 import tidalpool
-from tidalclient.native import HotPath, NativeError
-from tidalclient.native_executor import NativeAllocator, NativeExecutor
+from tidalclient.executors.native import NativeAllocator, NativeExecutor
+from tidalclient.hotpath import HotPath, NativeError
 from tidalclient.status import fetch
 
 from ..conftest import StartDaemon

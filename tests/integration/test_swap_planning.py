@@ -5,8 +5,9 @@ from __future__ import annotations
 import time
 
 import tidalpool
+from tidalclient.executors.base import DEVICE, HOST, LEAVING
+from tidalclient.executors.swapping import Swapping
 from tidalclient.local import LocalDaemon
-from tidalclient.swap import DEVICE, HOST, LEAVING, SwappingExecutor
 
 KiB = 1024
 
@@ -26,7 +27,7 @@ def iteration(s: tidalpool.Session) -> str:
     a = s.tensor(64 * KiB, "uint8")
     op(s, "fwd1", [], [a])
     ex = s.executor
-    assert isinstance(ex, SwappingExecutor)
+    assert isinstance(ex, Swapping)
     after_fwd1 = ex.where(a.block)
     b = s.tensor(64 * KiB, "uint8")
     op(s, "fwd2", [], [b])

@@ -126,11 +126,13 @@ def test_copy_bandwidth_must_be_positive(daemon: LocalDaemon) -> None:
 def test_an_op_recorded_with_record_op_counts_in_the_swap_schedule(daemon: LocalDaemon) -> None:
     """The daemon numbers every op of the trace, those of record_op included: a swap scheduled
     after such an op starts right after it, not one op later."""
-    from tidalclient.swap import DEVICE, HOST, LEAVING, ScheduledSwap, SwappingExecutor
+    from tidalclient.executors.base import DEVICE, HOST, LEAVING
+    from tidalclient.executors.swapping import Swapping
+    from tidalclient.plans import ScheduledSwap
 
     with tidalpool.attach(daemon.socket_dir, swap_limit="1MiB", host_limit="1MiB") as s:
         executor = s.executor
-        assert isinstance(executor, SwappingExecutor)
+        assert isinstance(executor, Swapping)
         # op 0 writes the block, op 1 is compute the session cannot see, op 2 reads the block
         executor.install_schedule([ScheduledSwap(block=0, out_after=1, in_before=2)])
         s.step()

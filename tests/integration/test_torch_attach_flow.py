@@ -18,14 +18,14 @@ torch = pytest.importorskip("torch")
 
 import tidalpool  # noqa: E402
 import tidalpool.torch as tt  # noqa: E402
-from tidalclient.local import LocalDaemon  # noqa: E402
-from tidalclient.native import (  # noqa: E402
+from tidalclient.hotpath import (  # noqa: E402
     ALLOC_SYMBOL,
     FREE_SYMBOL,
     HotPath,
     library_path,
     record_stream_address,
 )
+from tidalclient.local import LocalDaemon  # noqa: E402
 from tidalclient.status import fetch  # noqa: E402
 from tidalclient.torch import allocator, oom  # noqa: E402
 

@@ -12,9 +12,10 @@ torch = pytest.importorskip("torch")
 
 import tidalpool  # noqa: E402
 import tidalpool.torch as tt  # noqa: E402
+from tidalclient.executors.base import DEVICE, HOST  # noqa: E402
+from tidalclient.executors.swapping import Swapping  # noqa: E402
 from tidalclient.local import LocalDaemon  # noqa: E402
 from tidalclient.session import Session  # noqa: E402
-from tidalclient.swap import DEVICE, HOST, SwappingExecutor  # noqa: E402
 
 nn = torch.nn
 KiB = 1024
@@ -112,7 +113,7 @@ def test_a_save_swapped_out_comes_back_bit_exact_with_its_strides(daemon: LocalD
         tt.SavedTensors(session) as saved,
     ):
         executor = session.executor
-        assert isinstance(executor, SwappingExecutor)
+        assert isinstance(executor, Swapping)
         g = torch.Generator().manual_seed(2)
         base = torch.randn(6, 10, dtype=torch.float64, generator=g)
         tensors = [

@@ -1,7 +1,7 @@
 """The native hot path and the Python executor driven in lockstep, every decision compared.
 
 `Twin` sends each malloc, free, step and plan to both a `HotPath` (lease at BASE, addresses) and
-an `Executor` (offsets) and asserts after each call that they agree: the same offset or the
+an `PythonExecutor` (offsets) and asserts after each call that they agree: the same offset or the
 same failure, the same plan hits, misses and fallbacks, the same free ranges.
 """
 
@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 from tidalclient.errors import LeaseExceeded
-from tidalclient.executor import Block, Executor
-from tidalclient.native import HotPath, library_path
-from tidalclient.planned import PlanTable
+from tidalclient.executors.base import Block
+from tidalclient.executors.python import PythonExecutor
+from tidalclient.hotpath import HotPath, library_path
+from tidalclient.plans import Plan, PlanTable
 
 BASE = 1 << 40  # the lease's address: a number, never dereferenced
 
@@ -39,7 +40,7 @@ def fresh(device: int = 0) -> Iterator[HotPath]:
 class Twin:
     def __init__(self, hp: HotPath, capacity: int, max_misses: int = 8) -> None:
         self.hp = hp
-        self.ex = Executor(capacity)
+        self.ex = PythonExecutor(capacity)
         self.ex.max_iteration_misses = max_misses
         hp.configure(BASE, capacity, max_iteration_misses=max_misses)
         self.live: dict[int, tuple[Block, int]] = {}  # key -> (python block, native address)
@@ -66,12 +67,12 @@ class Twin:
         self.compare()
 
     def step(self) -> None:
-        self.ex.begin_iteration()
+        self.ex.step()
         self.hp.step()
         self.compare()
 
     def install(self, table: PlanTable) -> None:
-        self.ex.install_plan(table)
+        self.ex.install_plan(Plan(table))
         self.hp.install_plan(table)
 
     def compare(self) -> None:

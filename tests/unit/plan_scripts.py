@@ -10,7 +10,7 @@ chosen by k, ("step", 0) an iteration boundary, ("replan", 0) installs the plan 
 from __future__ import annotations
 
 from hypothesis import strategies as st
-from tidalclient.planned import PlanTable
+from tidalclient.plans import PlanTable
 from tidalcore.units import align_up
 
 SLOTS = st.lists(st.tuples(st.integers(1, 6), st.integers(0, 7)), min_size=1, max_size=8)

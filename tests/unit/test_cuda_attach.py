@@ -21,8 +21,8 @@ import tidalpool
 from tidalclient.devices.cuda import CudaDeviceMapping, CudaStream
 from tidalclient.devices.lease import map_grant
 from tidalclient.errors import AttachError, InvalidBlock, NotHostMemory
+from tidalclient.executors.swapping import Swapping
 from tidalclient.handles import Grant, request_lease
-from tidalclient.swap import SwappingExecutor
 from tidalcore.chunks import PinnedChunkMapping
 from tidalcore.units import Bytes
 from tidalpoold import server
@@ -183,7 +183,7 @@ def test_numpy_views_are_refused_on_cuda(vmm: CudaDaemon) -> None:
         for call in (lambda: s.array(4), lambda: s.buffer(block)):
             with pytest.raises(NotHostMemory, match=r"GPU memory .*tidalpool\.cupy"):
                 call()
-        assert s.executor.live_blocks == 1  # nothing was allocated by the refusals
+        assert s.executor.stats().live_blocks == 1  # nothing was allocated by the refusals
 
 
 def test_a_tensors_view_on_cuda_is_a_cupy_array_over_its_device_bytes(
@@ -260,7 +260,7 @@ def test_swaps_on_cuda_copy_on_cuda_streams_ordered_against_compute(vmm: CudaDae
         vmm.socket_dir, device_limit=2 * C, host_limit=2 * C, swap_limit=C, driver=client
     ) as s:
         ex = s.executor
-        assert isinstance(ex, SwappingExecutor)
+        assert isinstance(ex, Swapping)
         assert all(isinstance(st, CudaStream) for st in (ex._out, ex._in))
         out, into = ex._out.handle, ex._in.handle  # type: ignore[attr-defined]
         a = s.malloc(C // 2)

@@ -4,6 +4,7 @@ and the CuPy allocator (with a stand-in CuPy module)."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import gc
 import os
 import sys
@@ -21,7 +22,8 @@ from tidalclient.devices.cuda import (
 )
 from tidalclient.devices.streams import StreamError
 from tidalclient.errors import InvalidBlock
-from tidalclient.executor import Block, Executor
+from tidalclient.executors.base import Block, ExecutorStats, SwapStats
+from tidalclient.executors.python import PythonExecutor
 from tidalcore.chunks import PinnedChunkMapping
 from tidalcore.cuda_driver import CudaError, DevicePtr, MemHandle
 
@@ -377,7 +379,7 @@ class Lease:
         self.address, self.length = address, length
 
 
-class PinRecorder(Executor):
+class PinRecorder(PythonExecutor):
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
         self.pinned: list[int] = []
@@ -387,17 +389,20 @@ class PinRecorder(Executor):
 
 
 class SwappingStandIn(PinRecorder):
-    def swap_stats(self) -> None: ...
+    def stats(self) -> ExecutorStats:
+        swap = SwapStats(self.capacity, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+        return dataclasses.replace(super().stats(), swap=swap)
 
 
 class FakeSession:
-    """The parts of a Session the allocator uses, on a real Executor."""
+    """The parts of a Session the allocator uses, on a real PythonExecutor."""
 
     def __init__(self, device_bytes: int, host_bytes: int, swapping: bool = False) -> None:
         kind = SwappingStandIn if swapping else PinRecorder
         self.executor = kind(device_bytes)
         self.device = Lease(1 << 40, device_bytes)
         self.host = Lease(1 << 30, host_bytes)
+        self.cuda = None  # a session of the sim backend
         self.ops: list[tuple[list[int], list[int], str]] = []
 
     def malloc(self, nbytes: int) -> Block:

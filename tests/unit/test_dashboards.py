@@ -15,7 +15,7 @@ import pytest
 from tidalcore.units import Bytes
 from tidalpoold.backends import SimBackend
 from tidalpoold.metrics import DaemonCollector, Metrics
-from tidalpoold.planning import Planner
+from tidalpoold.plan_worker import PlanWorker
 from tidalpoold.sessions import PlanFootprint, Reason, Registry
 from tidalpoold.settings import Settings
 
@@ -41,7 +41,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Iterator[set[str]]:
     )
     backend = SimBackend(4 * C, 4 * C, C)
     registry = Registry(settings, backend)
-    planner = Planner(settings)
+    planner = PlanWorker(settings)
     m = Metrics(gpu="0")
     m.add(DaemonCollector(registry, planner, backend.facts))
     m.rpc.requests.labels("m", "OK").inc()

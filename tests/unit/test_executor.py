@@ -1,4 +1,4 @@
-"""BestFit and Executor: exact offsets on hand-built cases, exact errors, and a property test."""
+"""BestFit and PythonExecutor: exact offsets on hand-built cases, exact errors, a property test."""
 
 from __future__ import annotations
 
@@ -9,9 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tidalclient.errors import InvalidBlock, LeaseExceeded
-from tidalclient.executor import BestFit, Block, Executor
+from tidalclient.executors.base import Block
+from tidalclient.executors.bestfit import BestFit
+from tidalclient.executors.python import PythonExecutor
 from tidalcore.events import ALLOC as EVENT_ALLOC
 from tidalcore.events import FREE as EVENT_FREE
+from tidalcore.events import ITER
 from tidalcore.units import BlockId, Bytes, Offset
 
 KiB = 1024
@@ -171,12 +174,24 @@ def test_allocate_of_non_positive_size_is_an_error(nbytes: int) -> None:
         BestFit(1024).allocate(nbytes)
 
 
-# ---------------------------------------------------------------- Executor
+# ---------------------------------------------------------------- PythonExecutor
+
+
+class TraceList(list[tuple[int, int, int]]):
+    """A trace sink that keeps (kind, block id, size) of each event."""
+
+    def record(
+        self, kind: int, block_id: int, size: int = 0, duration_ns: int = 0, name_id: int = 0
+    ) -> None:
+        self.append((kind, block_id, size))
+
+    def step(self, iteration: int) -> None:
+        self.append((ITER, iteration, 0))
 
 
 def test_malloc_numbers_blocks_and_records_events() -> None:
-    events: list[tuple[int, int, int]] = []
-    ex = Executor(4096, record=lambda kind, block_id, size: events.append((kind, block_id, size)))
+    events = TraceList()
+    ex = PythonExecutor(4096, trace=events)
     a = ex.malloc(100)
     b = ex.malloc(300)
     assert a == Block(BlockId(1), Offset(0), Bytes(100), ex.session)
@@ -194,11 +209,11 @@ def test_malloc_numbers_blocks_and_records_events() -> None:
 
 
 def test_executors_have_distinct_sessions() -> None:
-    assert Executor(1024).session != Executor(1024).session
+    assert PythonExecutor(1024).session != PythonExecutor(1024).session
 
 
 def test_counters_and_peak() -> None:
-    ex = Executor(8192)
+    ex = PythonExecutor(8192)
     a = ex.malloc(1000)
     b = ex.malloc(10)
     assert (ex.live_bytes, ex.used_bytes, ex.peak_live_bytes) == (1010, 1280, 1010)
@@ -216,7 +231,7 @@ def test_counters_and_peak() -> None:
 
 
 def test_block_lookup() -> None:
-    ex = Executor(1024)
+    ex = PythonExecutor(1024)
     a = ex.malloc(8)
     assert ex.block(1) is a
     ex.free(a)
@@ -228,25 +243,25 @@ def test_block_lookup() -> None:
 
 @pytest.mark.parametrize("nbytes", [0, -5])
 def test_malloc_of_non_positive_size(nbytes: int) -> None:
-    ex = Executor(1024)
+    ex = PythonExecutor(1024)
     with pytest.raises(ValueError, match=f"malloc of {nbytes} bytes: size must be positive"):
         ex.malloc(nbytes)
     assert (ex.mallocs, ex.live_blocks) == (0, 0)
 
 
 def test_malloc_takes_numpy_integers() -> None:
-    ex = Executor(4096)
+    ex = PythonExecutor(4096)
     assert ex.malloc(np.int64(1000)) == Block(BlockId(1), Offset(0), Bytes(1000), ex.session)
 
 
 @pytest.mark.parametrize(("value", "name"), [(True, "bool"), (1.5, "float"), ("8", "str")])
 def test_malloc_of_non_int(value: object, name: str) -> None:
     with pytest.raises(TypeError, match=f"malloc size must be an int, got {name}"):
-        Executor(1024).malloc(value)  # type: ignore[arg-type]
+        PythonExecutor(1024).malloc(value)  # type: ignore[arg-type]
 
 
 def test_malloc_beyond_the_lease() -> None:
-    ex = Executor(4 * KiB)
+    ex = PythonExecutor(4 * KiB)
     with pytest.raises(LeaseExceeded) as info:
         ex.malloc(5000)
     assert str(info.value) == (
@@ -257,7 +272,7 @@ def test_malloc_beyond_the_lease() -> None:
 
 
 def test_malloc_beyond_the_rounded_lease() -> None:
-    ex = Executor(1000)  # 768 usable
+    ex = PythonExecutor(1000)  # 768 usable
     assert ex.capacity == 768
     message = r"^malloc of 769 bytes, 1024 aligned exceeds the lease of 768 bytes$"
     with pytest.raises(LeaseExceeded, match=message):
@@ -266,7 +281,7 @@ def test_malloc_beyond_the_rounded_lease() -> None:
 
 
 def test_malloc_that_fits_the_lease_but_not_the_free_space() -> None:
-    ex = Executor(4 * KiB)
+    ex = PythonExecutor(4 * KiB)
     blocks = [ex.malloc(1000) for _ in range(4)]  # 1024 each after rounding
     ex.free(blocks[1])
     ex.free(blocks[3])
@@ -281,7 +296,7 @@ def test_malloc_that_fits_the_lease_but_not_the_free_space() -> None:
 
 
 def test_malloc_into_a_full_lease_names_no_free_range() -> None:
-    ex = Executor(512)
+    ex = PythonExecutor(512)
     ex.malloc(512)
     message = "512 bytes live in a lease of 512 bytes, largest free range 0 bytes$"
     with pytest.raises(LeaseExceeded, match=message):
@@ -289,7 +304,7 @@ def test_malloc_into_a_full_lease_names_no_free_range() -> None:
 
 
 def test_free_of_a_foreign_block_leaves_both_executors_intact() -> None:
-    ours, theirs = Executor(2048), Executor(2048)
+    ours, theirs = PythonExecutor(2048), PythonExecutor(2048)
     mine = ours.malloc(100)
     for _ in range(7):
         foreign = theirs.malloc(10)
@@ -304,8 +319,8 @@ def test_free_of_a_foreign_block_leaves_both_executors_intact() -> None:
 
 
 def test_double_free_leaves_state_intact() -> None:
-    events: list[tuple[int, int, int]] = []
-    ex = Executor(2048, record=lambda *event: events.append(event))
+    events = TraceList()
+    ex = PythonExecutor(2048, trace=events)
     a = ex.malloc(1500)
     b = ex.malloc(300)
     ex.free(a)
@@ -322,7 +337,7 @@ def test_double_free_leaves_state_intact() -> None:
 
 
 def test_free_of_a_forged_block_is_rejected() -> None:
-    ex = Executor(2048)
+    ex = PythonExecutor(2048)
     a = ex.malloc(256)
     forged = Block(a.id, Offset(256), a.size, ex.session)
     with pytest.raises(InvalidBlock, match=r"block 1 \(offset 256, 256 bytes\) is not live"):
@@ -334,7 +349,7 @@ def test_free_of_a_forged_block_is_rejected() -> None:
 # ---------------------------------------------------------------- property
 
 
-def _check_invariants(ex: Executor, live: dict[int, Block]) -> None:
+def _check_invariants(ex: PythonExecutor, live: dict[int, Block]) -> None:
     align, capacity = ex.alignment, ex.capacity
     ranges: list[tuple[int, int]] = []
     for block in live.values():
@@ -373,7 +388,7 @@ ops = st.lists(
 def test_any_interleaving_keeps_blocks_apart(
     capacity: int, alignment: int, steps: list[tuple[str, int]]
 ) -> None:
-    ex = Executor(capacity, alignment)
+    ex = PythonExecutor(capacity, alignment)
     live: dict[int, Block] = {}
     peak = next_id = 0
     for op, value in steps:
@@ -396,3 +411,11 @@ def test_any_interleaving_keeps_blocks_apart(
                 peak = max(peak, ex.live_bytes)
         _check_invariants(ex, live)
     assert ex.peak_live_bytes == peak
+
+
+def test_step_marks_the_trace_and_counts_iterations() -> None:
+    events = TraceList()
+    ex = PythonExecutor(1024, trace=events)
+    block = ex.malloc(10)
+    assert (ex.step(), ex.step()) == (1, 2)
+    assert events == [(EVENT_ALLOC, block.id, 10), (ITER, 1, 0), (ITER, 2, 0)]

@@ -22,7 +22,7 @@ from tidalcore.v1 import pool_pb2
 from tidalpoold import server
 from tidalpoold.backends import SimBackend
 from tidalpoold.metrics import DaemonCollector, Metrics, job_label
-from tidalpoold.planning import Planner
+from tidalpoold.plan_worker import PlanWorker
 from tidalpoold.rpc import bidi_stream, service, unary
 from tidalpoold.sessions import PlanFootprint, Reason, Registry
 from tidalpoold.settings import Settings
@@ -50,8 +50,8 @@ def registry(tmp_path: Path) -> Iterator[Registry]:
 
 
 @pytest.fixture
-def planner(registry: Registry) -> Iterator[Planner]:
-    p = Planner(registry.settings)
+def planner(registry: Registry) -> Iterator[PlanWorker]:
+    p = PlanWorker(registry.settings)
     yield p
     p.close()
 
@@ -71,7 +71,7 @@ def beat(**counts: int) -> pool_pb2.Heartbeat:
 
 
 def test_pool_sessions_and_counts_have_the_registrys_exact_values(
-    registry: Registry, planner: Planner
+    registry: Registry, planner: PlanWorker
 ) -> None:
     a = registry.open(3 * C, 2 * C, "resnet", 11, 0)
     b = registry.open(C, C, "bert", 12, 0)
@@ -145,7 +145,7 @@ def test_pool_sessions_and_counts_have_the_registrys_exact_values(
 
 
 def test_an_ended_sessions_series_vanish_and_the_totals_keep_its_counts(
-    registry: Registry, planner: Planner
+    registry: Registry, planner: PlanWorker
 ) -> None:
     a = registry.open(C, C, "a", 1, 0)
     b = registry.open(C, C, "b", 2, 0)
@@ -178,7 +178,7 @@ def test_an_ended_sessions_series_vanish_and_the_totals_keep_its_counts(
 
 
 def test_cuda_facts_become_device_gauges_and_the_probe_replaces_the_assumption(
-    registry: Registry, planner: Planner
+    registry: Registry, planner: PlanWorker
 ) -> None:
     facts = {
         "device": "NVIDIA H100",
@@ -242,7 +242,7 @@ def test_an_address_in_use_is_refused_naming_it() -> None:
             Metrics(gpu="0").serve(address)
 
 
-def test_every_served_sample_carries_the_gpu_label(registry: Registry, planner: Planner) -> None:
+def test_every_served_sample_carries_the_gpu_label(registry: Registry, planner: PlanWorker) -> None:
     m = Metrics(gpu="3")
     m.add(DaemonCollector(registry, planner, registry.backend.facts))
     session = registry.open(C, C, "job", 1, 0)

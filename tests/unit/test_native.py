@@ -16,8 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tidalclient.errors import InvalidBlock
-from tidalclient.executor import BestFit
-from tidalclient.native import (
+from tidalclient.executors.bestfit import BestFit
+from tidalclient.hotpath import (
     ALLOC_SYMBOL,
     FREE_SYMBOL,
     MAX_DEVICES,
@@ -27,7 +27,7 @@ from tidalclient.native import (
     load,
     stray_calls,
 )
-from tidalclient.planned import PlanRejected, PlanTable
+from tidalclient.plans import PlanRejected, PlanTable
 from tidalcore.units import align_up
 
 from ..conftest import shared_file

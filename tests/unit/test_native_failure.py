@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from tidalclient.native import FailureHandler, HotPath, library_path, on_failure
+from tidalclient.hotpath import FailureHandler, HotPath, library_path, on_failure
 
 DEVICE = 41  # a device index no other test uses
 BASE = 1 << 30  # a lease nobody dereferences

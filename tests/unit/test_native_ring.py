@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from tidalclient.native import EVENT_DTYPE, Events, HotPath, forward, recorder_events
-from tidalclient.planned import PlanTable
+from tidalclient.hotpath import EVENT_DTYPE, Events, HotPath, forward, recorder_events
+from tidalclient.plans import PlanTable
 from tidalclient.recorder import Recorder
 from tidalcore.events import ALLOC, FREE, ITER
 from tidalcore.v1 import pool_pb2

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from tidalclient.errors import InvalidBlock
-from tidalclient.native import (
+from tidalclient.hotpath import (
     HotPath,
     NativeError,
     cuda_stream_functions,

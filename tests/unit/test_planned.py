@@ -6,8 +6,9 @@ import itertools
 
 import pytest
 from hypothesis import given, settings
-from tidalclient.executor import Block, Executor
-from tidalclient.planned import PlanRejected, PlanTable
+from tidalclient.executors.base import Block
+from tidalclient.executors.python import PythonExecutor
+from tidalclient.plans import Plan, PlanRejected, PlanTable
 from tidalcore.units import align_up
 
 from .plan_scripts import SCRIPT, SLOTS, plans_of
@@ -39,14 +40,14 @@ def test_bad_plans_are_rejected(
         table(sizes, offsets, height)
 
 
-def planned_executor() -> tuple[Executor, Block]:
+def planned_executor() -> tuple[PythonExecutor, Block]:
     """A 4 KiB lease with a persistent 256-byte block at 0 and a 3-slot plan installed."""
-    ex = Executor(4096)
+    ex = PythonExecutor(4096)
     weights = ex.malloc(256)
     # slot 0 and slot 2 share bytes [0, 512): slot 0 must be freed before slot 2 is allocated
-    ex.install_plan(table([512, 256, 512], [0, 512, 0], 768))
+    ex.install_plan(Plan(table([512, 256, 512], [0, 512, 0], 768)))
     assert ex.mode == "learning"
-    ex.begin_iteration()
+    ex.step()
     assert ex.mode == "planned"
     return ex, weights
 
@@ -61,7 +62,7 @@ def test_plan_hits_take_the_planned_offsets_in_the_arena() -> None:
     assert (ex.plan_hits, ex.plan_misses) == (3, 0)
     ex.free(b)
     ex.free(c)
-    ex.begin_iteration()  # the same again: the same offsets
+    ex.step()  # the same again: the same offsets
     again = [ex.malloc(512).offset, ex.malloc(256).offset]
     assert again == [256, 768]
     assert ex.last_footprint == 256 + 768
@@ -91,7 +92,7 @@ def test_too_many_misses_return_to_learning_and_the_arena_drains() -> None:
     ex.max_iteration_misses = 1
     kept = ex.malloc(512)  # a hit, still live when the plan is abandoned
     misses = [ex.malloc(100), ex.malloc(100)]  # two misses
-    ex.begin_iteration()
+    ex.step()
     assert ex.mode == "learning"
     assert ex.plan_fallbacks == 1
     for block in misses:
@@ -101,13 +102,13 @@ def test_too_many_misses_return_to_learning_and_the_arena_drains() -> None:
 
 
 def test_a_plan_waits_for_room_for_its_arena() -> None:
-    ex = Executor(1024)
+    ex = PythonExecutor(1024)
     filler = ex.malloc(768)
-    ex.install_plan(table([512], [0], 512))
-    ex.begin_iteration()
+    ex.install_plan(Plan(table([512], [0], 512)))
+    ex.step()
     assert ex.mode == "learning"  # 512 bytes of arena do not fit yet
     ex.free(filler)
-    ex.begin_iteration()
+    ex.step()
     assert ex.mode == "planned"
     assert ex.malloc(512).offset == 0
 
@@ -115,11 +116,11 @@ def test_a_plan_waits_for_room_for_its_arena() -> None:
 def test_a_new_plan_replaces_the_old_once_its_slots_are_free() -> None:
     ex, _ = planned_executor()
     a = ex.malloc(512)
-    ex.install_plan(table([256], [0], 256, plan_id=2))
-    ex.begin_iteration()  # a still holds slot 0 of plan 1: plan 1 stays
+    ex.install_plan(Plan(table([256], [0], 256, plan_id=2)))
+    ex.step()  # a still holds slot 0 of plan 1: plan 1 stays
     assert ex.malloc(512).offset == 256 + 768  # and slot 0 is a miss while a lives
     ex.free(a)
-    ex.begin_iteration()  # no block holds a slot of plan 1 now: plan 2 takes over
+    ex.step()  # no block holds a slot of plan 1 now: plan 2 takes over
     assert ex.malloc(256).offset == 256  # plan 2's arena took plan 1's place
     assert (ex.plan_hits, ex.plan_misses) == (2, 1)
 
@@ -133,8 +134,8 @@ def test_no_divergence_from_the_plan_ever_yields_overlapping_bytes(
     mallocs and frees: live blocks never share a byte and stay inside the lease."""
     plan, replan = plans_of(slots)
     sizes = plan.sizes
-    ex = Executor(16 * 1024)
-    ex.install_plan(plan)
+    ex = PythonExecutor(16 * 1024)
+    ex.install_plan(Plan(plan))
     live: list[Block] = []
     cursor = 0
     for action, arg in script:
@@ -147,10 +148,10 @@ def test_no_divergence_from_the_plan_ever_yields_overlapping_bytes(
             elif action == "free" and live:
                 ex.free(live.pop(arg % len(live)))
             elif action == "step":
-                ex.begin_iteration()
+                ex.step()
                 cursor = 0
             elif action == "replan":
-                ex.install_plan(replan)
+                ex.install_plan(Plan(replan))
         except MemoryError:
             pass
         ranges = sorted((b.offset, b.offset + align_up(b.size, 256)) for b in live)

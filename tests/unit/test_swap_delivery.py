@@ -6,11 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
-from tidalclient.swap import ScheduledSwap
+from tidalclient.plans import ScheduledSwap
 from tidalcore.units import Tick
 from tidalcore.v1 import pool_pb2
 from tidalplan.simulate import Swap, SwapPlan
-from tidalpoold.planning import DEFAULT_COPY_GBPS, Planner, add_swaps, copy_gbps_of
+from tidalpoold.plan_worker import DEFAULT_COPY_GBPS, PlanWorker, add_swaps, copy_gbps_of
 from tidalpoold.settings import Settings
 
 from .iterations import build
@@ -80,10 +80,10 @@ def test_unthrottled_sessions_are_planned_at_the_backends_slower_copy_direction(
         FactsBackend(h2d_gbps=float("nan"), d2h_gbps=20.0),
     ):
         assert copy_gbps_of(no_measure) == DEFAULT_COPY_GBPS == 12.0  # type: ignore[arg-type]
-    planner = Planner(Settings(plan_cache_dir=tmp_path), copy_gbps=copy_gbps_of(cuda))  # type: ignore[arg-type]
+    planner = PlanWorker(Settings(plan_cache_dir=tmp_path), copy_gbps=copy_gbps_of(cuda))  # type: ignore[arg-type]
     try:
         assert planner.swap_gbps(SimpleNamespace(copy_gbps=0.0)) == 21.25  # type: ignore[arg-type]
         assert planner.swap_gbps(SimpleNamespace(copy_gbps=3.0)) == 3.0  # type: ignore[arg-type]
-        assert Planner(Settings(plan_cache_dir=tmp_path)).copy_gbps == DEFAULT_COPY_GBPS
+        assert PlanWorker(Settings(plan_cache_dir=tmp_path)).copy_gbps == DEFAULT_COPY_GBPS
     finally:
         planner.close()

@@ -14,9 +14,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tidalclient.errors import InvalidBlock, LeaseExceeded
-from tidalclient.executor import Block
-from tidalclient.planned import PlanTable
-from tidalclient.swap import ARRIVING, DEVICE, HOST, LEAVING, ScheduledSwap, SwappingExecutor
+from tidalclient.executors.base import ARRIVING, DEVICE, HOST, LEAVING, Block
+from tidalclient.executors.python import PythonExecutor
+from tidalclient.executors.swapping import Swapping
+from tidalclient.plans import Plan, PlanTable, ScheduledSwap
 from tidalcore.chunks import ChunkMapping
 
 KiB = 1024
@@ -39,8 +40,8 @@ class Rig:
     ) -> None:
         self.device = mapping(device)
         self.host = mapping(host)
-        self.ex = SwappingExecutor(
-            device,
+        self.ex = Swapping(
+            PythonExecutor(device),
             device_address=self.device.address,
             host_address=self.host.address,
             host_capacity=host,
@@ -121,7 +122,7 @@ def test_access_brings_a_block_back_bit_exact(rig: Rig) -> None:
     assert s.peak_resident_bytes == 4 * KiB
     # e took a's bytes at 0 once a's copy out completed; a came back into b's, at 1 KiB
     assert [rig.ex.offset(x) for x in (a, c, d)] == [KiB, 2 * KiB, 3 * KiB]
-    assert rig.ex.high_water == 4 * KiB
+    assert rig.ex.inner.high_water == 4 * KiB
     assert rig.op(b, c, d) == [bytes([n]) * KiB for n in (2, 3, 4)]
 
 
@@ -146,7 +147,7 @@ def test_limit_unmet_with_everything_unlocked_out_is_lease_exceeded(rig: Rig) ->
         rig.ex.malloc(2 * KiB)
     rig.ex.end_op([a, b, c])
     assert rig.where(d) == [HOST]  # evicted on the way
-    assert rig.ex.live_blocks == 4
+    assert rig.ex.inner.live_blocks == 4
 
 
 def test_block_larger_than_the_limit_is_lease_exceeded(rig: Rig) -> None:
@@ -233,8 +234,8 @@ def test_free_in_any_state_returns_every_byte(rig: Rig, state: str) -> None:
     for gate in gates:
         gate.set()
     rig.ex.synchronize()
-    assert (rig.ex.used_bytes, rig.ex._host.used_bytes, rig.ex.live_blocks) == (0, 0, 0)
-    assert rig.ex.free_ranges() == [(0, 64 * KiB)]
+    assert (rig.ex.used_bytes, rig.ex._host.used_bytes, rig.ex.inner.live_blocks) == (0, 0, 0)
+    assert rig.ex.inner.free_ranges() == [(0, 64 * KiB)]
     with pytest.raises(InvalidBlock, match="not live"):
         rig.ex.free(a)
 
@@ -269,9 +270,11 @@ def test_offset_of_a_swapped_out_block_is_refused(rig: Rig) -> None:
 
 
 def test_placement_plan_above_the_limit_is_deferred(rig: Rig) -> None:
-    rig.ex.install_plan(PlanTable.build(1, [KiB] * 8, [KiB * i for i in range(8)], 8 * KiB, 256))
-    rig.ex.begin_iteration()
-    assert rig.ex.mode == "learning"
+    rig.ex.install_plan(
+        Plan(PlanTable.build(1, [KiB] * 8, [KiB * i for i in range(8)], 8 * KiB, 256))
+    )
+    rig.ex.step()
+    assert rig.ex.inner.mode == "learning"
     assert rig.ex.plans_deferred == 1
 
 
@@ -281,10 +284,10 @@ def test_placement_plan_is_not_used_under_a_limit_even_when_it_fits(rigs: list[R
     limited, free = Rig(limit=32 * KiB), Rig(limit=None)
     rigs += [limited, free]
     for r in (limited, free):
-        r.ex.install_plan(plan)
-        r.ex.begin_iteration()
-    assert (limited.ex.mode, limited.ex.plans_deferred) == ("learning", 1)
-    assert (free.ex.mode, free.ex.plans_deferred) == ("planned", 0)
+        r.ex.install_plan(Plan(plan))
+        r.ex.step()
+    assert (limited.ex.inner.mode, limited.ex.plans_deferred) == ("learning", 1)
+    assert (free.ex.inner.mode, free.ex.plans_deferred) == ("planned", 0)
 
 
 # ---------------------------------------------------------------- scheduled swaps
@@ -304,7 +307,7 @@ def test_schedule_swaps_out_after_and_in_before_the_named_ops(rigs: list[Rig]) -
         ]
     )
     for it in range(3):
-        r.ex.begin_iteration()
+        r.ex.step()
         assert r.where(w) == ([DEVICE] if it == 0 else [HOST])
         a = r.ex.malloc(KiB)
         r.op(a, write=bytes([it]) * KiB)  # op 0; w's swap-in is issued here (from iteration 2)
@@ -328,14 +331,14 @@ def test_schedule_skips_blocks_that_are_gone_or_locked(rigs: list[Rig]) -> None:
     r = Rig(limit=None)
     rigs.append(r)
     r.ex.install_schedule([ScheduledSwap(block=0, out_after=0, in_before=2)])
-    r.ex.begin_iteration()
+    r.ex.step()
     r.op()  # op 0: no allocation 0 yet
     assert r.ex.schedule_skips == 1
 
 
 def test_a_scheduled_swap_in_without_room_waits_for_the_op_that_needs_it(rig: Rig) -> None:
     rig.ex.install_schedule([ScheduledSwap(block=0, out_after=0, in_before=2, in_at=1)])
-    rig.ex.begin_iteration()
+    rig.ex.step()
     a = rig.ex.malloc(KiB)
     rig.op(a, write=b"a" * KiB)  # op 0, then a goes out
     others = [rig.ex.malloc(KiB) for _ in range(4)]  # with a out, they fill the limit

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from tidalclient.native import library_path
+from tidalclient.hotpath import library_path
 from tidalclient.torch import oom
 
 needs_cxx = pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++ compiler (g++)")
@@ -95,7 +95,7 @@ def test_hotpath_alloc_does_not_call_a_throwing_handler_through_ctypes(tmp_path:
     handler installed by address, HotPath.alloc gets None, and the process goes on."""
     script = tmp_path / "probe.py"
     script.write_text(
-        "from tidalclient.native import HotPath, on_failure\n"
+        "from tidalclient.hotpath import HotPath, on_failure\n"
         "from tidalclient.torch import oom\n"
         "handler = oom.torch_check_fail()\n"
         "assert handler is not None\n"

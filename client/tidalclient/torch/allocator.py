@@ -48,7 +48,7 @@ from tidalcore.units import ALIGNMENT, parse_size
 from torch.optim import Optimizer
 
 from tidalclient.errors import TidalpoolError
-from tidalclient.native import (
+from tidalclient.hotpath import (
     ALLOC_SYMBOL,
     FREE_SYMBOL,
     NativeStats,
@@ -58,7 +58,6 @@ from tidalclient.native import (
     order_streams,
     record_stream_address,
 )
-from tidalclient.native_executor import NativeExecutor
 from tidalclient.session import Session, SessionStats
 from tidalclient.session import attach as session_attach
 from tidalclient.torch import oom
@@ -184,11 +183,9 @@ class TorchSession:
     def __init__(
         self, session: Session, mode: Mode, device: int, optimizer: Optimizer | None
     ) -> None:
-        assert isinstance(session.executor, NativeExecutor)
         self.session = session
         self.mode: Mode = mode
         self.device = device
-        self._native = session.executor
         self._pool: Any = None
         self._hook: Any = None
         self._closed = False
@@ -303,10 +300,12 @@ class TorchSession:
 
     def stats(self) -> TorchStats:
         saved = self.saved
+        stats = self.session.stats()
+        assert stats.native is not None  # a torch session allocates through the hot path
         return TorchStats(
             self.mode,
-            self.session.stats(),
-            self._native.stats(),
+            stats,
+            stats.native,
             saved.stats() if saved is not None else None,
             saved.session.stats() if saved is not None else None,
         )

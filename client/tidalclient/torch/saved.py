@@ -55,9 +55,9 @@ from torch import nn
 from torch.optim import Optimizer
 
 from tidalclient.errors import LeaseExceeded
+from tidalclient.executors.base import HOST, LEAVING
 from tidalclient.numpy import Tensor as SessionTensor
 from tidalclient.session import Session
-from tidalclient.swap import HOST, LEAVING, SwappingExecutor
 
 log = logging.getLogger("tidalpool")
 
@@ -360,9 +360,8 @@ class SavedTensors:
         self._by_tensor[id(t)] = (weakref.ref(t), t._version, weakref.ref(saved))
         self._saved += 1
         self._saved_bytes += nbytes
-        executor = self.session.executor
-        if self.offload == "all" and isinstance(executor, SwappingExecutor):
-            executor.swap_out(held.block)
+        if self.offload == "all":
+            self.session.executor.swap_out(held.block)  # False without a swap limit
         self.gaps.end()
         return saved
 
@@ -399,13 +398,11 @@ class SavedTensors:
 
     def _prefetch(self, idents: list[int]) -> None:
         executor = self.session.executor
-        if not isinstance(executor, SwappingExecutor):
-            return
         for ident in idents:
             ref = self._current.get(ident)
             saved = ref() if ref is not None else None
             if saved is None or executor.where(saved.tensor.block) not in (HOST, LEAVING):
-                continue
+                continue  # gone, or on the device (always, without a swap limit)
             try:
                 executor.prefetch(saved.tensor.block)
             except LeaseExceeded:

@@ -1,7 +1,11 @@
-"""The swap engine: an executor whose blocks may wait in the host lease while ops do not need them.
+"""The swap engine: an adaptor over any executor whose blocks may then wait in the host lease
+while ops do not need them.
+
+    Swapping ──blocks: malloc / free──▶ inner executor (recorded there, placed there)
+             ──bytes:  vacate / reserve / release──▶ the inner's device bytes, moved by copies
 
 Each block is in one of four places. Copies run on two streams (devices/streams.py), out
-(device→host) and in (host→device); the executor polls their events, so all of its state stays
+(device→host) and in (host→device); the adaptor polls their events, so all of its state stays
 on the training thread.
 
                  evict / scheduled out              out event completes: device bytes released
@@ -9,7 +13,11 @@ on the training thread.
       ▲   ◀───────── accessed again before the copy ends: the device bytes were never given up │
       │                                                                                        │
       └──── in event completes: host bytes released ◀── ARRIVING ◀──── access / prefetch ─────┘
-                                                       (device bytes placed when issued)
+                                                       (device bytes reserved when issued)
+
+A block starts on bytes the inner executor placed. Its first swap-out takes them from the inner
+(`vacate`); a swap-in comes back on bytes reserved from it (`reserve`). Either way the adaptor
+gives them back (`release`) only once no copy uses them, however early the block is freed.
 
 An op announces the blocks it accesses (`begin_op`): they are locked, those on the host are
 brought in, and the op waits for their events, so an op never reads a block that is not on the
@@ -28,77 +36,54 @@ swap-ins instead of blocking this thread.
 Planned: a `ScheduledSwap` list against the iteration's structure (allocation i, op k) swaps a
 block out right after op `out_after`, issues its swap-in when op `in_at` begins, and holds op
 `in_before` until it is back. The LRU cache still guards the limit where the schedule falls short.
+Under a limit, a plan's placement is not handed to the inner executor: it was made without the
+swaps, and its arena's blocks could not make room.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
-from tidalcore.units import ALIGNMENT, align_up
+from tidalcore.units import align_up
 
 from tidalclient.devices.streams import Completion, CopyStream, Stream
 from tidalclient.errors import InvalidBlock, LeaseExceeded
-from tidalclient.executor import BestFit, Block, Executor, Recorder, _describe, _size
-
-DEVICE, LEAVING, HOST, ARRIVING = "device", "leaving", "host", "arriving"
+from tidalclient.executors.base import (
+    ARRIVING,
+    DEVICE,
+    HOST,
+    LEAVING,
+    Block,
+    Executor,
+    ExecutorStats,
+    SwapStats,
+    check_size,
+    describe,
+    size_text,
+)
+from tidalclient.executors.bestfit import BestFit
+from tidalclient.plans import Plan, ScheduledSwap
 
 _Ref = tuple[bool, int]  # a scheduled block: (False, allocation index) or (True, block id)
-
-
-@dataclass(frozen=True, slots=True)
-class ScheduledSwap:
-    """Swap one block out after an op of every iteration and back before a later op.
-
-    `block` is the index of the allocation within the iteration (0: the first malloc after
-    `step()`), or, with `persistent`, the id of a block that lives across iterations (ids never
-    change). Ops are numbered from 0 within the iteration. The swap-out is
-    issued when op `out_after` has ended; the swap-in when op `in_at` begins (default: the op
-    before `in_before`, but not before `out_after`'s successor); op `in_before` begins only once
-    the block is back. A persistent block may cross the boundary (`in_before <= out_after`): it
-    leaves after `out_after` and returns before `in_before` of the next iteration.
-    """
-
-    block: int
-    out_after: int
-    in_before: int
-    in_at: int | None = None
-    persistent: bool = False
-
-    def issue_at(self) -> int:
-        """The op at whose beginning the swap-in is issued."""
-        if self.in_at is not None:
-            return self.in_at
-        earliest = 0 if self.crosses else self.out_after + 1
-        return max(self.in_before - 1, earliest)
-
-    @property
-    def crosses(self) -> bool:
-        return self.in_before <= self.out_after
-
-    def check(self) -> None:
-        """ValueError naming what is inconsistent."""
-        if min(self.block, self.out_after, self.in_before) < 0:
-            raise ValueError(f"{self}: indices must not be negative")
-        if self.crosses and not self.persistent:
-            raise ValueError(f"{self}: only a persistent block may cross the iteration boundary")
-        at = self.issue_at()
-        ok = 0 <= at <= self.in_before if self.crosses else self.out_after < at <= self.in_before
-        if not ok:
-            raise ValueError(f"{self}: the swap-in must be issued between the out and in ops")
+_T = TypeVar("_T")
 
 
 @dataclass(slots=True, eq=False)
 class _Flight:
-    """A copy in flight and the bytes to give back once its event completes (-1: none)."""
+    """A copy in flight and what to give back once its event completes: device bytes (how to
+    release them) and host bytes (an offset, -1: none)."""
 
     event: Completion
     entry: _Entry | None  # the block it moves; None once the block was freed or kept
     block_id: int
     size: int  # rounded device bytes
-    device: int = -1
+    device: Callable[[], None] | None = None
     host: int = -1
 
 
@@ -112,24 +97,11 @@ class _Entry:
     pinned: bool = False  # never moves (an ndarray holds its address)
     planned: bool = False  # in a plan's arena: its bytes are the arena's, the LRU leaves it
     flight: _Flight | None = None
+    release: Callable[[], None] | None = None  # gives back its device bytes once they are ours
 
 
-@dataclass(frozen=True, slots=True)
-class SwapStats:
-    limit: int
-    resident_bytes: int  # device bytes held: resident blocks and blocks copying out, rounded
-    peak_resident_bytes: int
-    swapped_out_bytes: int
-    swapped_in_bytes: int
-    swap_outs: int
-    swap_ins: int
-    stall_ns: int  # time ops and mallocs waited for copies
-    scheduled_swaps: int  # swaps in the schedule in use (0: none, LRU only)
-    schedule_skips: int  # scheduled swaps not applied (block gone, locked or pinned, or no room)
-
-
-class SwappingExecutor(Executor):
-    """An `Executor` that keeps the device bytes it holds at or under `limit` by swapping.
+class Swapping:
+    """Keeps the device bytes `inner` holds at or under `limit` by swapping its blocks.
 
     `device_address`/`host_address` are where the device and host leases are mapped;
     `host_capacity` the host lease's size; `gbps` throttles both copy streams (None: memmove
@@ -138,59 +110,26 @@ class SwappingExecutor(Executor):
     which the copies are ordered against (see the module doc).
     """
 
-    __slots__ = (
-        "_compute",
-        "_device_address",
-        "_entries",
-        "_host",
-        "_host_address",
-        "_in",
-        "_ins",
-        "_iter_ids",
-        "_iterations",
-        "_leaving",
-        "_limit",
-        "_lru",
-        "_op_index",
-        "_out",
-        "_outs",
-        "_pending_schedule",
-        "_plans_allowed",
-        "_schedule",
-        "peak_resident_bytes",
-        "plans_deferred",
-        "schedule_skips",
-        "stall_ns",
-        "swap_ins",
-        "swap_outs",
-        "swapped_in_bytes",
-        "swapped_out_bytes",
-    )
-
     def __init__(
         self,
-        capacity: int,
+        inner: Executor,
         *,
         device_address: int,
         host_address: int,
         host_capacity: int,
         limit: int | None = None,
         gbps: float | None = None,
-        alignment: int = ALIGNMENT,
-        record: Recorder | None = None,
         streams: Callable[[float | None], tuple[CopyStream, CopyStream]] | None = None,
         compute: Callable[[], CopyStream] | None = None,
     ) -> None:
-        super().__init__(capacity, alignment, record)
-        self._limit = self._fit.capacity if limit is None else min(limit, self._fit.capacity)
-        # Under a limit, a placement plan made without the swaps is never used: its arena's
-        # blocks are not evictable, so how much room the swaps leave is no longer in hand.
-        self._plans_allowed = limit is None
-        if self._limit < alignment:
+        self.inner = inner
+        self._limit = inner.capacity if limit is None else min(limit, inner.capacity)
+        self._limited = limit is not None  # a limit of its own: plans' placements go unused
+        if self._limit < inner.alignment:
             raise ValueError(f"swap limit of {limit} bytes is below one aligned block")
         self._device_address = device_address
         self._host_address = host_address
-        self._host = BestFit(host_capacity, alignment)
+        self._host = BestFit(host_capacity, inner.alignment)
         self._entries: dict[int, _Entry] = {}
         self._lru: OrderedDict[int, _Entry] = OrderedDict()  # evictable: least recent first
         self._outs: deque[_Flight] = deque()  # in stream order
@@ -208,7 +147,7 @@ class SwappingExecutor(Executor):
         self.swap_ins = 0
         self.stall_ns = 0
         self.schedule_skips = 0
-        self.plans_deferred = 0
+        self.plans_deferred = 0  # plans whose placement went unused under the limit
         self._compute = compute
         self._out: CopyStream
         self._in: CopyStream
@@ -218,33 +157,34 @@ class SwappingExecutor(Executor):
         else:
             self._out, self._in = streams(gbps)
 
-    # -- allocation ------------------------------------------------------------------------
+    # -- blocks ------------------------------------------------------------------------------
     def malloc(self, nbytes: int) -> Block:
-        block = super().malloc(nbytes)  # `_place` makes room
-        entry = _Entry(block, block.offset)
-        arena = self._arena
-        if arena is not None and block.id in arena.slot_of:
-            entry.planned = True
-        else:
+        """A new block from the inner executor, after making room under the limit for it."""
+        nbytes = check_size(nbytes)
+        block = self._under_limit(nbytes, functools.partial(self.inner.try_malloc, nbytes))
+        entry = _Entry(block, block.offset, planned=block.slot >= 0)
+        if not entry.planned:
             self._lru[block.id] = entry
         self._entries[block.id] = entry
         self._iter_ids.append(block.id)
         return block
 
-    def _place(self, nbytes: int) -> int:
-        return self._room(nbytes)
+    def try_malloc(self, nbytes: int) -> Block | None:
+        try:
+            return self.malloc(nbytes)
+        except LeaseExceeded:
+            return None
 
     def free(self, block: Block) -> None:
         entry = self._entries.get(block.id)
         if entry is not None and entry.locks and entry.block == block:
-            raise InvalidBlock(f"{_describe(block)} is in use by an op")
-        super().free(block)  # validates, then `_unplace`
-
-    def _unplace(self, block_id: int, offset: int) -> None:
-        e = self._entries.pop(block_id)
-        self._lru.pop(block_id, None)
+            raise InvalidBlock(f"{describe(block)} is in use by an op")
+        self.inner.free(block)  # validates and records; its own bytes, if still its, go back
+        e = self._entries.pop(block.id)
+        self._lru.pop(block.id, None)
         if e.where == DEVICE:
-            super()._unplace(block_id, e.offset)
+            if e.release is not None:
+                e.release()
         elif e.where == HOST:
             self._host.release(e.host)
         else:  # a copy is in flight: its bytes go back when it completes
@@ -252,7 +192,7 @@ class SwappingExecutor(Executor):
             if e.where == LEAVING:
                 e.flight.host = e.host
             else:
-                e.flight.device = e.offset
+                e.flight.device = e.release
             e.flight.entry = None
 
     def pin(self, block: Block) -> None:
@@ -261,6 +201,41 @@ class SwappingExecutor(Executor):
         self._acquire(entries)
         entries[0].pinned = True
         self._unlock(entries)
+        self.inner.pin(block)
+
+    def offset(self, block: Block) -> int:
+        """The block's current device offset; InvalidBlock when it is not on the device."""
+        e = self._entry(block)
+        self._reap()
+        if e.where not in (DEVICE, LEAVING):
+            raise InvalidBlock(f"{describe(block)} is swapped out: access it inside an op")
+        return e.offset
+
+    def where(self, block: Block) -> str:
+        """Where the block is: DEVICE, LEAVING, HOST or ARRIVING (completed copies settled)."""
+        self._reap()
+        return self._entry(block).where
+
+    def swap_out(self, block: Block) -> bool:
+        """Start copying the block out now; False when it is locked, pinned or not on the device."""
+        e = self._entry(block)
+        if e.where != DEVICE or e.locks or e.pinned:
+            return False
+        self._evict(e)
+        return True
+
+    def prefetch(self, block: Block) -> None:
+        """Start bringing the block back now, without waiting for it."""
+        self._prefetch(self._entry(block))
+
+    def vacate(self, block: Block) -> Callable[[], None]:
+        raise TypeError("a swapping executor moves its own blocks: no adaptor stacks over it")
+
+    def reserve(self, nbytes: int) -> int | None:
+        raise TypeError("a swapping executor moves its own blocks: no adaptor stacks over it")
+
+    def release(self, offset: int) -> None:
+        raise TypeError("a swapping executor moves its own blocks: no adaptor stacks over it")
 
     # -- ops ----------------------------------------------------------------------------------
     def begin_op(self, blocks: Sequence[Block]) -> list[int]:
@@ -290,31 +265,6 @@ class SwappingExecutor(Executor):
                     self.schedule_skips += 1
         self._op_index += 1
 
-    def swap_out(self, block: Block) -> bool:
-        """Start copying the block out now; False when it is locked, pinned or not on the device."""
-        e = self._entry(block)
-        if e.where != DEVICE or e.locks or e.pinned:
-            return False
-        self._evict(e)
-        return True
-
-    def prefetch(self, block: Block) -> None:
-        """Start bringing the block back now, without waiting for it."""
-        self._prefetch(self._entry(block))
-
-    def where(self, block: Block) -> str:
-        """Where the block is: DEVICE, LEAVING, HOST or ARRIVING (completed copies settled)."""
-        self._reap()
-        return self._entry(block).where
-
-    def offset(self, block: Block) -> int:
-        """The block's current device offset; InvalidBlock when it is not on the device."""
-        e = self._entry(block)
-        self._reap()
-        if e.where not in (DEVICE, LEAVING):
-            raise InvalidBlock(f"{_describe(block)} is swapped out: access it inside an op")
-        return e.offset
-
     def synchronize(self) -> None:
         """Wait for every copy in flight and release what they free."""
         self._out.synchronize()
@@ -326,34 +276,55 @@ class SwappingExecutor(Executor):
         self._out.close()
         self._in.close()
         self._reap()
+        self.inner.close()
 
-    # -- planned mode ---------------------------------------------------------------------------
+    # -- iterations and plans ------------------------------------------------------------------
+    def install_plan(self, plan: Plan) -> None:
+        """Swap by the plan's schedule from the next `step()` on; its placement goes to the
+        inner executor unless this adaptor has a limit of its own (see the module doc).
+        Thread-safe against the training thread: it only replaces pending values."""
+        if plan.swaps:
+            self._pending_schedule = _Schedule.build(plan.swaps)
+        if self._limited:
+            self.plans_deferred += 1
+        else:
+            self.inner.install_plan(plan)
+
     def install_schedule(self, swaps: Sequence[ScheduledSwap]) -> None:
-        """Swap by this schedule from the next `begin_iteration()` on (ValueError if malformed).
-        Thread-safe against the training thread: it only replaces the pending schedule."""
+        """Swap by this schedule from the next `step()` on (ValueError if malformed)."""
         self._pending_schedule = _Schedule.build(swaps)
 
-    def begin_iteration(self) -> None:
-        pending = self._pending
-        if pending is not None and (
-            not self._plans_allowed or self._fit.used_bytes + pending.height > self._limit
-        ):
-            self._pending = None  # keep learning: the schedule and the LRU cache keep the limit
-            self.plans_deferred += 1
-            try:
-                super().begin_iteration()
-            finally:
-                self._pending = pending
-        else:
-            super().begin_iteration()
-        self.peak_resident_bytes = max(self.peak_resident_bytes, self._fit.used_bytes)
+    def step(self) -> int:
+        iteration = self.inner.step()
+        self.peak_resident_bytes = max(self.peak_resident_bytes, self.inner.used_bytes)
         if self._pending_schedule is not None:
             self._schedule, self._pending_schedule = self._pending_schedule, None
         self._iterations += 1
         self._op_index = 0
         self._iter_ids = []
+        return iteration
 
     # -- views --------------------------------------------------------------------------------
+    @property
+    def session(self) -> int:
+        return self.inner.session
+
+    @property
+    def capacity(self) -> int:
+        return self.inner.capacity
+
+    @property
+    def alignment(self) -> int:
+        return self.inner.alignment
+
+    @property
+    def used_bytes(self) -> int:
+        return self.inner.used_bytes
+
+    @property
+    def largest_free(self) -> int:
+        return self.inner.largest_free
+
     @property
     def limit(self) -> int:
         return self._limit
@@ -363,10 +334,13 @@ class SwappingExecutor(Executor):
         """Bytes of the host lease holding swapped-out blocks."""
         return self._host.used_bytes
 
+    def stats(self) -> ExecutorStats:
+        return dataclasses.replace(self.inner.stats(), swap=self.swap_stats())
+
     def swap_stats(self) -> SwapStats:
         return SwapStats(
             limit=self._limit,
-            resident_bytes=self._fit.used_bytes,
+            resident_bytes=self.inner.used_bytes,
             peak_resident_bytes=self.peak_resident_bytes,
             swapped_out_bytes=self.swapped_out_bytes,
             swapped_in_bytes=self.swapped_in_bytes,
@@ -375,13 +349,14 @@ class SwappingExecutor(Executor):
             stall_ns=self.stall_ns,
             scheduled_swaps=self._schedule.swaps if self._schedule is not None else 0,
             schedule_skips=self.schedule_skips,
+            host_used_bytes=self._host.used_bytes,
         )
 
     # -- the engine -----------------------------------------------------------------------------
     def _entry(self, block: Block) -> _Entry:
         e = self._entries.get(block.id)
         if e is None or e.block != block:
-            raise InvalidBlock(f"{_describe(block)} is not live in this session")
+            raise InvalidBlock(f"{describe(block)} is not live in this session")
         return e
 
     def _resolve(self, ref: _Ref) -> _Entry | None:
@@ -448,22 +423,24 @@ class SwappingExecutor(Executor):
             if not e.locks and e.where == DEVICE and not (e.pinned or e.planned):
                 lru[e.block.id] = e  # re-inserted: now the most recently used
 
-    def _room(self, nbytes: int) -> int:
-        """A device offset for `nbytes` that keeps the bytes held under the limit: reaps finished
-        copies, evicts least recently used blocks and waits for their copies as needed."""
-        fit, limit = self._fit, self._limit
-        size = align_up(nbytes, fit.alignment)
+    def _under_limit(self, nbytes: int, take: Callable[[], _T | None]) -> _T:
+        """What `take()` gives (a block, or raw bytes, of `nbytes`) once the device bytes held
+        stay under the limit with it: reaps finished copies, evicts least recently used blocks
+        and waits for their copies as needed. With the lease as the limit, whatever the inner
+        executor can place fits (a plan's slot included)."""
+        inner, limit = self.inner, self._limit
+        size = align_up(nbytes, inner.alignment)
         if size > limit:
-            raise LeaseExceeded(f"{_size(size)} exceed the swap limit of {_size(limit)}")
+            raise LeaseExceeded(f"{size_text(size)} exceed the swap limit of {size_text(limit)}")
+        lease_is_limit = limit >= inner.capacity
         while True:
             self._reap()
-            if fit.used_bytes + size <= limit:
-                offset = fit.allocate(size)
-                if offset is not None:
-                    self.peak_resident_bytes = max(self.peak_resident_bytes, fit.used_bytes)
-                    self._high_water = max(self._high_water, offset + nbytes)
-                    return offset
-            if self._lru and (not self._outs or fit.used_bytes - self._leaving + size > limit):
+            if lease_is_limit or inner.used_bytes + size <= limit:
+                got = take()
+                if got is not None:
+                    self.peak_resident_bytes = max(self.peak_resident_bytes, inner.used_bytes)
+                    return got
+            if self._lru and (not self._outs or inner.used_bytes - self._leaving + size > limit):
                 self._evict(next(iter(self._lru.values())))
             elif self._outs:  # bytes on their way out come back when their copies complete
                 self._wait(self._outs[0].event)
@@ -471,18 +448,20 @@ class SwappingExecutor(Executor):
                 self._wait(self._ins[0].event)
             else:
                 raise LeaseExceeded(
-                    f"{_size(size)} do not fit under the swap limit of {_size(limit)} even with"
-                    f" every unlocked block swapped out: {_size(fit.used_bytes)} held by locked"
-                    f" or pinned blocks, largest free range {_size(fit.largest_free)}"
+                    f"{size_text(size)} do not fit under the swap limit of {size_text(limit)}"
+                    " even with every unlocked block swapped out:"
+                    f" {size_text(inner.used_bytes)} held by locked or pinned blocks,"
+                    f" largest free range {size_text(inner.largest_free)}"
                 )
 
     def _host_room(self, size: int) -> int:
         while (offset := self._host.allocate(size)) is None:
             flights = self._ins or self._outs  # both may hold host bytes until they complete
             if not flights:
+                lease, used = size_text(self._host.capacity), size_text(self._host.used_bytes)
                 raise LeaseExceeded(
-                    f"cannot swap out {_size(size)}: the host lease of {_size(self._host.capacity)}"
-                    f" is full ({_size(self._host.used_bytes)} swapped out)"
+                    f"cannot swap out {size_text(size)}: the host lease of {lease}"
+                    f" is full ({used} swapped out)"
                 )
             self._wait(flights[0].event)
             self._reap()
@@ -491,14 +470,16 @@ class SwappingExecutor(Executor):
     def _evict(self, e: _Entry) -> None:
         """Start copying a resident, unlocked block out; its device bytes go when the copy ends."""
         block = e.block
-        size = align_up(block.size, self._fit.alignment)
+        size = align_up(block.size, self.inner.alignment)
         host = self._host_room(size)
         self._lru.pop(block.id, None)
         if self._compute is not None:  # after the kernels that write the block
             self._out.wait_event(self._compute().record())
         self._out.copy(self._host_address + host, self._device_address + e.offset, block.size)
-        flight = _Flight(self._out.record(), e, block.id, size, device=e.offset)
-        e.where, e.host, e.flight, e.planned = LEAVING, host, flight, False  # returns online
+        release = e.release if e.release is not None else self.inner.vacate(block)
+        flight = _Flight(self._out.record(), e, block.id, size, device=release)
+        e.where, e.host, e.flight, e.release = LEAVING, host, flight, None
+        e.planned = False  # it comes back on bytes of its own
         self._outs.append(flight)
         self._leaving += size
         self.swapped_out_bytes += block.size
@@ -508,7 +489,7 @@ class SwappingExecutor(Executor):
         """A block wanted while its copy out runs keeps its device bytes (still intact)."""
         flight = e.flight
         assert flight is not None
-        flight.device, flight.host, flight.entry = -1, e.host, None
+        e.release, flight.device, flight.host, flight.entry = flight.device, None, e.host, None
         self._leaving -= flight.size
         e.where, e.host, e.flight = DEVICE, -1, None
 
@@ -519,13 +500,15 @@ class SwappingExecutor(Executor):
         if e.where != HOST:
             return
         block = e.block
-        offset = self._room(block.size)
+        inner = self.inner
+        offset = self._under_limit(block.size, functools.partial(inner.reserve, block.size))
         if self._compute is not None:  # after the kernels of the bytes' previous holder
             self._in.wait_event(self._compute().record())
         self._in.copy(self._device_address + offset, self._host_address + e.host, block.size)
-        size = align_up(block.size, self._fit.alignment)
+        size = align_up(block.size, inner.alignment)
         flight = _Flight(self._in.record(), e, block.id, size, host=e.host)
         e.where, e.offset, e.host, e.flight = ARRIVING, offset, -1, flight
+        e.release = functools.partial(inner.release, offset)
         self._ins.append(flight)
         self.swapped_in_bytes += block.size
         self.swap_ins += 1
@@ -542,8 +525,8 @@ class SwappingExecutor(Executor):
         while outs and outs[0].event.query():
             f = outs.popleft()
             f.event.wait()  # raises if the copy failed
-            if f.device >= 0:
-                super()._unplace(f.block_id, f.device)
+            if f.device is not None:
+                f.device()
                 self._leaving -= f.size
             if f.host >= 0:
                 self._host.release(f.host)
@@ -555,8 +538,8 @@ class SwappingExecutor(Executor):
             f.event.wait()
             if f.host >= 0:
                 self._host.release(f.host)
-            if f.device >= 0:  # freed while arriving
-                self._fit.release(f.device)
+            if f.device is not None:  # freed while arriving
+                f.device()
             e = f.entry
             if e is not None:
                 e.where, e.flight = DEVICE, None

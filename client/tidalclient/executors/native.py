@@ -6,28 +6,29 @@ Python `Executor` does per call:
 
     framework ──alloc/free──▶ hotpath.so ──ring──▶ pull() ──forward──▶ Recorder ──▶ daemon
     session.step() ──▶ step() (the ITER event travels through the ring, in order)
-    daemon's plan ──▶ Session._receive_plan ──▶ install_plan() ──▶ native plan table
+    daemon's plan ──▶ Session ──▶ install_plan() ──▶ native plan table
     session stats and heartbeats ◀── the native counters
 
 `pull` runs on the recorder's thread before each of its drains (every few milliseconds), so the
 trace reaches the daemon as the Python executor's does. Python code cannot allocate here:
-`malloc`, `free` and `op` refuse with `NativeAllocator`.
+`malloc`, `free`, `pin` and an op on blocks refuse with `NativeAllocator`; an op without blocks
+(`Session.record_op`) is only an event of the trace.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 import numpy as np
 from tidalcore.units import ALIGNMENT
 
 from tidalclient.errors import TidalpoolError
-from tidalclient.executor import Block, executor_ids
-from tidalclient.native import EVENT_DTYPE, HotPath, NativeError, NativeStats, forward
-from tidalclient.planned import PlanTable
+from tidalclient.executors.base import Block, ExecutorStats, executor_ids
+from tidalclient.hotpath import EVENT_DTYPE, HotPath, NativeError, NativeStats, forward
+from tidalclient.plans import Plan
 from tidalclient.recorder import Recorder
 
 log = logging.getLogger("tidalpool")
@@ -120,16 +121,14 @@ class NativeExecutor:
 
     # -- iterations and plans ----------------------------------------------------------
     def step(self) -> int:
-        """An iteration boundary; the new iteration number."""
+        """An iteration boundary; the new iteration number (its ITER event goes through the
+        ring, in order with the framework's allocations)."""
         return self.hotpath.step()
 
-    def begin_iteration(self) -> None:
-        self.step()
-
-    def install_plan(self, table: PlanTable) -> None:
-        """Hand a plan to the native table (it takes over at a later step); PlanRejected when
-        it does not suit the lease."""
-        self.hotpath.install_plan(table)
+    def install_plan(self, plan: Plan) -> None:
+        """Hand a plan's placement to the native table (it takes over at a later step);
+        PlanRejected when it does not suit the lease. Nothing swaps here."""
+        self.hotpath.install_plan(plan.table)
 
     # -- what Python may not do here ---------------------------------------------------
     def _refuse(self, what: str) -> NoReturn:
@@ -141,17 +140,48 @@ class NativeExecutor:
     def malloc(self, nbytes: int) -> Block:
         self._refuse("malloc")
 
+    def try_malloc(self, nbytes: int) -> Block | None:
+        self._refuse("malloc")
+
     def free(self, block: Block) -> None:
         self._refuse("free")
 
     def pin(self, block: Block) -> None:
         self._refuse("pin")
 
+    def offset(self, block: Block) -> int:
+        self._refuse("offset")
+
+    def where(self, block: Block) -> str:
+        self._refuse("where")
+
+    def swap_out(self, block: Block) -> bool:
+        self._refuse("swap_out")
+
+    def prefetch(self, block: Block) -> None:
+        self._refuse("prefetch")
+
+    def vacate(self, block: Block) -> Callable[[], None]:
+        self._refuse("vacate")
+
+    def reserve(self, nbytes: int) -> int | None:
+        self._refuse("reserve")
+
+    def release(self, offset: int) -> None:
+        self._refuse("release")
+
     def begin_op(self, blocks: Sequence[Block]) -> list[int]:
-        self._refuse("op")
+        """An op: refused on blocks (Python allocates none here); without any, nothing to do."""
+        if blocks:
+            self._refuse("op")
+        return []
 
     def end_op(self, blocks: Sequence[Block]) -> None:
-        self._refuse("op")
+        if blocks:
+            self._refuse("op")
+
+    def synchronize(self) -> None:
+        """The framework orders its own work: nothing runs here in the background."""
 
     # -- the end -----------------------------------------------------------------------
     def close(self) -> None:
@@ -169,8 +199,25 @@ class NativeExecutor:
                 _serving.discard(self.hotpath.device)
 
     # -- views -------------------------------------------------------------------------
-    def stats(self) -> NativeStats:
+    def native_stats(self) -> NativeStats:
+        """The hot path's counters (as they were when the session ended, once it has)."""
         return self._final if self._final is not None else self.hotpath.stats()
+
+    def stats(self) -> ExecutorStats:
+        native = self.native_stats()
+        return ExecutorStats(
+            live_bytes=native.live_bytes,
+            peak_live_bytes=native.peak_live_bytes,
+            used_bytes=native.used_bytes,
+            live_blocks=native.live_blocks,
+            mallocs=native.mallocs,
+            frees=native.frees,
+            mode="planned" if native.planned else "learning",
+            plan_hits=native.hits,
+            plan_misses=native.misses,
+            high_water=self.high_water,
+            native=native,
+        )
 
     @property
     def session(self) -> int:
@@ -182,40 +229,16 @@ class NativeExecutor:
         return self._capacity
 
     @property
-    def mode(self) -> str:
-        return "planned" if self.stats().planned else "learning"
-
-    @property
-    def live_bytes(self) -> int:
-        return self.stats().live_bytes
-
-    @property
-    def peak_live_bytes(self) -> int:
-        return self.stats().peak_live_bytes
+    def alignment(self) -> int:
+        return ALIGNMENT
 
     @property
     def used_bytes(self) -> int:
-        return self.stats().used_bytes
+        return self.native_stats().used_bytes
 
     @property
-    def live_blocks(self) -> int:
-        return self.stats().live_blocks
-
-    @property
-    def mallocs(self) -> int:
-        return self.stats().mallocs
-
-    @property
-    def frees(self) -> int:
-        return self.stats().frees
-
-    @property
-    def plan_hits(self) -> int:
-        return self.stats().hits
-
-    @property
-    def plan_misses(self) -> int:
-        return self.stats().misses
+    def largest_free(self) -> int:
+        return self.native_stats().largest_free
 
     @property
     def high_water(self) -> int:

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from contextlib import suppress
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Protocol, SupportsIndex
+from typing import Any, SupportsIndex
 
 import numpy as np
 import numpy.typing as npt
@@ -35,7 +35,8 @@ from tidalcore.events import ALLOC, FREE, ITER
 from tidalcore.units import ALIGNMENT
 
 from tidalclient.errors import InvalidBlock, TidalpoolError
-from tidalclient.planned import PlanRejected, PlanTable
+from tidalclient.plans import PlanRejected, PlanTable
+from tidalclient.recorder import TraceSink
 
 ABI = 4
 """The library's `TIDALPOOL_ABI` this module is written against."""
@@ -463,16 +464,6 @@ def cuda_stream_functions() -> StreamFunctions:
     names = _RUNTIME if runtime else _DRIVER
     found = [ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in names]
     return (int(found[0] or 0), int(found[1] or 0), int(found[2] or 0), int(found[3] or 0))
-
-
-class TraceSink(Protocol):
-    """What `forward` needs of a `tidalclient.recorder.Recorder`."""
-
-    def record(
-        self, kind: int, block_id: int, size: int = 0, duration_ns: int = 0, name_id: int = 0
-    ) -> None: ...
-
-    def step(self, iteration: int) -> None: ...
 
 
 def recorder_events(events: Events) -> Iterator[tuple[int, int, int]]:

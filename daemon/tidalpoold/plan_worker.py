@@ -1,4 +1,4 @@
-"""Planning sessions: trace → steady iteration → placement → validated plan → the stream.
+"""The daemon's planning worker: trace → steady iteration → placement → validated plan → stream.
 
 Runs on one worker thread of the daemon, never on a request thread: a session
 that marks `plan_after_iterations` iterations is queued once; the worker
@@ -16,14 +16,11 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import tempfile
 import threading
 import time
 from bisect import bisect_left
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tidalcore.units import ALIGNMENT, Bytes, Offset
@@ -31,6 +28,7 @@ from tidalcore.v1 import pool_pb2
 from tidalplan.model import Iteration, Placement, Problem
 from tidalplan.simulate import SwapPlan
 
+from tidalpoold.plan_cache import PlanCache
 from tidalpoold.sessions import PlanFootprint, Session
 from tidalpoold.settings import Settings
 
@@ -75,33 +73,7 @@ def add_swaps(plan: pool_pb2.PlanUpdate, it: Iteration, swaps: SwapPlan) -> None
         plan.swap_in_before.append(in_before)
 
 
-class PlanCache:
-    """Plans on disk by iteration signature; a cache that cannot be written is skipped."""
-
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-
-    def _path(self, signature: bytes) -> Path:
-        return self.directory / f"{signature.hex()}.plan"
-
-    def get(self, signature: bytes) -> pool_pb2.PlanUpdate | None:
-        try:
-            return pool_pb2.PlanUpdate.FromString(self._path(signature).read_bytes())
-        except (OSError, ValueError):
-            return None
-
-    def put(self, plan: pool_pb2.PlanUpdate) -> None:
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
-            with os.fdopen(fd, "wb") as f:
-                f.write(plan.SerializeToString())
-            os.replace(tmp, self._path(plan.signature))
-        except OSError as e:
-            log.warning("plan.cache_unwritable", extra={"dir": str(self.directory), "why": str(e)})
-
-
-class Planner:
+class PlanWorker:
     """Queues sessions for planning and runs the pure planner on one worker thread."""
 
     def __init__(

@@ -1,0 +1,161 @@
+"""A session's link to the daemon: Attach, the Session stream, and its two threads.
+
+    Attach (gRPC) ──▶ Session stream ──▶ out: heartbeats, trace chunks, step marks (send)
+                                     ◀── in:  plans (on_plan), refusals (errors), goodbye
+
+The listener thread reads what the daemon sends; the heartbeat thread sends the session's
+counts every `heartbeat_interval_ms`. Nothing here knows of blocks or arrays: plans are handed
+on as they came, heartbeats are asked for when due.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+from tidalcore import __version__
+from tidalcore.v1 import pool_pb2, pool_pb2_grpc
+from tidalcore.wire import GRPC_SOCKET, STREAM_OPEN_KEY, TOKEN_KEY
+
+from tidalclient.errors import AttachError
+
+log = logging.getLogger("tidalpool")
+
+
+class Connection:
+    """The gRPC side of one session (its token in every call's metadata)."""
+
+    def __init__(self, socket_dir: Path, session_id: str, token: str) -> None:
+        self.session_id = session_id
+        self._metadata = ((TOKEN_KEY, token),)
+        self._channel = grpc.insecure_channel(f"unix:{socket_dir / GRPC_SOCKET}")
+        self._stub = pool_pb2_grpc.PoolStub(self._channel)
+        self._outbox: queue.SimpleQueue[pool_pb2.ClientMessage | None] = queue.SimpleQueue()
+        self._responses: Iterator[pool_pb2.ServerMessage] | None = None
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.goodbye: pool_pb2.Goodbye | None = None  # how the daemon ended the session
+        self.errors: list[pool_pb2.SessionError] = []  # messages the daemon refused
+
+    def attach(self, swap_limit: int | None, copy_gbps: float | None) -> pool_pb2.AttachResponse:
+        """Confirm the lease (AttachError when the daemon refuses), then open the stream."""
+        try:
+            reply: pool_pb2.AttachResponse = self._stub.Attach(
+                pool_pb2.AttachRequest(
+                    client_version=__version__,
+                    pid=os.getpid(),
+                    swap_limit_bytes=swap_limit or 0,
+                    copy_gbps=copy_gbps or 0.0,
+                ),
+                metadata=self._metadata,
+                timeout=10,
+            )
+        except grpc.RpcError as e:
+            raise AttachError(f"Attach failed ({e.code().name}): {e.details()}") from e
+        responses = self._stub.Session(self._outgoing(), metadata=self._metadata)
+        # The daemon sends headers once the stream is the session's: from then on every end of
+        # the session (a shutdown included) reaches this client as a Goodbye on it.
+        if (STREAM_OPEN_KEY, "1") not in (responses.initial_metadata() or ()):
+            code, details = responses.code(), responses.details()
+            raise AttachError(f"session stream refused ({code.name}): {details}")
+        self._responses = responses
+        return reply
+
+    def start(
+        self,
+        on_plan: Callable[[pool_pb2.PlanUpdate], None],
+        on_end: Callable[[], None],
+        heartbeat: Callable[[], pool_pb2.Heartbeat],
+        interval_s: float,
+    ) -> None:
+        """Start the listener (plans to `on_plan`, `on_end()` once the session is over) and the
+        heartbeats (`heartbeat()` every `interval_s`)."""
+        self._threads = [
+            threading.Thread(
+                target=self._listen, args=(on_plan, on_end), name="tidalpool-listen", daemon=True
+            ),
+            threading.Thread(
+                target=self._beat,
+                args=(heartbeat, interval_s),
+                name="tidalpool-heartbeat",
+                daemon=True,
+            ),
+        ]
+        for t in self._threads:
+            t.start()
+
+    def send(self, message: pool_pb2.ClientMessage) -> None:
+        """Queue a message on the stream (any thread)."""
+        self._outbox.put(message)
+
+    @property
+    def ended(self) -> bool:
+        """The daemon ended the session (Goodbye), or the stream broke."""
+        return self.goodbye is not None
+
+    def events_received(self) -> int:
+        """What the daemon has received of the trace; -1 when it does not answer."""
+        try:
+            reply = self._stub.Stats(pool_pb2.StatsRequest(), metadata=self._metadata, timeout=10)
+        except grpc.RpcError:
+            return -1
+        return int(reply.session.events_received)
+
+    def detach(self, last: pool_pb2.Heartbeat) -> None:
+        """End the session with the daemon (nothing if it already ended it)."""
+        try:
+            request = pool_pb2.DetachRequest(last=last)
+            self._stub.Detach(request, metadata=self._metadata, timeout=10)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNAUTHENTICATED:  # already ended daemon-side
+                log.warning("tidalpool: Detach failed: %s", e.details())
+
+    def close(self) -> None:
+        """Stop both threads and close the channel."""
+        self._stop.set()
+        self._outbox.put(None)
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(timeout=5)
+        self._channel.close()
+
+    # -- background -----------------------------------------------------------------------
+    def _outgoing(self) -> Iterator[pool_pb2.ClientMessage]:
+        while True:
+            msg = self._outbox.get()
+            if msg is None:
+                return
+            yield msg
+
+    def _listen(
+        self, on_plan: Callable[[pool_pb2.PlanUpdate], None], on_end: Callable[[], None]
+    ) -> None:
+        assert self._responses is not None
+        try:
+            for msg in self._responses:
+                body = msg.WhichOneof("body")
+                if body == "goodbye":
+                    self.goodbye = msg.goodbye
+                    on_end()
+                elif body == "plan":
+                    on_plan(msg.plan)
+                elif body == "error":
+                    self.errors.append(msg.error)
+                    log.warning(
+                        "tidalpool: daemon refused a message: %s %s",
+                        msg.error.code,
+                        msg.error.message,
+                    )
+        except grpc.RpcError as e:
+            if not self._stop.is_set() and self.goodbye is None:
+                self.goodbye = pool_pb2.Goodbye(message=f"session stream failed: {e.code().name}")
+                on_end()
+
+    def _beat(self, heartbeat: Callable[[], pool_pb2.Heartbeat], interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            self._outbox.put(pool_pb2.ClientMessage(heartbeat=heartbeat()))

@@ -1,0 +1,171 @@
+"""What every executor is: the one interface a Session holds, and the values executors share.
+
+    Session ──▶ Executor (this protocol)
+                 ├── PythonExecutor            blocks placed in Python: best-fit, or a plan's arena
+                 ├── Swapping(any executor)    an adaptor: the inner executor's blocks may wait
+                 │                             in the host lease while no op needs them
+                 └── NativeExecutor            blocks placed by the C hot path (a framework's
+                                               allocator); Python code allocates nothing
+
+An adaptor stacks over an executor as RMM's resource adaptors stack over a resource: it calls
+the inner one for blocks, and for the raw device bytes it moves blocks into and out of
+(`vacate`, `reserve`, `release`). An executor that cannot do something (the native one cannot
+allocate from Python; one without swapping has nothing to move) says so by its answer (False,
+DEVICE) or raises naming why, so no caller ever asks which kind it holds.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from tidalcore.units import BlockId, Bytes, Offset, format_size
+
+from tidalclient.hotpath import NativeStats
+from tidalclient.plans import Plan
+
+DEVICE, LEAVING, HOST, ARRIVING = "device", "leaving", "host", "arriving"
+"""Where a block is: on the device, being copied out, in the host lease, being copied in."""
+
+executor_ids = itertools.count(1)  # ids of executors (Python and native) in this process
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """A live allocation: where it was put in the lease, the size asked for, its owning executor,
+    and the slot of the plan that served it (-1: placed online)."""
+
+    id: BlockId
+    offset: Offset
+    size: Bytes
+    session: int
+    slot: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class SwapStats:
+    limit: int
+    resident_bytes: int  # device bytes held: resident blocks and blocks copying out, rounded
+    peak_resident_bytes: int
+    swapped_out_bytes: int
+    swapped_in_bytes: int
+    swap_outs: int
+    swap_ins: int
+    stall_ns: int  # time ops and mallocs waited for copies
+    scheduled_swaps: int  # swaps in the schedule in use (0: none, LRU only)
+    schedule_skips: int  # scheduled swaps not applied (block gone, locked or pinned, or no room)
+    host_used_bytes: int = 0  # host lease bytes holding swapped-out blocks
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutorStats:
+    """What an executor has done: the counts a Session reports and its heartbeats carry."""
+
+    live_bytes: int  # requested bytes of live blocks
+    peak_live_bytes: int
+    used_bytes: int  # device bytes held, rounded to the alignment
+    live_blocks: int
+    mallocs: int
+    frees: int
+    mode: str  # "learning" or "planned"
+    plan_hits: int  # allocations served by a plan
+    plan_misses: int  # allocations a plan could not serve (placed online)
+    high_water: int  # highest lease byte used in the current iteration so far
+    swap: SwapStats | None = None  # an executor that swaps
+    native: NativeStats | None = None  # the native hot path's own counters
+
+
+class Executor(Protocol):
+    """Allocates a session's blocks in its device lease and runs its iterations.
+
+    Blocks: `malloc` (LeaseExceeded when there is no room), `try_malloc` (None instead: the
+    hot path's "does not fit" is a value), `free`, `pin` (never moves again), `offset` (where
+    its bytes are now). Ops: `begin_op` makes the blocks resident and returns their offsets,
+    `end_op` ends the op. Iterations: `step` marks a boundary (a plan installed by
+    `install_plan` takes over at one) and returns the new iteration's number.
+
+    For adaptors that move blocks (`Swapping`): `vacate` takes a live block's device bytes from
+    it (the block stays live) and returns how to give them back; `reserve`/`release` are raw
+    device bytes, recorded nowhere. `where`, `swap_out` and `prefetch` answer for any executor.
+    """
+
+    @property
+    def session(self) -> int:
+        """A process-unique id, carried by this executor's blocks as `Block.session`."""
+        ...
+
+    @property
+    def capacity(self) -> int: ...
+
+    @property
+    def alignment(self) -> int: ...
+
+    @property
+    def used_bytes(self) -> int:
+        """Device bytes held now (blocks, reservations, a plan's arena), rounded."""
+        ...
+
+    @property
+    def largest_free(self) -> int:
+        """The largest range of the lease that is free now."""
+        ...
+
+    def malloc(self, nbytes: int) -> Block: ...
+
+    def try_malloc(self, nbytes: int) -> Block | None: ...
+
+    def free(self, block: Block) -> None: ...
+
+    def pin(self, block: Block) -> None: ...
+
+    def offset(self, block: Block) -> int: ...
+
+    def where(self, block: Block) -> str: ...
+
+    def swap_out(self, block: Block) -> bool: ...
+
+    def prefetch(self, block: Block) -> None: ...
+
+    def vacate(self, block: Block) -> Callable[[], None]: ...
+
+    def reserve(self, nbytes: int) -> int | None: ...
+
+    def release(self, offset: int) -> None: ...
+
+    def begin_op(self, blocks: Sequence[Block]) -> list[int]: ...
+
+    def end_op(self, blocks: Sequence[Block]) -> None: ...
+
+    def step(self) -> int: ...
+
+    def install_plan(self, plan: Plan) -> None: ...
+
+    def stats(self) -> ExecutorStats: ...
+
+    def synchronize(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def check_size(nbytes: int) -> int:
+    """A malloc size as an int: TypeError for what is no integer (bools, floats, strings; NumPy
+    integers are fine), ValueError for one that is not positive."""
+    if type(nbytes) is not int:
+        if isinstance(nbytes, bool) or not hasattr(nbytes, "__index__"):
+            raise TypeError(f"malloc size must be an int, got {type(nbytes).__name__}")
+        nbytes = operator.index(nbytes)
+    if nbytes <= 0:
+        raise ValueError(f"malloc of {nbytes} bytes: size must be positive")
+    return nbytes
+
+
+def size_text(nbytes: int) -> str:
+    """'512 bytes' or '1.5 KiB (1536 bytes)': readable and exact."""
+    return f"{nbytes} bytes" if nbytes < 1024 else f"{format_size(nbytes)} ({nbytes} bytes)"
+
+
+def describe(block: Block) -> str:
+    return f"block {block.id} (offset {block.offset}, {size_text(block.size)})"

@@ -1,0 +1,155 @@
+"""A plan as the client executes it: the daemon's `PlanUpdate`, decoded and checked once.
+
+    PlanUpdate ──decode()──▶ Plan ──Executor.install_plan()──▶ used from the next step()
+                              ├─ table: PlanTable   the placement: size and offset per allocation
+                              └─ swaps: ScheduledSwap...   the swap schedule (under a swap limit)
+
+The table lists, in allocation order, the size and offset of every allocation of the steady
+iteration; offsets are relative to an *arena*, one range of the lease reserved for the plan
+(`executors/arena.py`). Each slot comes with the other slots sharing any of its bytes, so the
+hot path checks a slot in O(those slots).
+
+Pure: no I/O, no threads, no clock.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tidalcore.units import ALIGNMENT, align_up
+from tidalcore.v1 import pool_pb2
+
+log = logging.getLogger("tidalpool")
+
+
+class PlanRejected(ValueError):
+    """A plan the client cannot use (inconsistent lengths, misaligned or out-of-range slots)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PlanTable:
+    plan_id: int
+    sizes: tuple[int, ...]
+    offsets: tuple[int, ...]
+    height: int
+    overlaps: tuple[tuple[int, ...], ...]  # per slot: the other slots sharing any of its bytes
+
+    @classmethod
+    def build(
+        cls, plan_id: int, sizes: list[int], offsets: list[int], height: int, alignment: int
+    ) -> PlanTable:
+        if len(sizes) != len(offsets):
+            raise PlanRejected(f"plan {plan_id}: {len(sizes)} sizes but {len(offsets)} offsets")
+        for i, (size, offset) in enumerate(zip(sizes, offsets, strict=True)):
+            if size <= 0 or offset % alignment or offset + align_up(size, alignment) > height:
+                raise PlanRejected(
+                    f"plan {plan_id}: slot {i} ({size} bytes at offset {offset}) is empty, "
+                    f"misaligned or beyond the plan's height {height}"
+                )
+        return cls(
+            plan_id, tuple(sizes), tuple(offsets), height, _overlaps(sizes, offsets, alignment)
+        )
+
+
+def _overlaps(sizes: list[int], offsets: list[int], alignment: int) -> tuple[tuple[int, ...], ...]:
+    """For each slot, the slots whose byte ranges intersect it (sweep over sorted starts)."""
+    order = sorted(range(len(sizes)), key=lambda i: offsets[i])
+    found: list[list[int]] = [[] for _ in sizes]
+    active: list[int] = []  # slots whose range may still reach the current start
+    for i in order:
+        start = offsets[i]
+        active = [j for j in active if offsets[j] + align_up(sizes[j], alignment) > start]
+        for j in active:
+            found[i].append(j)
+            found[j].append(i)
+        active.append(i)
+    return tuple(tuple(sorted(f)) for f in found)
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSwap:
+    """Swap one block out after an op of every iteration and back before a later op.
+
+    `block` is the index of the allocation within the iteration (0: the first malloc after
+    `step()`), or, with `persistent`, the id of a block that lives across iterations (ids never
+    change). Ops are numbered from 0 within the iteration. The swap-out is
+    issued when op `out_after` has ended; the swap-in when op `in_at` begins (default: the op
+    before `in_before`, but not before `out_after`'s successor); op `in_before` begins only once
+    the block is back. A persistent block may cross the boundary (`in_before <= out_after`): it
+    leaves after `out_after` and returns before `in_before` of the next iteration.
+    """
+
+    block: int
+    out_after: int
+    in_before: int
+    in_at: int | None = None
+    persistent: bool = False
+
+    def issue_at(self) -> int:
+        """The op at whose beginning the swap-in is issued."""
+        if self.in_at is not None:
+            return self.in_at
+        earliest = 0 if self.crosses else self.out_after + 1
+        return max(self.in_before - 1, earliest)
+
+    @property
+    def crosses(self) -> bool:
+        return self.in_before <= self.out_after
+
+    def check(self) -> None:
+        """ValueError naming what is inconsistent."""
+        if min(self.block, self.out_after, self.in_before) < 0:
+            raise ValueError(f"{self}: indices must not be negative")
+        if self.crosses and not self.persistent:
+            raise ValueError(f"{self}: only a persistent block may cross the iteration boundary")
+        at = self.issue_at()
+        ok = 0 <= at <= self.in_before if self.crosses else self.out_after < at <= self.in_before
+        if not ok:
+            raise ValueError(f"{self}: the swap-in must be issued between the out and in ops")
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """One plan of the daemon: where each allocation goes and, under a swap limit, which
+    blocks leave the device between their uses."""
+
+    table: PlanTable
+    swaps: tuple[ScheduledSwap, ...] = ()
+
+    @property
+    def plan_id(self) -> int:
+        return self.table.plan_id
+
+
+def decode(update: pool_pb2.PlanUpdate, alignment: int = ALIGNMENT) -> Plan:
+    """The plan a `PlanUpdate` carries. PlanRejected when its placement is unusable; a
+    malformed swap schedule (columns of unequal lengths, an inconsistent swap) is logged and
+    left out, and the placement is kept."""
+    table = PlanTable.build(
+        update.plan_id, list(update.sizes), list(update.offsets), update.height_bytes, alignment
+    )
+    return Plan(table, _swaps(update))
+
+
+def _swaps(update: pool_pb2.PlanUpdate) -> tuple[ScheduledSwap, ...]:
+    columns: Sequence[Sequence[Any]] = (
+        update.swap_blocks,
+        update.swap_persistent,
+        update.swap_out_after,
+        update.swap_in_at,
+        update.swap_in_before,
+    )
+    try:
+        swaps = tuple(
+            ScheduledSwap(block, out_after, in_before, in_at, persistent)
+            for block, persistent, out_after, in_at, in_before in zip(*columns, strict=True)
+        )
+        for swap in swaps:
+            swap.check()
+    except ValueError as e:
+        log.warning("tidalpool: ignoring the swap schedule of plan %d: %s", update.plan_id, e)
+        return ()
+    return swaps
