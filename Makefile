@@ -1,6 +1,7 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   installs into .venv on first use, then runs `tidalpool demo`
-#   make test   installs into .venv on first use, then lint, type check and tests
+#   make test   installs into .venv on first use, then lint (with the import contracts of
+#               pyproject.toml), type check and tests
 # `make prometheus` installs Debian's prometheus package (prometheus and promtool, for the
 # alert-rule and dashboard tests) when they are missing; `make test` runs it first.
 PYTHON ?= python3
@@ -25,6 +26,7 @@ test: prometheus lint typecheck unit
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(VENV)/bin/lint-imports
 
 typecheck: $(STAMP)
 	$(PY) -m mypy

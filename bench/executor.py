@@ -15,7 +15,7 @@ pairs. "loop" is the same sequence without timers: time / pairs, the median over
 "high water" is the highest byte ever handed out. Rounds alternate the allocators so that noise
 from other processes falls on all of them alike; the garbage collector is off while timing.
 
-    PYTHONPATH=client:daemon python bench/executor.py [--json] [--trace FILE]
+    .venv/bin/python bench/executor.py [--json] [--trace FILE]
 """
 
 from __future__ import annotations

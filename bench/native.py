@@ -21,7 +21,7 @@ Drain: 1,000,000 events are produced into a ring of 2**20 and drained from Pytho
 (`HotPath.drain_into`, a reused NumPy buffer) until empty; events/s over the drain loop. Also
 converting them to the recorder's (kind, block, size) tuples (`recorder_events`).
 
-    PYTHONPATH=client:daemon python bench/native.py [--json] [--trace FILE]...
+    .venv/bin/python bench/native.py [--json] [--trace FILE]...
 """
 
 from __future__ import annotations

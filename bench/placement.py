@@ -13,7 +13,7 @@ decreasing size) and its seconds, tidalpool's height, height / bound, seconds of
 (lower bound included) and whether the plan is proven optimal. Every placement is checked
 by the validator. `--no-exact` runs the heuristics alone.
 
-    PYTHONPATH=client:daemon python bench/placement.py [--json] [--time-limit S] [--no-exact]
+    .venv/bin/python bench/placement.py [--json] [--time-limit S] [--no-exact]
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ trace and bandwidth:
 Then the speed: one `simulate` of the densenet121 iteration tiled to 10,000+ ops (target
 50 ms) under a `tidalpool` plan, and `autoswap-bo`'s 40 trials on the untiled iteration.
 
-    PYTHONPATH=client:daemon python bench/swap.py [--json] [--traces NAME ...] [--jobs N]
+    .venv/bin/python bench/swap.py [--json] [--traces NAME ...] [--jobs N]
         [--compute-scale X] [--no-speed]
 """
 

@@ -1,6 +1,6 @@
 """What the planner predicts for the GPU goals of bench/torch_train.py, without a GPU.
 
-    PYTHONPATH=client:daemon python bench/torch_predict.py [--models gpt2,resnet50]
+    .venv/bin/python bench/torch_predict.py [--models gpt2,resnet50]
         [--dtype fp32|bf16] [--bandwidth 50] [--memory 8GiB] [--json PATH]
 
 The same models as bench/torch_train.py (AdamW; fp32, or bf16 autocast with `--dtype bf16`)

@@ -1,7 +1,7 @@
 """SavedTensors under a swap limit on the sim backend: step time and swap stalls of a CPU model,
 with and without telling the daemon the compute between saved-tensor hooks, vs plain PyTorch.
 
-    PYTHONPATH=client:daemon python bench/torch_saved.py [--iterations 40] [--repeats 2] [--json]
+    .venv/bin/python bench/torch_saved.py [--iterations 40] [--repeats 2] [--json]
 
 The model: an MLP of `--depth` Linear(1024, 1024)+ReLU layers and a 10-way head, batch 512,
 SGD, one CPU thread (torch.set_num_threads(1)), so its compute is steady. It saves about 2 MiB

@@ -1,6 +1,6 @@
 """PyTorch training on tidalpool vs plain PyTorch (needs an NVIDIA GPU and a cuda daemon).
 
-    PYTHONPATH=client:daemon python bench/torch_train.py [--models gpt2,resnet50]
+    .venv/bin/python bench/torch_train.py [--models gpt2,resnet50]
         [--dtypes fp32,bf16] [--steps 20] [--skip throughput,limit,batch,latency] [--json PATH]
 
 Every configuration runs in its own process (planned mode replaces PyTorch's allocator for the

@@ -1,6 +1,6 @@
 """The Grafana dashboards of dashboards/, written from one description here.
 
-    PYTHONPATH=client:daemon python -m tools.dashboards   # rewrites dashboards/*.json
+    .venv/bin/python -m tools.dashboards   # rewrites dashboards/*.json
 
 Every dashboard has the variables `datasource` (a Prometheus), `instance` and `gpu` (both
 multi-value, All by default); every query selects `instance=~"$instance",gpu=~"$gpu"`.

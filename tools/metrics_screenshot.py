@@ -2,7 +2,7 @@
 stall, end and get evicted, and a Prometheus scraping it; the panels are the dashboards'
 queries, read back with query_range and drawn with matplotlib.
 
-    PYTHONPATH=client:daemon python -m tools.metrics_screenshot [--out PNG] [--seconds N]
+    .venv/bin/python -m tools.metrics_screenshot [--out PNG] [--seconds N]
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from typing import Any, SupportsIndex
 
 import numpy as np
 import numpy.typing as npt
-from tidalcore.events import ALLOC, FREE, ITER
+from tidalcore.events import ALLOC, ITER
 from tidalcore.units import ALIGNMENT
 
 from tidalclient.errors import InvalidBlock, TidalpoolError
@@ -483,4 +483,3 @@ def forward(events: Events, recorder: TraceSink) -> None:
 
 
 assert EVENT_DTYPE.itemsize == 48
-assert (ALLOC, FREE, ITER) == (1, 2, 6)  # TIDALPOOL_EV_ALLOC, _FREE, _ITER

@@ -25,8 +25,7 @@ from typing import TYPE_CHECKING
 
 from tidalcore.units import ALIGNMENT, Bytes, Offset
 from tidalcore.v1 import pool_pb2
-from tidalplan.model import Iteration, Placement, Problem
-from tidalplan.simulate import SwapPlan
+from tidalplan.model import Iteration, Placement, Problem, SwapPlan
 
 from tidalpoold.plan_cache import PlanCache
 from tidalpoold.sessions import PlanFootprint, Session

@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from tidalcore.units import format_size, parse_size
-from tidalplan.model import Iteration
-from tidalplan.simulate import Result, SwapPlan
+from tidalplan.model import Iteration, SwapPlan
+from tidalplan.simulate import Result
 
 DEFAULT_STEP = 0.05
 

@@ -26,8 +26,8 @@ import numpy.typing as npt
 from tidalcore.units import Bytes, Tick
 
 from tidalplan.learn import live_bytes
-from tidalplan.model import Iteration
-from tidalplan.simulate import Swap, SwapPlan, copy_ns
+from tidalplan.model import Iteration, Swap, SwapPlan
+from tidalplan.simulate import copy_ns
 
 Score = Literal["doa", "aoa", "wdoa", "swdoa", "combined"]
 SCORES: tuple[Score, ...] = ("doa", "aoa", "wdoa", "swdoa", "combined")

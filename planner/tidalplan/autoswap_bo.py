@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import optuna
 
 from tidalplan.autoswap import autoswap
-from tidalplan.model import Iteration
-from tidalplan.simulate import Result, SwapPlan, simulate
+from tidalplan.model import Iteration, SwapPlan
+from tidalplan.simulate import Result, simulate
 
 TRIALS = 40
 INFEASIBLE = 1e6

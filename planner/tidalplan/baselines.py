@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 from tidalcore.units import Tick
 
-from tidalplan.model import Iteration
-from tidalplan.simulate import Swap, SwapPlan, simulate
+from tidalplan.model import Iteration, Swap, SwapPlan
+from tidalplan.simulate import simulate
 
 CONV = "convolution"
 BACKWARD = "backward"

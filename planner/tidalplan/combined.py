@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from tidalcore.units import ALIGNMENT, Bytes, Tick
 
 from tidalplan.learn import to_problem
-from tidalplan.model import Iteration, IterBlock, Placement
+from tidalplan.model import Iteration, IterBlock, Placement, SwapPlan
 from tidalplan.placement import solve
 from tidalplan.policies import plan as make_plan
-from tidalplan.simulate import Result, SwapPlan, simulate
+from tidalplan.simulate import Result, simulate
 from tidalplan.validate import validate_swaps
 
 

@@ -52,8 +52,8 @@ from scipy.sparse import csr_matrix
 from tidalcore.units import Tick
 
 from tidalplan.autoswap import durations, load
-from tidalplan.model import Iteration
-from tidalplan.simulate import Result, Swap, SwapPlan, copy_ns, simulate
+from tidalplan.model import Iteration, Swap, SwapPlan
+from tidalplan.simulate import Result, copy_ns, simulate
 
 _BEAM = 24  # gaps tried in full at each greedy step
 _NODE_LIMIT = 10  # branch-and-bound nodes of `select`'s integer program

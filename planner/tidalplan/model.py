@@ -100,3 +100,38 @@ class Iteration:
     accesses: tuple[Access, ...]
     persistent: tuple[tuple[int, Bytes], ...]
     index: int = 0  # which iteration of the stream it is (0-based)
+
+
+@dataclass(frozen=True, slots=True)
+class Swap:
+    """Swap a block out after one op and back in before a later one.
+
+    `block` indexes `Iteration.blocks`, or `Iteration.persistent` when
+    `persistent` is set. `out_after` and `in_before` are op ticks: the swap-out
+    starts once op `out_after` has finished; op `in_before` cannot start until
+    the swap-in has finished. The swap-in is issued when compute reaches tick
+    `in_at`: by default the op before `in_before`, but no earlier than the tick
+    after `out_after` (or tick 0 for a swap that crosses the boundary). It never
+    starts before its own swap-out has finished.
+
+    A persistent block may cross the iteration boundary (`in_before` <=
+    `out_after`): it is then off the device when the iteration begins, comes back
+    before `in_before`, and leaves again after `out_after`, as in the steady state.
+    The block must not be accessed strictly between `out_after` and `in_before`.
+    """
+
+    block: int
+    out_after: Tick
+    in_before: Tick
+    in_at: Tick | None = None
+    persistent: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SwapPlan:
+    """The swaps of one iteration. A block may be swapped more than once, over intervals
+    that do not overlap: one swap's `in_before` is at or before the next one's `out_after`
+    (a crossing swap of a persistent block holds the ends of the iteration, the others lie
+    between its `in_before` and its `out_after`)."""
+
+    swaps: tuple[Swap, ...] = ()

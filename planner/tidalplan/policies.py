@@ -24,8 +24,7 @@ from tidalplan.autoswap import autoswap
 from tidalplan.autoswap_bo import autoswap_bo
 from tidalplan.baselines import BASELINES
 from tidalplan.gap_cover import tidalpool
-from tidalplan.model import Iteration
-from tidalplan.simulate import SwapPlan
+from tidalplan.model import Iteration, SwapPlan
 
 Policy = Callable[[Iteration, int, float, float], SwapPlan]
 

@@ -25,7 +25,8 @@ import numpy as np
 from tidalplan.model import Iteration, Placement, Problem
 
 if TYPE_CHECKING:  # types only: the checks share no code with the simulator
-    from tidalplan.simulate import Result, SwapPlan
+    from tidalplan.model import SwapPlan
+    from tidalplan.simulate import Result
 
 PAIRWISE_MAX = 4096
 _ROWS = 256  # rows of the pairwise comparison at a time

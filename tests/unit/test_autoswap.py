@@ -24,7 +24,8 @@ from tidalplan.autoswap import (
     wdoa,
 )
 from tidalplan.learn import extract
-from tidalplan.simulate import Swap, SwapPlan, no_limit, simulate
+from tidalplan.model import Swap, SwapPlan
+from tidalplan.simulate import no_limit, simulate
 
 from .iterations import build
 

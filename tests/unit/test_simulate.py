@@ -9,7 +9,8 @@ import pytest
 from tidalcore.units import Bytes, Tick
 from tidaloffline.formats import read_trace_csv
 from tidalplan.learn import extract, live_bytes
-from tidalplan.simulate import Result, Swap, SwapPlan, copy_ns, no_limit, simulate
+from tidalplan.model import Swap, SwapPlan
+from tidalplan.simulate import Result, copy_ns, no_limit, simulate
 
 from .iterations import build
 

@@ -18,7 +18,8 @@ from tidalplan.baselines import (
     vdnn_dyn,
 )
 from tidalplan.learn import extract
-from tidalplan.simulate import Swap, SwapPlan, no_limit, simulate
+from tidalplan.model import Swap, SwapPlan
+from tidalplan.simulate import no_limit, simulate
 
 from .iterations import build
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from tidalclient.plans import ScheduledSwap
 from tidalcore.units import Tick
 from tidalcore.v1 import pool_pb2
-from tidalplan.simulate import Swap, SwapPlan
+from tidalplan.model import Swap, SwapPlan
 from tidalpoold.plan_worker import DEFAULT_COPY_GBPS, PlanWorker, add_swaps, copy_gbps_of
 from tidalpoold.settings import Settings
 

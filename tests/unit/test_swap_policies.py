@@ -17,9 +17,9 @@ from tidalplan.autoswap_bo import cost, tune
 from tidalplan.combined import combine, fit, pieces
 from tidalplan.gap_cover import RULES, construct, gaps, judge, select
 from tidalplan.learn import extract
-from tidalplan.model import Iteration
+from tidalplan.model import Iteration, Swap, SwapPlan
 from tidalplan.policies import BASELINE_POLICIES, POLICIES, plan, plans
-from tidalplan.simulate import Swap, SwapPlan, simulate
+from tidalplan.simulate import simulate
 from tidalplan.validate import InvalidSwapPlan, validate_swaps
 
 from ..conftest import shared_file

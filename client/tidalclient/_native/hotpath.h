@@ -31,7 +31,8 @@ enum {
     TIDALPOOL_ENOLEASE = -5,       /* tidalpool_configure has not been called for the device */
 };
 
-/* Event kinds: the values of tidalpool.v1 EventKind. */
+/* Event kinds: three values of tidalpool.v1 EventKind (tidalcore.events; tests/unit/test_events.py
+ * holds these to it). */
 enum { TIDALPOOL_EV_ALLOC = 1, TIDALPOOL_EV_FREE = 2, TIDALPOOL_EV_ITER = 6 };
 
 /* One trace event, 48 bytes.  seq numbers every event the device produced, dropped ones too,

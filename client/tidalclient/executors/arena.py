@@ -42,10 +42,10 @@ class Arena:
         self.misses = 0
         self.iteration_misses = 0
 
-    def take(self, nbytes: int, block_id: int) -> int:
-        """The slot serving this allocation (at `base + table.offsets[slot]`), or -1: a miss."""
+    def take(self, nbytes: int, block_id: int) -> int | None:
+        """The lease offset for this allocation from the plan, or None (a miss)."""
         if not self.active:
-            return -1
+            return None
         i = self.cursor
         self.cursor = i + 1
         table, occupant = self.table, self.occupant
@@ -53,11 +53,11 @@ class Arena:
         if not fits or any(occupant[j] for j in table.overlaps[i]):
             self.misses += 1
             self.iteration_misses += 1
-            return -1
+            return None
         occupant[i] = block_id
         self.slot_of[block_id] = i
         self.hits += 1
-        return i
+        return self.base + table.offsets[i]
 
     def release(self, block_id: int) -> bool:
         """Free a block's slot; False if the block is not one of this arena's."""

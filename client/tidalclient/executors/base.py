@@ -35,14 +35,12 @@ executor_ids = itertools.count(1)  # ids of executors (Python and native) in thi
 
 @dataclass(frozen=True, slots=True)
 class Block:
-    """A live allocation: where it was put in the lease, the size asked for, its owning executor,
-    and the slot of the plan that served it (-1: placed online)."""
+    """A live allocation: where it was put in the lease, the size asked for, its owning executor."""
 
     id: BlockId
     offset: Offset
     size: Bytes
     session: int
-    slot: int = -1
 
 
 @dataclass(frozen=True, slots=True)

@@ -99,20 +99,16 @@ class PythonExecutor:
             nbytes = check_size(nbytes)
         block_id = self._next_id
         arena = self._arena
-        slot = arena.take(nbytes, block_id) if arena is not None else -1
-        if slot >= 0:
-            assert arena is not None
-            offset: int | None = arena.base + arena.table.offsets[slot]
-        else:
+        offset = arena.take(nbytes, block_id) if arena is not None else None
+        if offset is None:
             offset = self._fit.allocate(nbytes)
             if offset is None:
                 return None
-        assert offset is not None
         self._next_id = block_id + 1
         end = offset + nbytes
         if end > self._high_water:
             self._high_water = end
-        block = Block(BlockId(block_id), Offset(offset), Bytes(nbytes), self._session, slot)
+        block = Block(BlockId(block_id), Offset(offset), Bytes(nbytes), self._session)
         self._blocks[block_id] = block
         self._mallocs += 1
         live = self._live_bytes + nbytes
@@ -125,7 +121,11 @@ class PythonExecutor:
 
     def free(self, block: Block) -> None:
         """Return a live block's bytes; InvalidBlock (state untouched) for a foreign or dead one."""
-        self._live(block)
+        if block.session != self._session:
+            raise InvalidBlock(f"{describe(block)} belongs to another session")
+        live = self._blocks.get(block.id)
+        if live is None or (live is not block and live != block):
+            raise InvalidBlock(f"{describe(block)} is not live (already freed?)")
         if self._vacated and block.id in self._vacated:
             self._vacated.discard(block.id)  # its bytes are an adaptor's
         else:

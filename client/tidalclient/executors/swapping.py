@@ -161,8 +161,17 @@ class Swapping:
     def malloc(self, nbytes: int) -> Block:
         """A new block from the inner executor, after making room under the limit for it."""
         nbytes = check_size(nbytes)
-        block = self._under_limit(nbytes, functools.partial(self.inner.try_malloc, nbytes))
-        entry = _Entry(block, block.offset, planned=block.slot >= 0)
+        inner = self.inner
+
+        def take() -> tuple[Block, bool] | None:
+            # A block that took none of the inner's bytes (a slot of a plan's arena, whose bytes
+            # are held for the plan as a whole) would give none back if evicted.
+            held = inner.used_bytes
+            block = inner.try_malloc(nbytes)
+            return None if block is None else (block, inner.used_bytes == held)
+
+        block, in_arena = self._under_limit(nbytes, take)
+        entry = _Entry(block, block.offset, planned=in_arena)  # the LRU leaves planned blocks
         if not entry.planned:
             self._lru[block.id] = entry
         self._entries[block.id] = entry
