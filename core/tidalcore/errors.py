@@ -1,4 +1,5 @@
-"""Typed failures of the daemon, and the one place they become gRPC status codes."""
+"""Typed failures a request can get, and the one place they become gRPC status codes: the
+daemon raises them, a client sees their codes."""
 
 from __future__ import annotations
 

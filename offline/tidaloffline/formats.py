@@ -1,5 +1,20 @@
 """The files the offline tools read and write.
 
+Trace CSV v1 (`*.trace.csv`), one event a line in program order after the header
+`kind,id,size,ns,name`; `#` lines are comments:
+
+    alloc,B,BYTES,,     block B becomes live with BYTES bytes
+    free,B,,,           block B dies
+    read,B,,,           the next op reads B          write,B,,,   the next op writes B
+    op,K,,NS,NAME       op K (a kernel, e.g. aten.convolution.default) ran NS ns on the
+                        compute stream, accessing the blocks named since the previous op
+    iter,N,,,           iteration N begins; blocks allocated before the first `iter` live
+                        across iterations (weights, optimizer state)
+
+A placement problem CSV (MiniMalloc's): header `id,lower,upper,size`, lifetimes half-open
+`[lower, upper)`; a solution adds `offset`. A PyTorch memory snapshot is the pickle of
+`torch.cuda.memory._dump_snapshot`.
+
 The readers turn the three input formats of `tidalpool plan` into
 values: a trace CSV v1 into `Events`, a MiniMalloc placement CSV into a
 `Problem`, a PyTorch memory snapshot pickle into a `Problem`. Every refusal
@@ -69,7 +84,7 @@ def _read_text(path: Path) -> str:
 
 
 def read_trace_csv(path: str | Path) -> Events:
-    """Read a trace CSV v1 file (DESIGN.md, Formats) into events.
+    """Read a trace CSV v1 file (the module's docstring) into events.
 
     Frees get the freed block's size. Refused: a bad header, an unknown kind, a
     field that is not a whole number, an alloc without a positive size, the

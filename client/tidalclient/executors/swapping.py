@@ -137,7 +137,6 @@ class Swapping:
         self._leaving = 0  # device bytes of copies out in flight, released when they complete
         self._schedule: _Schedule | None = None
         self._pending_schedule: _Schedule | None = None
-        self._iterations = 0
         self._op_index = 0
         self._iter_ids: list[int] = []  # block ids by allocation index in this iteration
         self.peak_resident_bytes = 0
@@ -308,7 +307,6 @@ class Swapping:
         self.peak_resident_bytes = max(self.peak_resident_bytes, self.inner.used_bytes)
         if self._pending_schedule is not None:
             self._schedule, self._pending_schedule = self._pending_schedule, None
-        self._iterations += 1
         self._op_index = 0
         self._iter_ids = []
         return iteration
