@@ -58,7 +58,12 @@ def test_live_sessions_report_their_counts_in_heartbeats(start_daemon: StartDaem
             }
             swapper["session_id"] = session_id
             name = "tidalpool_session_swapped_bytes_total"
-            if value(samples, name, direction="out", **swapper) == out:
+            counts = (
+                value(samples, name, direction="out", **swapper),
+                value(samples, name, direction="in", **swapper),
+                value(samples, "tidalpool_session_swap_stall_seconds_total", **swapper),
+            )
+            if counts == (out, into, stall_ns / 1e9):  # a heartbeat sent after the last swap
                 break
             if time.monotonic() > deadline:
                 break
