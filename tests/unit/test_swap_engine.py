@@ -290,6 +290,24 @@ def test_placement_plan_is_not_used_under_a_limit_even_when_it_fits(rigs: list[R
     assert (free.ex.inner.mode, free.ex.plans_deferred) == ("planned", 0)
 
 
+def test_a_plans_blocks_stay_when_the_lease_is_full(rigs: list[Rig]) -> None:
+    # With the lease as the limit a plan is used. A block in a slot of its arena holds bytes the
+    # arena keeps as a whole: evicting it would give none back, so the LRU leaves it, however
+    # long unused, and evicts blocks placed online.
+    r = Rig(limit=None, device=8 * KiB)
+    rigs.append(r)
+    r.ex.install_plan(Plan(PlanTable.build(1, [KiB, 512], [0, KiB], KiB + 512, 256)))
+    r.ex.step()
+    assert r.ex.inner.mode == "planned"
+    a = r.filled(KiB, 1)  # allocation 0: slot 0 of the arena
+    online = [r.filled(KiB, 2 + i) for i in range(6)]  # misses (slot 1 is 512 bytes): online
+    assert r.ex.inner.used_bytes == KiB + 512 + 6 * KiB  # the lease is full
+    r.ex.malloc(KiB)  # room comes from an online block, not from the older `a`
+    r.ex.synchronize()
+    assert r.where(a, online[0]) == [DEVICE, HOST]
+    assert r.op(a) == [bytes([1]) * KiB]
+
+
 # ---------------------------------------------------------------- scheduled swaps
 
 
