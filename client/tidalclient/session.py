@@ -143,6 +143,7 @@ def attach(
         undo.append(connection.close)
         reply = connection.attach(swap_bytes, copy_gbps)
         recorder = Recorder(connection.send, chunk_events=reply.trace_chunk_events or 4096)
+        undo.append(recorder.close)
         executor: Executor
         if native is not None:
             native.connect(recorder)

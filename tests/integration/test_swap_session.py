@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 
 import numpy as np
 import pytest
 import tidalpool
+from tidalclient import status
 from tidalclient.local import LocalDaemon
 from tidalclient.numpy import Tensor
 
@@ -146,3 +148,15 @@ def test_an_op_recorded_with_record_op_counts_in_the_swap_schedule(daemon: Local
             assert executor.where(t.block) == DEVICE
             assert float(view.sum()) == 7.0 * 1024
         assert s.stats().swap is not None and s.stats().swap.schedule_skips == 0
+
+
+def test_a_swap_limit_below_one_block_is_refused_and_leaves_nothing(daemon: LocalDaemon) -> None:
+    before = {t.name for t in threading.enumerate()}
+    with pytest.raises(ValueError, match="swap limit of 100 bytes is below one aligned block"):
+        tidalpool.attach(daemon.socket_dir, device_limit="1MiB", host_limit="1MiB", swap_limit=100)
+    assert {t.name for t in threading.enumerate()} == before  # the recorder's thread too
+    deadline = time.monotonic() + 10
+    while status.fetch(daemon.socket_dir)[1].sessions and time.monotonic() < deadline:
+        time.sleep(0.05)  # the daemon ends the session when its stream closes
+    pool, sessions = status.fetch(daemon.socket_dir)
+    assert (pool.device.leased_bytes, pool.host.leased_bytes, len(sessions.sessions)) == (0, 0, 0)
