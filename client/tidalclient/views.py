@@ -12,7 +12,7 @@ session's own CuPy arrays as they are; it refuses NumPy views of the lease.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 from tidalcore.chunks import ChunkMapping
 
@@ -72,7 +72,7 @@ class CudaViews:
         self._session = session
         self._lease = lease
 
-    def need_host_memory(self, what: str) -> None:
+    def need_host_memory(self, what: str) -> NoReturn:
         raise NotHostMemory(
             f"Session.{what}() views the lease with NumPy, but this session's device lease"
             f" is GPU memory (cuda backend, GPU {self._lease.pci_bus_id}): use"
@@ -87,6 +87,5 @@ class CudaViews:
             return cupy.device_view(address, item.shape, item.dtype, self._lease)
         return address if item is block else item  # a CuPy array of the session: as it is
 
-    def buffer(self, block: Block, offset: int) -> memoryview:
+    def buffer(self, block: Block, offset: int) -> NoReturn:
         self.need_host_memory("buffer")
-        raise AssertionError("unreachable")

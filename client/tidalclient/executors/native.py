@@ -180,9 +180,6 @@ class NativeExecutor:
         if blocks:
             self._refuse("op")
 
-    def synchronize(self) -> None:
-        """The framework orders its own work: nothing runs here in the background."""
-
     # -- the end -----------------------------------------------------------------------
     def close(self) -> None:
         """Forget the lease in the native library: pointers freed later are ignored (counted

@@ -245,9 +245,6 @@ class PythonExecutor:
         self.plan_misses_before += arena.misses
         self._arena = None
 
-    def synchronize(self) -> None:
-        """Nothing runs in the background here."""
-
     def close(self) -> None:
         """Release what the executor holds besides the lease (nothing)."""
 
