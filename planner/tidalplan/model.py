@@ -128,10 +128,37 @@ class Swap:
 
 
 @dataclass(frozen=True, slots=True)
+class Recompute:
+    """Drop a transient block after one op and rebuild it before a later one.
+
+    `block` indexes `Iteration.blocks`. Its bytes leave the device when op
+    `drop_after` ends (no copy). Right before op `before` (and after that op's
+    swap-ins have arrived) compute runs again the block's *writers*: the ops that
+    wrote it at ticks in [start, drop_after], in tick order. Every recomputation
+    with the same `before` is one rebuild: the union of their writers, run once
+    each, in tick order. The rebuild needs, at its start, the rebuilt blocks'
+    bytes and scratch for every other block its ops write (written to scratch, so
+    nothing resident is overwritten), the scratch freed at its end; each block a
+    writer reads is rebuilt in the same rebuild or is on the device at `before`
+    (live, not swapped out or dropped) and not written at any tick from that
+    writer's tick to `before`. It costs the writers' durations on the compute
+    stream. The block must not be accessed strictly between the two ops.
+    """
+
+    block: int
+    drop_after: Tick
+    before: Tick
+
+
+@dataclass(frozen=True, slots=True)
 class SwapPlan:
-    """The swaps of one iteration. A block may be swapped more than once, over intervals
-    that do not overlap: one swap's `in_before` is at or before the next one's `out_after`
-    (a crossing swap of a persistent block holds the ends of the iteration, the others lie
-    between its `in_before` and its `out_after`)."""
+    """The swaps and recomputations of one iteration: the schedule.
+
+    A block may be swapped (or dropped) more than once, over intervals that do not
+    overlap: one swap's `in_before` is at or before the next one's `out_after` (a
+    crossing swap of a persistent block holds the ends of the iteration, the others lie
+    between its `in_before` and its `out_after`); a recomputation's interval
+    (`drop_after`, `before`) counts the same way."""
 
     swaps: tuple[Swap, ...] = ()
+    recomputes: tuple[Recompute, ...] = ()

@@ -14,6 +14,15 @@ waits there until it fits under the limit (delayed malloc); a swap-in waits
 likewise (delayed swap-in). Only finishing swap-outs free bytes while compute
 waits, so a wait with none pending is reported as infeasible instead of hanging.
 At equal times, swap-outs finish first, then swap-ins start, then compute moves.
+
+A recomputed block (`Recompute`) leaves the device when the op after which it is
+dropped ends, with no copy. At the op that needs it back, once that op's swap-ins
+have arrived, compute rebuilds it: it waits, as a malloc does, until the rebuilt
+blocks and the rebuild's scratch fit, then runs the writers again (one rebuild
+per op for every block it needs back), then runs the op.
+
+    compute   ─[op a]─ ... ─wait─[writers of b again]─[op c]─▶
+    b         ████████┘                ┌████████████████    dropped after a, rebuilt for c
 """
 
 from __future__ import annotations
@@ -59,6 +68,11 @@ class Result:
     # tick, the next iteration's start), -1 if it did not happen. Ticks order events that share
     # a time: compute's allocs and frees take none.
     swap_ticks: tuple[tuple[int, int], ...] = field(default=(), compare=False)
+    # Per recomputation of the plan (in plan order): when its rebuild started (_NEVER: it
+    # did not); the rebuilds' compute and the bytes they rebuilt, over the iteration.
+    rebuild_ns: tuple[int, ...] = field(default=(), compare=False)
+    recompute_ns: int = 0
+    recomputed_bytes: int = 0
 
 
 def copy_ns(size: int, gbps: float) -> int:
@@ -124,8 +138,97 @@ def _checked(it: Iteration, plan: SwapPlan) -> list[tuple[int, Swap]]:
         if away:
             raise ValueError(f"{s}: block accessed at tick {away[0]} while swapped out")
         out.append((size, s))
+    for r in plan.recomputes:  # a drop is away like a swap, never across the boundary
+        if 0 <= r.block < len(it.blocks):
+            per_block.setdefault((False, r.block), []).append(Swap(r.block, r.drop_after, r.before))
     for mine in per_block.values():
         _disjoint(mine)
+    return out
+
+
+@dataclass(slots=True)
+class _Rebuild:
+    """The rebuild before one op: every block recomputed for it, at once."""
+
+    size: int  # bytes rebuilt
+    scratch: int  # bytes the writers also write, held over the rebuild
+    ns: int  # the writers' durations
+    members: list[int]  # plan indices of its recomputations
+
+
+def _rebuilds(it: Iteration, plan: SwapPlan, durations: dict[int, int]) -> dict[int, _Rebuild]:
+    """The plan's recomputations grouped by the op that needs them back, keyed by its tick;
+    ValueError names the first that cannot run (see `Recompute`)."""
+    if not plan.recomputes:
+        return {}
+    reads: dict[int, set[int]] = {}  # op tick -> block ids it reads
+    writes: dict[int, set[int]] = {}  # op tick -> block ids it writes
+    written: dict[int, list[int]] = {}  # block id -> ticks writing it
+    touched: dict[int, list[int]] = {}  # block id -> ticks accessing it
+    for a in it.accesses:
+        (writes if a.write else reads).setdefault(a.tick, set()).add(a.block)
+        touched.setdefault(a.block, []).append(a.tick)
+        if a.write:
+            written.setdefault(a.block, []).append(a.tick)
+    index = {b.id: i for i, b in enumerate(it.blocks)}
+    persistent = {pid for pid, _ in it.persistent}
+    away: dict[int, list[tuple[int, int, bool]]] = {}  # block id -> (from, to, crosses)
+    for sw in plan.swaps:
+        pid = it.persistent[sw.block][0] if sw.persistent else it.blocks[sw.block].id
+        away.setdefault(pid, []).append((sw.out_after, sw.in_before, sw.in_before <= sw.out_after))
+    groups: dict[int, list[int]] = {}
+    for j, r in enumerate(plan.recomputes):
+        if not 0 <= r.block < len(it.blocks):
+            raise ValueError(f"{r}: no such block")
+        if r.drop_after not in durations or r.before not in durations:
+            raise ValueError(f"{r}: drop_after and before must be op ticks")
+        b = it.blocks[r.block]
+        if not b.start < r.drop_after < r.before < b.end:
+            raise ValueError(f"{r}: not start < drop_after < before < end of its block")
+        if any(r.drop_after < t < r.before for t in touched.get(b.id, ())):
+            raise ValueError(f"{r}: block accessed while dropped")
+        if not any(b.start <= t <= r.drop_after for t in written.get(b.id, ())):
+            raise ValueError(f"{r}: no op writes the block before it is dropped")
+        away.setdefault(b.id, []).append((r.drop_after, r.before, False))
+        groups.setdefault(r.before, []).append(j)
+    out: dict[int, _Rebuild] = {}
+    for before, members in groups.items():
+        rebuilt = {it.blocks[plan.recomputes[j].block].id for j in members}
+        ops: set[int] = set()
+        for j in members:
+            r = plan.recomputes[j]
+            b = it.blocks[r.block]
+            ops.update(t for t in written[b.id] if b.start <= t <= r.drop_after)
+        scratch: set[int] = set()
+        for w in ops:
+            scratch |= writes.get(w, set()) - rebuilt
+            for pid in reads.get(w, set()) - rebuilt:
+                i = index.get(pid)
+                live = pid in persistent or (
+                    i is not None and it.blocks[i].start < before < it.blocks[i].end
+                )
+                gone = any(
+                    (lo < before < hi) if not wraps else (before > lo or before < hi)
+                    for lo, hi, wraps in away.get(pid, ())
+                )
+                if not live or gone:
+                    raise ValueError(
+                        f"{plan.recomputes[members[0]]}: op {w} reads block {pid}, which is"
+                        f" not on the device at op {before}"
+                    )
+                if any(w <= t < before for t in written.get(pid, ())):
+                    raise ValueError(
+                        f"{plan.recomputes[members[0]]}: op {w} reads block {pid}, which is"
+                        f" written again before op {before}"
+                    )
+        sizes = {b.id: b.size for b in it.blocks}
+        sizes.update(it.persistent)
+        out[before] = _Rebuild(
+            size=sum(it.blocks[plan.recomputes[j].block].size for j in members),
+            scratch=sum(sizes.get(pid, 0) for pid in scratch),
+            ns=sum(durations[w] for w in ops),
+            members=members,
+        )
     return out
 
 
@@ -165,6 +268,12 @@ def simulate(
     swaps = _checked(it, plan)
     limit = _NEVER if limit_bytes is None else limit_bytes
     durations: dict[int, int] = {op.tick: round(op.duration_ns * compute_scale) for op in it.ops}
+    rebuilds = _rebuilds(it, plan, durations)
+    drops_after: dict[int, int] = {}  # op tick -> bytes dropped when it ends
+    for r in plan.recomputes:
+        drops_after[r.drop_after] = drops_after.get(r.drop_after, 0) + it.blocks[r.block].size
+    rebuild_ns = [_NEVER] * len(plan.recomputes)
+    recompute_ns = recomputed = 0
     baseline = sum(durations.values())
     live = live_bytes(it).tolist() if it.ticks else [0]
     op_ticks = [op.tick for op in it.ops]
@@ -204,6 +313,7 @@ def simulate(
     persistent = sum(size for _, size in it.persistent)
     level = live[-1]  # transient bytes compute has reached: the previous iteration's end
     device = persistent + level - off
+    held = 0  # a rebuild's scratch, while it runs
     curve = [(0, device)]
     peak = device
     moved_out = moved_in = 0
@@ -216,7 +326,7 @@ def simulate(
 
     def note(t: int) -> None:
         nonlocal peak
-        d = persistent + level - off
+        d = persistent + level - off + held
         curve.append((int(t), d))
         peak = max(peak, d)
 
@@ -244,7 +354,7 @@ def simulate(
                 blocked, retry = False, r
             return r
         x = ins[head]
-        if persistent + level - off + x.size > limit:
+        if persistent + level - off + held + x.size > limit:
             blocked = True
             return s
         off -= x.size
@@ -284,12 +394,42 @@ def simulate(
                 break
             start = max([now, *(x.done for x in needs.get(tick, ()))])
             stall += start - now
+            if (rb := rebuilds.get(tick)) is not None:  # rebuild what the op needs back
+                while step(start) is not None:
+                    pass
+                ready = start
+                while persistent + level - off + rb.size + rb.scratch > limit:
+                    if not releases:
+                        feasible = False
+                        break
+                    t = step(_NEVER)
+                    ready = max(ready, t if t is not None else ready)
+                if not feasible:
+                    break
+                stall += ready - start
+                off -= rb.size
+                held = rb.scratch
+                note(ready)
+                for j in rb.members:
+                    rebuild_ns[j] = ready
+                start = ready + rb.ns
+                while step(start - 1) is not None:  # copies during the rebuild see the scratch
+                    pass
+                held = 0
+                note(start)
+                recompute_ns += rb.ns
+                recomputed += rb.size
             tick_ns[-1] = start
             now = start + durations[tick]
             for k in outs_after.get(tick, ()):
                 out_free = out_done[k] = max(now, out_free) + out_ns[k]
                 releases.append((out_free, out_size[k], k))
                 moved_out += out_size[k]
+            if dropped := drops_after.get(tick, 0):  # recomputed later: gone at once
+                off += dropped
+                note(now)
+                if blocked:
+                    blocked, retry = False, now
         elif rise > 0:  # a malloc: wait for swap-outs to make room
             start = now
             while persistent + live[tick] - off > limit:
@@ -337,6 +477,9 @@ def simulate(
         tick_ns=tuple(tick_ns),
         swap_ns=tuple((int(a), int(b)) for a, b in swap_ns),
         swap_ticks=tuple(swap_ticks),
+        rebuild_ns=tuple(rebuild_ns),
+        recompute_ns=recompute_ns,
+        recomputed_bytes=recomputed,
     )
 
 

@@ -151,20 +151,31 @@ def validate_swaps(
     result: Result,
     limit: int | None,
     in_gbps: float,
+    compute_scale: float = 1.0,
 ) -> None:
-    """Check a simulated swap plan from its timeline alone (`result.tick_ns`, `.swap_ns`,
-    `.swap_ticks`), recomputing device bytes without the simulator's code:
+    """Check a simulated plan from its timeline alone (`result.tick_ns`, `.swap_ns`,
+    `.swap_ticks`, `.rebuild_ns`), recomputing device bytes without the simulator's code:
 
-    - no block is accessed by an op strictly between its swap's two ops;
+    - no block is accessed by an op strictly between its swap's (or drop's) two ops;
     - every swap-out finished and every swap-in started, after the swap-out finished, and
       completed (start + its copy time at `in_gbps`) no later than the op that needs it began;
+    - every recomputed block is rebuilt by the ops that wrote it before it was dropped, run
+      again between the end of the op before the one that needs it and that op's start,
+      which leaves room for their durations (× `compute_scale`); every block they read is
+      rebuilt with it or is on the device then and unchanged since they first ran;
     - at every tick, the device bytes (persistent bytes and the blocks live at that tick,
-      less the blocks away from it) are at most `limit`.
+      less the blocks away from it) are at most `limit`, with a rebuild's scratch (the
+      other blocks its ops write) added at the op it rebuilds for.
     """
     if not result.feasible:
         raise InvalidSwapPlan("the simulation did not finish: the plan is infeasible")
     n = len(plan.swaps)
-    if len(result.tick_ns) != it.ticks or len(result.swap_ns) != n or len(result.swap_ticks) != n:
+    if (
+        len(result.tick_ns) != it.ticks
+        or len(result.swap_ns) != n
+        or len(result.swap_ticks) != n
+        or len(result.rebuild_ns) != len(plan.recomputes)
+    ):
         raise InvalidSwapPlan("the result is not the simulation of this plan on this iteration")
     times = result.tick_ns
     accessed: dict[int, list[int]] = {}
@@ -199,6 +210,7 @@ def validate_swaps(
         if back_t > s.in_before:
             raise InvalidSwapPlan(f"{s}: back only at tick {back_t}, after op {s.in_before}")
         away.append((size, gone_t, back_t, crosses))
+    scratch = _check_rebuilds(it, plan, result, away, compute_scale)
     if limit is None:
         return
     persistent = sum(size for _, size in it.persistent)
@@ -229,6 +241,101 @@ def validate_swaps(
     gone = 0
     for t in range(it.ticks):
         gone += off[t]
-        device = persistent + live[t] - gone
+        device = persistent + live[t] - gone + scratch.get(t, 0)
         if device > limit:
             raise InvalidSwapPlan(f"tick {t} at {times[t]} ns: {device} device bytes > {limit}")
+
+
+def _check_rebuilds(
+    it: Iteration,
+    plan: SwapPlan,
+    result: Result,
+    away: list[tuple[int, int, int, bool]],
+    compute_scale: float,
+) -> dict[int, int]:
+    """The recomputations' checks (see `validate_swaps`); appends each drop to `away` and
+    returns the scratch bytes of the rebuild at each op tick that has one."""
+    if not plan.recomputes:
+        return {}
+    times = result.tick_ns
+    ns: dict[int, int] = {int(op.tick): round(op.duration_ns * compute_scale) for op in it.ops}
+    ticks = sorted(ns)
+    block_of = {b.id: b for b in it.blocks}
+    size_of = {b.id: b.size for b in it.blocks} | dict(it.persistent)
+    history: dict[int, list[tuple[int, bool]]] = {}  # block id -> (tick, write) in trace order
+    for a in it.accesses:
+        history.setdefault(a.block, []).append((a.tick, a.write))
+    at: dict[int, list[int]] = {}  # the op tick it is rebuilt for -> recomputation indices
+    for j, r in enumerate(plan.recomputes):
+        if not 0 <= r.block < len(it.blocks) or r.drop_after not in ns or r.before not in ns:
+            raise InvalidSwapPlan(f"{r}: not a block and two op ticks of this iteration")
+        b = it.blocks[r.block]
+        if not b.start < r.drop_after < r.before < b.end:
+            raise InvalidSwapPlan(f"{r}: outside its block's lifetime [{b.start}, {b.end})")
+        during = [t for t, _ in history.get(b.id, ()) if r.drop_after < t < r.before]
+        if during:
+            raise InvalidSwapPlan(f"{r}: its block is accessed at tick {during[0]} while dropped")
+        away.append((b.size, r.drop_after + 1, r.before, False))
+        at.setdefault(r.before, []).append(j)
+
+    gone: dict[int, list[tuple[int, int, bool]]] = {}  # block id -> ticks away [from, to)
+    for sw, (left, back) in zip(plan.swaps, result.swap_ticks, strict=True):
+        pid = it.persistent[sw.block][0] if sw.persistent else it.blocks[sw.block].id
+        gone.setdefault(pid, []).append((left, back, sw.in_before <= sw.out_after))
+    for r in plan.recomputes:
+        gone.setdefault(it.blocks[r.block].id, []).append((r.drop_after + 1, r.before, False))
+
+    def resident(pid: int, tick: int) -> bool:
+        """Block `pid` holds its bytes on the device at op `tick`."""
+        b = block_of.get(pid)  # None: a persistent block, or none of this iteration
+        if pid not in size_of or (b is not None and not b.start <= tick < b.end):
+            return False
+        return not any(
+            (lo <= tick or tick < hi) if wraps else lo <= tick < hi
+            for lo, hi, wraps in gone.get(pid, ())
+        )
+
+    scratch: dict[int, int] = {}
+    for before, members in at.items():
+        ids = {it.blocks[plan.recomputes[j].block].id for j in members}
+        writers: set[int] = set()
+        for j in members:
+            r = plan.recomputes[j]
+            b = it.blocks[r.block]
+            mine = {t for t, w in history.get(b.id, ()) if w and b.start <= t <= r.drop_after}
+            if not mine:
+                raise InvalidSwapPlan(f"{r}: nothing writes its block before it is dropped")
+            writers |= mine
+        extra: set[int] = set()
+        for w in writers:
+            for pid, trail in history.items():
+                if pid in ids:
+                    continue
+                if any(t == w and wr for t, wr in trail):
+                    extra.add(pid)
+                if any(t == w and not wr for t, wr in trail):
+                    if not resident(pid, before):
+                        raise InvalidSwapPlan(
+                            f"op {w}, run again for op {before}, reads block {pid}, which is"
+                            " not on the device then"
+                        )
+                    if any(w <= t < before and wr for t, wr in trail):
+                        raise InvalidSwapPlan(
+                            f"op {w}, run again for op {before}, reads block {pid}, which is"
+                            " written again in between"
+                        )
+        scratch[before] = sum(size_of.get(pid, 0) for pid in extra)
+        started = {result.rebuild_ns[j] for j in members}
+        if len(started) != 1:
+            raise InvalidSwapPlan(f"the rebuild for op {before} started at several times")
+        start = started.pop()
+        k = ticks.index(before)
+        previous_end = times[ticks[k - 1]] + ns[ticks[k - 1]] if k else 0
+        work = sum(ns[w] for w in writers)
+        if start < previous_end or start + work > times[before]:
+            raise InvalidSwapPlan(
+                f"the rebuild for op {before} ({work} ns from {start} ns) does not fit between"
+                f" the end of the op before it ({previous_end} ns) and op {before}"
+                f" ({times[before]} ns)"
+            )
+    return scratch
