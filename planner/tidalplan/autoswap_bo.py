@@ -1,12 +1,16 @@
 """AutoSwap's Bayesian optimization of the priority score (SmartPool/AutoSwap, Section IV-C).
 
-The combined score is a·AOA + b·DOA + c·WDOA + d·SWDOA over standardized scores
-(`autoswap.scores`, Eq. 3), with a, b, c, d in [-1, 1]. Each trial plans with
-its weights (`autoswap.autoswap`) and is scored by `simulate`'s overhead; an
-infeasible plan scores `INFEASIBLE` plus how far its simulated peak is above
-the limit, so the search still has a slope to follow. The paper's four scores
-alone are the first four trials (weights (0, 0, 0, 1) and so on), so the result
-is never worse than the best of them.
+IV-C: "we generate the aggregated PS via a linear combination of the 4 basic scores
+... The 4 priority scores are standardized before feeding into the formula. We use
+Bayesian Optimization to automatically tunes the weights a, b, c, and d, whose values
+range between [-1,1]." So the combined score is a·AOA + b·DOA + c·WDOA + d·SWDOA
+(`autoswap.scores`, Eq. 3). Each trial plans with its weights (`autoswap.autoswap`,
+whose candidates hold the persistent blocks' gaps, the ones across the iteration
+boundary included: VI-B3's "Our PS and BO successfully capture them") and is
+scored by `simulate`'s overhead; an infeasible plan scores `INFEASIBLE` plus how
+far its simulated peak is above the limit, so the search still has a slope to
+follow. The paper's four scores alone are the first four trials (weights
+(0, 0, 0, 1) and so on), so the result is never worse than the best of them.
 
 The sampler is Optuna's TPE, seeded: the same iteration, limit and bandwidths
 give the same weights. The paper uses a Gaussian-process prior; Optuna's
