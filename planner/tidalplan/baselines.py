@@ -1,9 +1,10 @@
 """Swap plans of the published baselines, for `simulate` to judge: vDNN and SuperNeurons.
 
     forward                       split                   backward
-    ─[conv]─[bn]─[relu]─[conv]─…─┃─[…bwd]─[conv bwd]─[bn bwd]─▶ op ticks
-          └─out b (after b's last     prefetch b ─┘└─ b needed
-            forward access)            (issued one layer ahead)
+    ─[conv]─[bn]─[relu]─[conv]─…─┃─[…bwd]─[conv bwd]─[bn bwd]─[relu bwd]─[conv bwd]─▶ op ticks
+          └─out b (after b's last      prefetch b ─┘                       └─ b needed
+            forward access)            (vDNN: searched from each backward layer up to
+                                        the next convolution, Fig. 10)
 
 Layers are ops. The forward/backward split is the first op whose name contains
 "backward" (`aten.nll_loss_backward.default` in the traces): every later op is
@@ -18,8 +19,8 @@ hold by construction and candidates that would break them are skipped.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence, Set
+from dataclasses import dataclass, replace
 
 from tidalcore.units import Tick
 
@@ -97,7 +98,7 @@ def _offload(
 
 
 def _previous_op(it: Iteration) -> Callable[[Tick, Tick], Tick | None]:
-    """vDNN's prefetch one layer ahead: issued at the op just before the one that needs it."""
+    """A prefetch one op ahead: issued at the op just before the one that needs it."""
     op_ticks = [op.tick for op in it.ops]
 
     def at(out_after: Tick, in_before: Tick) -> Tick | None:
@@ -120,24 +121,66 @@ def _previous_conv(it: Iteration, u: Uses) -> Callable[[Tick, Tick], Tick | None
     return at
 
 
+def find_prefetch_layers(
+    backward: Sequence[Tick], offloaded: Set[Tick], conv: Set[Tick]
+) -> dict[Tick, Tick]:
+    """vDNN's findPrefetchLayer (III-B, Fig. 10), run before each backward layer in turn:
+    {layer whose offloaded inputs are prefetched: the layer whose backward launches it}.
+
+    "Before stream_{compute} starts a layer's backward computation, vDNN first searches for
+    a potential layer that requires prefetching of its X"; Fig. 10: "Notice how the search
+    operation is only up to the next closest CONV layer (line 14)". The pseudo-code walks
+    from the current layer towards the input (`id = currLayerId-1` down to 0): the first
+    layer that offloaded its X and is not yet prefetched is marked and returned; a CONV
+    layer that is not one ends the search with none (-1). Here the layers are the `backward`
+    op ticks in order, the next layer towards the input being the next backward op; a layer
+    "offloaded its X" when it is in `offloaded` (it is the first backward use of an
+    offloaded block); `conv` holds the convolutions. So a layer's inputs are prefetched at
+    the closest backward layer before it from which no convolution lies between (a
+    convolution may itself be the prefetched layer): at the previous convolution's backward
+    where one is, and where none is, as far back as the search reaches (the first backward
+    layer at the most). The first backward layer's own inputs are never searched for."""
+    found: dict[Tick, Tick] = {}
+    for k, current in enumerate(backward):
+        for layer in backward[k + 1 :]:
+            if layer in offloaded and layer not in found:
+                found[layer] = current
+                break
+            if layer in conv:
+                break
+    return found
+
+
 def _vdnn(it: Iteration, conv_only: bool) -> SwapPlan:
+    """III-C's static policies with III-B's offload and prefetch: the blocks a forward op (a
+    forward convolution: `conv_only`) reads, out after their last forward access ("only when
+    the currently processing layer is the last consumer of its input feature maps") and
+    prefetched where `find_prefetch_layers` says. A block first needed again by the first
+    backward op is left resident: no layer's search reaches it, and vDNN never copies back
+    on demand ("Naively copying back the data on demand will serialize the backward
+    computation behind the memory copying operation of X")."""
     u = uses(it)
-    at = _previous_op(it)
-    swaps = []
+    backward = [op.tick for op in it.ops if op.tick >= u.split]
+    away: list[Swap] = []
     for b in range(len(it.blocks)):
         readers = [t for t in u.reads[b] if t < u.split and (not conv_only or t in u.conv)]
-        if readers and (s := _offload(it, u, b, at)) is not None:
-            swaps.append(s)
-    return SwapPlan(tuple(swaps))
+        if readers and (s := _offload(it, u, b, lambda out_after, in_before: None)) is not None:
+            away.append(s)
+    found = find_prefetch_layers(backward, {s.in_before for s in away}, u.conv)
+    return SwapPlan(
+        tuple(replace(s, in_at=found[s.in_before]) for s in away if s.in_before in found)
+    )
 
 
 def vdnn_all(it: Iteration) -> SwapPlan:
-    """vDNN_all: offload every block a forward op reads (a layer's input X) and backward needs."""
+    """vDNN_all (III-C): "offload all of the Xs of all of the layers": every block a forward
+    op reads and backward needs, prefetched by findPrefetchLayer."""
     return _vdnn(it, conv_only=False)
 
 
 def vdnn_conv(it: Iteration) -> SwapPlan:
-    """vDNN_conv: the same for the blocks a forward convolution reads."""
+    """vDNN_conv (III-C): "only offload Xs for the CONV layers": the blocks a forward
+    convolution reads, prefetched by findPrefetchLayer."""
     return _vdnn(it, conv_only=True)
 
 
@@ -147,15 +190,28 @@ def _fits(it: Iteration, plan: SwapPlan, limit: int, out_gbps: float, in_gbps: f
 
 
 def vdnn_dyn(it: Iteration, limit: int, out_gbps: float, in_gbps: float) -> SwapPlan:
-    """vDNN_dyn's profiling pass: of no swapping, vDNN_conv and vDNN_all, the plan that fits
-    `limit` with the least simulated overhead (earlier in that order on a tie); vDNN_all, the
-    most memory-frugal, when none fits (`simulate` then reports it infeasible)."""
-    best: tuple[float, SwapPlan] | None = None
-    for plan in (SwapPlan(), vdnn_conv(it), vdnn_all(it)):
-        r = simulate(it, plan, limit, out_gbps, in_gbps)
-        if r.feasible and r.peak_bytes <= limit and (best is None or r.overhead < best[0]):
-            best = (r.overhead, plan)
-    return best[1] if best is not None else vdnn_all(it)
+    """vDNN_dyn's profiling passes (III-C), each a training pass `simulate`d under `limit`:
+
+    1. "the static vDNN_{all} is tested ... This initial pass determines if the target DNN
+       can be trained at all": if it fails, vDNN_all is returned (infeasible in `simulate`).
+    2. "another training phase is launched ... without any offloading. Such a configuration,
+       if it passes successfully, will be adopted ... If this profiling phase fails due to
+       memory oversubscription, two additional training passes are tested ... with vDNN
+       offloading enabled for both vDNN_{conv} and vDNN_{all} respectively. If successful,
+       vDNN employs the succeeded configuration": the first of no swapping, vDNN_conv and
+       vDNN_all that fits, in that order, whatever the others' overhead.
+
+    The passes differ in the paper also by convolution algorithm (memory-optimal in pass 1,
+    fastest in pass 2) and pass 3 downgrades algorithms layer by layer; a trace fixes each
+    op's algorithm, workspace and time, so those choices do not exist here and pass 1's
+    vDNN_all is pass 2's."""
+    every = vdnn_all(it)
+    if not _fits(it, every, limit, out_gbps, in_gbps):
+        return every
+    for plan in (SwapPlan(), vdnn_conv(it)):
+        if _fits(it, plan, limit, out_gbps, in_gbps):
+            return plan
+    return every
 
 
 def superneurons_candidates(it: Iteration) -> tuple[Swap, ...]:
@@ -170,24 +226,10 @@ def superneurons_candidates(it: Iteration) -> tuple[Swap, ...]:
     return tuple(sorted(swaps, key=lambda s: (s.out_after, s.block)))
 
 
-def superneurons(it: Iteration, limit: int, out_gbps: float, in_gbps: float) -> SwapPlan:
-    """SuperNeurons' tensor cache: swap only when memory is short. Candidates are taken in LRU
-    order until the simulated iteration fits `limit`; all of them when it never does."""
-    swaps: list[Swap] = []
-    candidates = superneurons_candidates(it)
-    for s in (None, *candidates):
-        if s is not None:
-            swaps.append(s)
-        if _fits(it, SwapPlan(tuple(swaps)), limit, out_gbps, in_gbps):
-            break
-    return SwapPlan(tuple(swaps))
-
-
 Baseline = Callable[[Iteration, int, float, float], SwapPlan]
 
 BASELINES: dict[str, Baseline] = {
     "vdnn-all": lambda it, limit, out_gbps, in_gbps: vdnn_all(it),
     "vdnn-conv": lambda it, limit, out_gbps, in_gbps: vdnn_conv(it),
     "vdnn-dyn": vdnn_dyn,
-    "superneurons": superneurons,
 }
