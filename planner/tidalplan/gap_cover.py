@@ -47,10 +47,10 @@ from typing import Literal
 import highspy
 import numpy as np
 import numpy.typing as npt
-from highspy._core import _Highs
 from scipy.sparse import csr_matrix
 from tidalcore.units import Tick
 
+from tidalplan import highs
 from tidalplan.autoswap import durations, load
 from tidalplan.model import Iteration, Swap, SwapPlan
 from tidalplan.simulate import Result, copy_ns, simulate
@@ -339,11 +339,7 @@ def _cover_milp(
     lp.a_matrix_.index_ = cover.indices
     lp.a_matrix_.value_ = cover.data
     lp.integrality_ = [highspy.HighsVarType.kInteger] * lp.num_col_
-    solver = _Highs()
-    solver.setOptionValue("output_flag", False)
-    solver.setOptionValue("presolve", "off")
-    solver.setOptionValue("mip_max_nodes", _NODE_LIMIT)
-    solver.setOptionValue("mip_rel_gap", _GAP)
+    solver = highs.solver(presolve="off", mip_max_nodes=_NODE_LIMIT, mip_rel_gap=_GAP)
     solver.passModel(lp)
     solver.run()
     if solver.getInfo().primal_solution_status != _FEASIBLE:

@@ -1,0 +1,933 @@
+"""tidalpool's policy: per block gap, keep, swap or recompute, for the shortest simulated step.
+
+Every gap between two consecutive accesses of a block is a candidate (`gap_cover.gaps`: transient
+blocks, persistent ones inside the iteration and across its boundary). A transient gap may also be
+*recomputed* (`Recompute`) when its block's writers can run again at the gap's end: each block
+they read, other than the block itself, is alive there, not written again in between, and pinned
+on the device at that op (no candidate that takes it away over the op may be chosen with it).
+
+    ticks     a ─────────────────── c          the gap of block b: op a, then op c
+    swap      └─[out]┐        ┌─[in]┘          two copies on the serial engines
+    recompute └ drop ·········· [writers of b] rebuilt on the compute stream before c
+    keep      ██████████████████████           on the device, nothing to pay
+
+1. `cover`: a program over every column (swap a gap; recompute a block alone or with its
+   writers' inputs one or two levels deep, rebuilt together) picks the cheapest set whose bytes
+   hold every tick's excess over the limit: a swap costs its two copies' time, a recomputation
+   its writers' time (and holds their other outputs as scratch at the op it rebuilds for);
+   exclusion rows keep a block's intervals apart and a recomputation's inputs on the device.
+   It is solved relaxed and rounded (`_round`), with a swap covering its whole gap or only the
+   ticks its copies leave free when the engines are idle, and, up to `_EXACT_COLUMNS` columns,
+   as an integer program at its root node; the greedy engine-aware covers of
+   `gap_cover.construct` are added, and every plan is judged by `simulate`.
+   A plain start holds every transient block away over its longest gap (`_longest`).
+2. `_Search`: local search from the best, every move judged by `simulate` (the step time, then
+   bytes moved), kept when it shortens the step, in rounds until none does:
+   - retime: swap-ins as late as possible against the simulated timeline less its waits,
+     back to back, latest deadline first;
+   - repair (an infeasible plan): add the column that holds the most bytes per cost over the
+     tick where it got stuck;
+   - exchange: a swap for a recomputation of the same gap, a recomputation for another of it
+     or for its swap;
+   - shift: a column for one, or for several swaps whose copies hide, covering the ticks it is
+     needed over at a lower exposed cost;
+   - drop: leave a column out;
+   - nudge: issue a swap-in its op waited for one op earlier.
+
+Deterministic: the search spends a budget of simulations, not of wall-clock time.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import highspy
+import numpy as np
+import numpy.typing as npt
+from scipy.sparse import csc_matrix, csr_matrix, vstack
+from tidalcore.units import Tick
+
+from tidalplan import highs
+from tidalplan.gap_cover import (
+    _FEASIBLE,
+    RULES,
+    Gap,
+    _ideal_span,
+    _Timeline,
+    construct,
+    gaps,
+)
+from tidalplan.model import Iteration, Recompute, Swap, SwapPlan
+from tidalplan.simulate import Result, simulate
+
+BUDGET = 320  # simulations a search spends by default
+_SIMPLEX = 200_000  # simplex iterations the cover's program may spend
+_GAP = 0.1  # the relative gap at which its integer version stops (at the root node)
+_EXACT_COLUMNS = 12_000  # the integer version only up to this many columns
+_FIRST_ROWS = 64  # its rows at first, and the most it adds per round
+_ROUNDS = 3
+_WEIGHTS = (1.0,)  # a swap's cost: its copies' time times this
+_DEPTHS = (0, 1, 2)  # recomputations: a block alone, and with its writers' inputs this deep
+_SHIFTS = 4  # replacements `_Search.shift` tries per column
+
+
+@dataclass(frozen=True, slots=True)
+class Redo:
+    """Blocks dropped and rebuilt together before op `before`: one rebuild.
+
+    `drops` are (block index, drop_after); the first is the head, whose gap (index `gap`) ends at
+    `before`; the others are blocks its writers read, rebuilt with it (each dropped after its own
+    last access before `before`)."""
+
+    gap: int  # index into the gaps: the head's
+    before: int
+    drops: tuple[tuple[int, int], ...]
+    ns: int  # the writers' durations, each once
+    scratch: int  # bytes of the other blocks the writers write
+    pins: tuple[int, ...]  # trace ids of the blocks the writers read, held on the device
+
+
+class _Access:
+    """Who reads and writes what, by op tick and by block."""
+
+    def __init__(self, it: Iteration) -> None:
+        self.reads: dict[int, set[int]] = {}
+        self.writes: dict[int, set[int]] = {}
+        self.written: dict[int, list[int]] = {}
+        self.touched: dict[int, list[int]] = {}
+        for acc in it.accesses:
+            (self.writes if acc.write else self.reads).setdefault(acc.tick, set()).add(acc.block)
+            self.touched.setdefault(acc.block, []).append(acc.tick)
+            if acc.write:
+                self.written.setdefault(acc.block, []).append(acc.tick)
+        for ticks in self.touched.values():
+            ticks.sort()
+        self.dur: dict[int, int] = {int(op.tick): op.duration_ns for op in it.ops}
+        self.index = {b.id: i for i, b in enumerate(it.blocks)}
+        self.sizes = {b.id: int(b.size) for b in it.blocks}
+        self.sizes.update((pid, int(size)) for pid, size in it.persistent)
+        self.persistent = {pid for pid, _ in it.persistent}
+
+
+def _group(
+    it: Iteration, acc: _Access, head: int, head_a: int, before: int, depth: int
+) -> tuple[tuple[tuple[int, int], ...], set[int], set[int]] | None:
+    """The blocks rebuilt with block `head` (dropped after `head_a`) before op `before`: its
+    writers' transient inputs down to `depth` levels (0: none), each dropped after its last
+    access before `before`; with the writers and the pins. None when it cannot run."""
+    drops: dict[int, int] = {it.blocks[head].id: head_a}
+    frontier = [it.blocks[head].id]
+    for _ in range(depth):
+        nxt = []
+        for pid in frontier:
+            i = acc.index[pid]
+            b = it.blocks[i]
+            for w in acc.written.get(pid, ()):
+                if not b.start <= w <= drops[pid]:
+                    continue
+                for q in acc.reads.get(w, set()):
+                    if q in drops or q in acc.persistent or q not in acc.index:
+                        continue
+                    qb = it.blocks[acc.index[q]]
+                    if not qb.start < before < qb.end:
+                        continue
+                    last = [t for t in acc.touched.get(q, ()) if t < before]
+                    if not last:
+                        continue
+                    if not any(qb.start <= t <= last[-1] for t in acc.written.get(q, ())):
+                        continue
+                    drops[q] = last[-1]
+                    nxt.append(q)
+        frontier = nxt
+    writers: set[int] = set()
+    for pid, a in drops.items():
+        b = it.blocks[acc.index[pid]]
+        ws = [t for t in acc.written.get(pid, ()) if b.start <= t <= a]
+        if not ws:
+            return None
+        writers.update(ws)
+    pins: set[int] = set()
+    for w in writers:
+        for q in acc.reads.get(w, set()) - drops.keys():
+            at = acc.index.get(q)
+            alive = q in acc.persistent or (
+                at is not None and it.blocks[at].start < before < it.blocks[at].end
+            )
+            if not alive or any(w <= t < before for t in acc.written.get(q, ())):
+                return None
+            pins.add(q)
+    members = tuple((acc.index[pid], a) for pid, a in drops.items())
+    return members, writers, pins
+
+
+def redos(it: Iteration, every: Sequence[Gap], depths: Sequence[int] = (0,)) -> list[Redo]:
+    """The transient gaps that can be recomputed, alone (depth 0) and with their writers'
+    inputs down to each of `depths` levels (see the module's docstring)."""
+    acc = _Access(it)
+    out: list[Redo] = []
+    seen: set[tuple[int, tuple[tuple[int, int], ...]]] = set()
+    for k, g in enumerate(every):
+        if g.persistent:
+            continue
+        for depth in depths:
+            made = _group(it, acc, g.block, g.a, g.c, depth)
+            if made is None:
+                continue
+            drops, writers, pins = made
+            if (g.c, drops) in seen or (depth and len(drops) == 1):
+                continue
+            seen.add((g.c, drops))
+            dropped = {it.blocks[i].id for i, _ in drops}
+            scratch: set[int] = set()
+            for w in writers:
+                scratch |= acc.writes.get(w, set()) - dropped
+            out.append(
+                Redo(
+                    k,
+                    g.c,
+                    drops,
+                    sum(acc.dur[w] for w in writers),
+                    sum(acc.sizes.get(q, 0) for q in scratch),
+                    tuple(sorted(pins)),
+                )
+            )
+    return out
+
+
+def _spans(g: Gap, c: int) -> bool:
+    """Whether gap `g` keeps its block away over op tick `c` (strictly inside the gap)."""
+    return (c > g.a or c < g.c) if g.wraps else g.a < c < g.c
+
+
+class _Candidates:
+    """The gaps and the recomputations, with the pairs that exclude each other.
+
+    Column j < len(gaps) swaps gap j; column len(gaps) + r recomputes `redo[r]`."""
+
+    def __init__(
+        self, it: Iteration, out_gbps: float, in_gbps: float, depths: Sequence[int]
+    ) -> None:
+        self.it = it
+        self.gaps = gaps(it, out_gbps, in_gbps)
+        self.redo = redos(it, self.gaps, depths)
+        self.redo_by_gap: dict[int, list[int]] = {}
+        for j, r in enumerate(self.redo):
+            self.redo_by_gap.setdefault(r.gap, []).append(j)
+        g = len(self.gaps)
+        # Per trace block id: (column, lo, hi, wraps) of every interval a column takes it away.
+        away: dict[int, list[tuple[int, int, int, bool]]] = {}
+        for k, x in enumerate(self.gaps):
+            pid = it.persistent[x.block][0] if x.persistent else it.blocks[x.block].id
+            away.setdefault(pid, []).append((k, x.a, x.c, x.wraps))
+        for j, r in enumerate(self.redo):
+            for i, a in r.drops:
+                away.setdefault(it.blocks[i].id, []).append((g + j, a, r.before, False))
+        clash: set[tuple[int, int]] = set()
+        # Rows of the integer program that keep exclusive columns apart, as cliques: at most
+        # one of the intervals of a block over any tick (an interval graph: its cliques are at
+        # the intervals' first ticks), and a pinned block away from its op only where no
+        # recomputation pins it there (one switch z per pin: x_r <= z, z + sum x_away <= 1).
+        self.cliques: list[list[int]] = []
+        self.pin_rows: list[tuple[list[int], list[int]]] = []  # (pinning columns, away columns)
+        for j, r in enumerate(self.redo):
+            col = g + j
+            for i, a in r.drops:
+                for other, lo, hi, wraps in away[it.blocks[i].id]:
+                    if other != col and not wraps and lo < r.before and a < hi:
+                        clash.add((min(col, other), max(col, other)))
+        dropped = {it.blocks[i].id for r in self.redo for i, _ in r.drops}
+        for pid in sorted(dropped):
+            spans = away[pid]
+            for _, lo, _, _ in spans:
+                here = sorted({o for o, lo2, hi2, _ in spans if lo2 <= lo < hi2 - 1})
+                if len(here) > 1:
+                    self.cliques.append(here)
+        pinned: dict[tuple[int, int], list[int]] = {}
+        for j, r in enumerate(self.redo):
+            for p in r.pins:
+                pinned.setdefault((p, r.before), []).append(g + j)
+        for (p, before), cols in sorted(pinned.items()):
+            gone = [
+                other
+                for other, lo, hi, wraps in away.get(p, ())
+                if ((before > lo or before < hi) if wraps else lo < before < hi)
+            ]
+            if gone:
+                self.pin_rows.append((cols, gone))
+                clash.update((min(x, y), max(x, y)) for x in cols for y in gone)
+        self.cliques = [list(c) for c in dict.fromkeys(tuple(c) for c in self.cliques)]
+        self.clash = sorted(clash)
+        self.excludes: dict[int, set[int]] = {}
+        for u, v in self.clash:
+            self.excludes.setdefault(u, set()).add(v)
+            self.excludes.setdefault(v, set()).add(u)
+
+    def exclusion(self) -> tuple[csr_matrix, npt.NDArray[np.float64]]:
+        """The exclusion rows (rows · x >= lower) over the columns and one switch per pin."""
+        m = self.columns
+        z = m
+        r: list[int] = []
+        c: list[int] = []
+        v: list[float] = []
+        lower: list[float] = []
+        for clique in self.cliques:
+            k = len(lower)
+            r += [k] * len(clique)
+            c += clique
+            v += [-1.0] * len(clique)
+            lower.append(-1.0)
+        for pinning, gone in self.pin_rows:
+            for x in pinning:
+                k = len(lower)
+                r += [k, k]
+                c += [z, x]
+                v += [1.0, -1.0]
+                lower.append(0.0)
+            k = len(lower)
+            r += [k] * (1 + len(gone))
+            c += [z, *gone]
+            v += [-1.0] * (1 + len(gone))
+            lower.append(-1.0)
+            z += 1
+        rows = csr_matrix((v, (r, c)), shape=(len(lower), z))
+        return rows, np.array(lower, np.float64)
+
+    @property
+    def columns(self) -> int:
+        return len(self.gaps) + len(self.redo)
+
+
+@dataclass(frozen=True, slots=True)
+class _Choice:
+    """A plan as columns: swaps with their issue ticks, and recomputations."""
+
+    swaps: tuple[tuple[int, int | None], ...]  # (gap, in_at); None: the simulator's default
+    redos: tuple[int, ...]  # indices into the recomputable gaps
+
+    def plan(self, cands: _Candidates) -> SwapPlan:
+        swaps = []
+        for k, at in self.swaps:
+            g = cands.gaps[k]
+            swaps.append(Swap(g.block, g.a, g.c, None if at is None else Tick(at), g.persistent))
+        recomputes: list[Recompute] = []
+        for j in self.redos:
+            r = cands.redo[j]
+            recomputes.extend(Recompute(i, Tick(a), Tick(r.before)) for i, a in r.drops)
+        return SwapPlan(
+            tuple(sorted(swaps, key=lambda s: (s.out_after, s.in_before, s.block, s.persistent))),
+            tuple(sorted(recomputes, key=lambda r: (r.drop_after, r.before, r.block))),
+        )
+
+
+def _solve(
+    cost: npt.NDArray[np.float64],
+    rows: csr_matrix,
+    lower: npt.NDArray[np.float64],
+    columns: int = 0,
+) -> npt.NDArray[np.float64] | None:
+    """min cost·x over x in [0, 1] with rows·x >= lower, the first `columns` of x binary, by
+    HiGHS within deterministic limits (`_SIMPLEX` simplex iterations; for an integer program,
+    its root node and `_GAP`); None when it found no solution. Silent as
+    `gap_cover._cover_milp` explains."""
+    lp = highspy.HighsLp()
+    lp.num_col_, lp.num_row_ = rows.shape[1], rows.shape[0]
+    lp.col_cost_ = cost
+    lp.col_lower_ = np.zeros(lp.num_col_)
+    lp.col_upper_ = np.ones(lp.num_col_)
+    lp.row_lower_ = lower
+    lp.row_upper_ = np.full(lp.num_row_, highspy.kHighsInf)
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+    lp.a_matrix_.start_ = rows.indptr
+    lp.a_matrix_.index_ = rows.indices
+    lp.a_matrix_.value_ = rows.data
+    if columns:
+        integer, real = highspy.HighsVarType.kInteger, highspy.HighsVarType.kContinuous
+        lp.integrality_ = [integer] * columns + [real] * (lp.num_col_ - columns)
+    solver = highs.solver(simplex_iteration_limit=_SIMPLEX, mip_max_nodes=1, mip_rel_gap=_GAP)
+    solver.passModel(lp)
+    solver.run()
+    if solver.getInfo().primal_solution_status != _FEASIBLE:
+        return None
+    return np.asarray(solver.getSolution().col_value, dtype=np.float64)
+
+
+def _round(
+    cands: _Candidates,
+    x: npt.NDArray[np.float64],
+    cost: npt.NDArray[np.float64],
+    coverage: csc_matrix,
+    need: npt.NDArray[np.float64],
+) -> list[int] | None:
+    """Columns for the relaxed solution `x`: every column over one half (no two of them clash:
+    the exclusion rows keep their sum at most 1); then, while rows are short, the column that
+    covers the most short need per cost, weighted by its x, among those that clash with none
+    taken; a swap excluded by taken recomputations may displace them for good. Last, columns no
+    row needs are dropped, costliest first. None when some row stays short."""
+    short = need.copy()
+    taken: set[int] = set()
+    gone: set[int] = set()  # displaced: never taken again
+    g = len(cands.gaps)
+
+    def gain(j: int) -> float:
+        lo, hi = coverage.indptr[j], coverage.indptr[j + 1]
+        rows, vals = coverage.indices[lo:hi], coverage.data[lo:hi]
+        return float(np.minimum(np.maximum(short[rows], 0.0), np.maximum(vals, 0.0)).sum())
+
+    def put(j: int, sign: float) -> None:
+        lo, hi = coverage.indptr[j], coverage.indptr[j + 1]
+        short[coverage.indices[lo:hi]] -= sign * coverage.data[lo:hi]
+
+    for j in np.flatnonzero(x > 0.5 + 1e-6).tolist():
+        put(j, 1.0)
+        taken.add(j)
+    while (short > 1e-9).any():
+        missing = np.flatnonzero(short > 1e-9)
+        cols = np.unique(coverage[missing].indices).tolist()
+        best, score, forced, forced_score = -1, 0.0, -1, 0.0
+        for j in cols:
+            if j in taken or j in gone:
+                continue
+            v = gain(j) / cost[j] * (0.1 + x[j])
+            if v <= 0:
+                continue
+            if cands.excludes.get(j, set()) & taken:
+                if j < g and (forced < 0 or v > forced_score):
+                    forced, forced_score = j, v
+                continue
+            if v > score:
+                best, score = j, v
+        if best < 0 and forced >= 0:
+            for k in sorted(cands.excludes.get(forced, set()) & taken):
+                put(k, -1.0)
+                taken.discard(k)
+                gone.add(k)
+            best = forced
+        if best < 0:
+            return None
+        put(best, 1.0)
+        taken.add(best)
+    for j in sorted(taken, key=lambda j: (-cost[j], j)):
+        lo, hi = coverage.indptr[j], coverage.indptr[j + 1]
+        rows, vals = coverage.indices[lo:hi], coverage.data[lo:hi]
+        if (short[rows] + vals <= 1e-9).all():
+            short[rows] += vals
+            taken.discard(j)
+    return sorted(taken)
+
+
+def cover(
+    cands: _Candidates, tl: _Timeline, weight: float, with_copies: bool, exact: bool
+) -> _Choice | None:
+    """The cheapest columns whose bytes hold every tick's excess (see the module's docstring);
+    None when HiGHS finds none within its node limit."""
+    n = tl.ticks
+    every = cands.gaps
+    a = np.array([g.a for g in every], np.int64)
+    c = np.array([g.c for g in every], np.int64)
+    wraps = c <= a
+    size = np.array([g.size for g in every], np.int64)
+    copies = np.array([g.out_ns + g.in_ns for g in every], np.float64)
+    if with_copies:
+        spans = [_ideal_span(tl, g) for g in every]
+        lo = np.array([s[0] for s in spans], np.int64)
+        hi = np.array([s[1] for s in spans], np.int64)
+    else:
+        lo, hi = a + 1, c.copy()
+    r_lo = np.array([d[1] + 1 for r in cands.redo for d in r.drops], np.int64)
+    r_hi = np.array([r.before for r in cands.redo], np.int64)
+    r_scratch = np.array([r.scratch for r in cands.redo], np.int64)
+    lo, hi = np.clip(lo, 0, n), np.clip(hi, 0, n)
+    cuts = np.unique(np.concatenate(([0, n], lo, hi, r_lo, r_hi, np.minimum(r_hi + 1, n))))
+    seg_start = cuts[:-1]
+    worst = np.maximum.reduceat(tl.need, seg_start)
+    # A rebuild's scratch lands on the segment of its op, which is that op alone.
+    scratch_seg = np.searchsorted(seg_start, r_hi, side="right") - 1
+    needed = (worst > 0).copy()
+    needed[scratch_seg[(r_scratch > 0) & (worst[scratch_seg] > -r_scratch)]] = True
+    rows_needed = np.flatnonzero(needed)
+    row_of = np.full(len(seg_start), -1, np.int64)
+    row_of[rows_needed] = np.arange(len(rows_needed))
+    rows: list[npt.NDArray[np.int64]] = []
+    cols: list[npt.NDArray[np.int64]] = []
+    vals: list[npt.NDArray[np.float64]] = []
+
+    def add(col: int, first: int, last: int, value: float) -> None:
+        if first >= last:
+            return
+        segs = np.arange(np.searchsorted(seg_start, first), np.searchsorted(seg_start, last))
+        r = row_of[segs]
+        r = r[r >= 0]
+        rows.append(r)
+        cols.append(np.full(len(r), col, np.int64))
+        vals.append(np.full(len(r), value, np.float64))
+
+    for k in range(len(every)):
+        if wraps[k]:
+            add(k, int(lo[k]), n, float(size[k]))
+            add(k, 0, int(hi[k]), float(size[k]))
+        else:
+            add(k, int(lo[k]), int(hi[k]), float(size[k]))
+    g = len(every)
+    blocks = cands.it.blocks
+    for j, r in enumerate(cands.redo):
+        for i, drop in r.drops:
+            add(g + j, drop + 1, r.before, float(blocks[i].size))
+        if r.scratch:
+            add(g + j, r.before, r.before + 1, -float(r.scratch))
+    row = np.concatenate(rows) if rows else np.zeros(0, np.int64)
+    col = np.concatenate(cols) if cols else np.zeros(0, np.int64)
+    val = np.concatenate(vals) if vals else np.zeros(0, np.float64)
+    m = cands.columns
+    coverage = csr_matrix((val, (row, col)), shape=(len(rows_needed), m))
+    need = worst[rows_needed].astype(np.float64)
+    scale = float(size.max())
+    coverage = coverage / scale
+    need = need / scale
+    exclusion, floor = cands.exclusion()
+    coverage = csr_matrix(
+        (coverage.data, coverage.indices, coverage.indptr),
+        shape=(coverage.shape[0], exclusion.shape[1]),
+    )
+    redo_ns = np.array([r.ns for r in cands.redo], np.float64)
+    cost = np.concatenate((weight * copies, redo_ns)) + 1.0
+    cost = cost / float(cost.max())
+    cost = np.concatenate((cost, np.zeros(exclusion.shape[1] - m)))
+    # The integer program by row generation: the rows of the largest excess first, then the
+    # rows its solution leaves short, `_ROUNDS` times at most; `_round` repairs what is left.
+    active = np.argsort(-need, kind="stable")[: _FIRST_ROWS if exact else len(need)]
+    solution = None
+    for _ in range(_ROUNDS if exact else 1):
+        rows = csr_matrix(vstack([coverage[active], exclusion]))
+        solution = _solve(cost, rows, np.concatenate((need[active], floor)), m if exact else 0)
+        if solution is None:
+            return None
+        short = need - coverage @ np.round(solution)
+        missing = np.flatnonzero(short > 1e-9)
+        if not len(missing):
+            break
+        worst_first = missing[np.argsort(-short[missing], kind="stable")][:_FIRST_ROWS]
+        active = np.union1d(active, worst_first)
+    assert solution is not None
+    picked = _round(cands, solution[:m], cost[:m], coverage[:, :m].tocsc(), need)
+    if picked is None:
+        return None
+    swaps: list[tuple[int, int | None]] = []
+    for k in picked:
+        if k < g:
+            gap = every[k]
+            first = 0 if gap.wraps else gap.a + 1
+            at = max(min(int(hi[k]), gap.c), first) if with_copies else None
+            swaps.append((k, at))
+    return _Choice(tuple(swaps), tuple(k - g for k in picked if k >= g))
+
+
+def _from_plan(cands: _Candidates, plan: SwapPlan) -> _Choice:
+    """The columns of a plan made of the candidates' gaps (swaps only)."""
+    where = {(g.persistent, g.block, g.a, g.c): k for k, g in enumerate(cands.gaps)}
+    return _Choice(
+        tuple(
+            (where[(s.persistent, s.block, s.out_after, s.in_before)], s.in_at) for s in plan.swaps
+        ),
+        (),
+    )
+
+
+def _longest(cands: _Candidates) -> _Choice:
+    """Every transient block away over its longest gap: a plain start that holds where a cover
+    cannot be found (the activations, out after their forward use, back for the backward)."""
+    best: dict[int, int] = {}
+    for k, g in enumerate(cands.gaps):
+        if g.persistent or g.wraps:
+            continue
+        held = best.get(g.block)
+        if held is None or g.c - g.a > cands.gaps[held].c - cands.gaps[held].a:
+            best[g.block] = k
+    return _Choice(tuple((k, None) for k in sorted(best.values())), ())
+
+
+Key = tuple[int, int, int, int]
+
+
+class _Search:
+    """Plans judged by `simulate` within a budget of simulations."""
+
+    def __init__(
+        self,
+        it: Iteration,
+        limit: int,
+        out_gbps: float,
+        in_gbps: float,
+        cands: _Candidates,
+        budget: int,
+        progress: Callable[[float], None] | None,
+    ) -> None:
+        self.it, self.limit, self.out_gbps, self.in_gbps = it, limit, out_gbps, in_gbps
+        self.cands = cands
+        self.budget = budget
+        self._columns(_Timeline(it, limit))
+        self.dur = np.zeros(it.ticks, np.int64)
+        for op in it.ops:
+            self.dur[op.tick] = op.duration_ns
+        self.spent = 0
+        self.progress = progress
+        self.best: tuple[Key, _Choice, Result] | None = None
+        self.seen: dict[_Choice, Key] = {}
+
+    def _columns(self, tl: _Timeline) -> None:
+        """Per column: the ticks [lo, hi) it takes its (head) block away over (wrapping when
+        hi <= lo), its bytes there, and its exposed cost: a swap's copy time beyond its gap's
+        compute on the no-stall timeline (a copy that can hide costs 1 ns per 1000 of its
+        own), a recomputation's writers' time."""
+        self.need = tl.need
+        g = len(self.cands.gaps)
+        lo, hi, size, exposed = [], [], [], []
+        hidden: list[bool] = []
+        self.ideal: list[int] = []  # per gap: where its swap-in is issued to arrive in time
+        for x in self.cands.gaps:
+            first = 0 if x.wraps else x.a + 1
+            self.ideal.append(max(min(_ideal_span(tl, x)[1], int(x.c)), first))
+            lo.append(x.a + 1)
+            hi.append(int(x.c))
+            size.append(x.size)
+            span = int(tl.start[x.c] - tl.end_of[x.a])
+            if x.wraps:
+                span += tl.total
+            copies = x.out_ns + x.in_ns
+            exposed.append(max(copies - span, 0) * 1000 + copies)
+            hidden.append(copies <= span)
+        for r in self.cands.redo:
+            i, a = r.drops[0]
+            lo.append(a + 1)
+            hi.append(r.before)
+            size.append(int(self.it.blocks[i].size))
+            exposed.append(r.ns * 1000)
+            hidden.append(False)
+        self.lo, self.hi = np.array(lo, np.int64), np.array(hi, np.int64)
+        self.size = np.array(size, np.int64)
+        self.exposed = np.array(exposed, np.int64)
+        self.wraps = self.hi <= self.lo
+        self.hidden = np.array(hidden, bool)
+        assert len(self.lo) == g + len(self.cands.redo)
+
+    def away(self, taken: set[int]) -> npt.NDArray[np.int64]:
+        """The bytes the columns `taken` hold away at each tick (head blocks only)."""
+        out = np.zeros(len(self.need) + 1, np.int64)
+        for col in taken:
+            lo, hi, size = int(self.lo[col]), int(self.hi[col]), int(self.size[col])
+            if hi > lo:
+                out[lo] += size
+                out[hi] -= size
+            else:
+                out[lo] += size
+                out[0] += size
+                out[hi] -= size
+        return np.cumsum(out)[:-1]
+
+    def covering(self, first: int, last: int) -> npt.NDArray[np.int64]:
+        """The columns that take their block away over every tick of [first, last]."""
+        plain = (self.lo <= first) & (last < self.hi)
+        wrapped = self.wraps & ((self.lo <= first) | (last < self.hi))
+        return np.flatnonzero(plain | wrapped)
+
+    def left(self) -> bool:
+        return self.spent < self.budget
+
+    def current(self) -> tuple[Key, _Choice, Result]:
+        """The best plan so far (one has been judged)."""
+        assert self.best is not None
+        return self.best
+
+    def attempt(self, trial: _Choice) -> Key:
+        """Judge `trial`, and when it is feasible with swaps, its swap-ins re-timed."""
+        key, result = self.judge(trial)
+        if result is not None and key[0] == 0 and trial.swaps and self.left():
+            key = min(key, self.judge(self.retime(trial, result))[0])
+        return key
+
+    def judge(self, choice: _Choice) -> tuple[Key, Result | None]:
+        """Simulate `choice` (once: repeated ones are remembered); keep it if it is the best."""
+        if choice in self.seen:
+            return self.seen[choice], None
+        self.spent += 1
+        if self.progress is not None and self.spent % 8 == 0:
+            self.progress(min(self.spent / self.budget, 1.0))
+        r = simulate(self.it, choice.plan(self.cands), self.limit, self.out_gbps, self.in_gbps)
+        key: Key = (
+            0 if r.feasible else 1,
+            0 if r.feasible else -len(r.tick_ns),
+            r.iteration_ns,
+            r.out_bytes + r.in_bytes,
+        )
+        self.seen[choice] = key
+        if self.best is None or key < self.best[0]:
+            self.best = (key, choice, r)
+        return key, r
+
+    def retime(self, choice: _Choice, result: Result) -> _Choice:
+        """Swap-ins issued as late as possible against the simulated timeline, back to back,
+        latest deadline first (so they finish by their ops if the timeline holds)."""
+        if not choice.swaps:
+            return choice
+        ticks = np.array(result.tick_ns, np.int64)
+        if len(ticks) < self.it.ticks:
+            return choice
+        every = self.cands.gaps
+        # Each op's deadline: when compute reached it, less its own wait (the wait is what
+        # re-timing removes): the previous tick's time and duration.
+        ready = np.minimum(ticks, np.concatenate(([0], ticks[:-1] + self.dur[:-1])))
+        deadline = np.array([ready[every[k].c] for k, _ in choice.swaps], np.int64)
+        copy = np.array([every[k].in_ns for k, _ in choice.swaps], np.int64)
+        order = np.argsort(-deadline, kind="stable")
+        prefix = np.cumsum(copy[order])
+        start_sorted = np.minimum.accumulate(deadline[order] + (prefix - copy[order])) - prefix
+        start = np.empty_like(start_sorted)
+        start[order] = start_sorted
+        issue = np.searchsorted(ticks, start, side="right") - 1
+        swaps = []
+        for (k, _), at in zip(choice.swaps, issue.tolist(), strict=True):
+            g = every[k]
+            first = 0 if g.wraps else g.a + 1
+            swaps.append((k, max(min(int(at), g.c), first)))
+        return _Choice(tuple(swaps), choice.redos)
+
+    def taken(self, choice: _Choice) -> set[int]:
+        """The columns of `choice`."""
+        g = len(self.cands.gaps)
+        return {k for k, _ in choice.swaps} | {g + j for j in choice.redos}
+
+    def fits(self, col: int, taken: set[int]) -> bool:
+        """Whether column `col` may join the columns `taken`."""
+        return col not in taken and not self.cands.excludes.get(col, set()) & taken
+
+    def cost(self, col: int) -> int:
+        """What a column costs when nothing hides it: its copies' or its writers' time."""
+        g = len(self.cands.gaps)
+        if col < g:
+            return self.cands.gaps[col].out_ns + self.cands.gaps[col].in_ns
+        return self.cands.redo[col - g].ns
+
+    def repair(self) -> None:
+        """An infeasible best: add the column that holds the most bytes per cost over the tick
+        where it got stuck (cheapest first among the three best), until one gets further."""
+        key, choice, result = self.current()
+        if key[0] == 0:
+            return
+        t = max(len(result.tick_ns) - 1, 0)
+        g = len(self.cands.gaps)
+        taken = self.taken(choice)
+        found: list[tuple[float, int]] = []
+        for k, gap in enumerate(self.cands.gaps):
+            if _spans(gap, t) and self.fits(k, taken):
+                found.append((-gap.size / (self.cost(k) + 1), k))
+        for j, r in enumerate(self.cands.redo):
+            if r.drops[0][1] < t < r.before and self.fits(g + j, taken):
+                size = sum(self.it.blocks[i].size for i, _ in r.drops)
+                found.append((-size / (r.ns + 1), g + j))
+        for _, col in sorted(found)[:3]:
+            if not self.left():
+                return
+            if col < g:
+                trial = _Choice((*choice.swaps, (col, None)), choice.redos)
+            else:
+                trial = _Choice(choice.swaps, (*choice.redos, col - g))
+            if self.judge(trial)[0] < key:
+                return
+
+    def drop(self) -> None:
+        """Leave out a swap or a recomputation, costliest first, where the step gets shorter
+        (a feasible plan stays feasible: the key puts infeasible plans last)."""
+        _, choice, _ = self.current()
+        g = len(self.cands.gaps)
+        cols = sorted(self.taken(choice), key=lambda c: (-self.cost(c), c))
+        for col in cols:
+            if not self.left():
+                return
+            choice = self.current()[1]
+            if col not in self.taken(choice):
+                continue
+            if col < g:
+                trial = _Choice(tuple(s for s in choice.swaps if s[0] != col), choice.redos)
+            else:
+                trial = _Choice(choice.swaps, tuple(j for j in choice.redos if j != col - g))
+            self.judge(trial)
+
+    def exchange(self) -> None:
+        """Turn a swap into a recomputation of the same gap (alone or with its writers'
+        inputs), a recomputation into another of the same gap or into a swap of it; swaps by
+        copy time and recomputations by their writers' time, costliest first."""
+        _, choice, _ = self.current()
+        g = len(self.cands.gaps)
+        cols = sorted(self.taken(choice), key=lambda c: (-self.cost(c), c))
+        for col in cols:
+            key, choice, _ = self.current()
+            taken = self.taken(choice)
+            if col not in taken:
+                continue
+            gap = col if col < g else self.cands.redo[col - g].gap
+            others = [g + j for j in self.cands.redo_by_gap.get(gap, ())]
+            if col >= g and not self.cands.gaps[gap].persistent:
+                others.insert(0, gap)
+            for other in others:
+                if not self.left():
+                    return
+                if other == col or not self.fits(other, taken - {col}):
+                    continue
+                swaps = tuple(s for s in choice.swaps if s[0] != col)
+                redos = tuple(j for j in choice.redos if j != col - g)
+                if other < g:
+                    trial = _Choice((*swaps, (other, self.ideal[other])), redos)
+                else:
+                    trial = _Choice(swaps, (*redos, other - g))
+                if self.attempt(trial) < key:
+                    break
+
+    def shift(self) -> None:
+        """Exchange a column for another that covers the ticks it is needed over (where the
+        plan holds less than its bytes beyond the excess), with at least the bytes missing
+        there, cheapest exposed cost first, `_SHIFTS` tried per column; costliest first."""
+        _, choice, _ = self.current()
+        g = len(self.cands.gaps)
+        cols = sorted(self.taken(choice), key=lambda c: (-int(self.exposed[c]), c))
+        for col in cols:
+            if not self.left():
+                return
+            key, choice, _ = self.current()
+            taken = self.taken(choice)
+            if col not in taken:
+                continue
+            slack = self.away(taken) - self.need
+            lo, hi = int(self.lo[col]), int(self.hi[col])
+            ticks = np.arange(lo, hi) if hi > lo else np.r_[lo : len(self.need), 0:hi]
+            ticks = ticks[(self.need[ticks] > 0) & (slack[ticks] < self.size[col])]
+            if not len(ticks):
+                continue
+            missing = int((self.size[col] - slack[ticks]).max())
+            first, last = int(ticks.min()), int(ticks.max())
+            found = [
+                int(o)
+                for o in self.covering(first, last)
+                if self.size[o] >= missing
+                and int(self.exposed[o]) < int(self.exposed[col])
+                and self.fits(int(o), taken - {col})
+            ]
+            found.sort(key=lambda o: (int(self.exposed[o]), o))
+            swaps = tuple(s for s in choice.swaps if s[0] != col)
+            redos = tuple(j for j in choice.redos if j != col - g)
+            better = False
+            for other in found[:_SHIFTS]:
+                if not self.left():
+                    return
+                if other < g:
+                    trial = _Choice((*swaps, (other, self.ideal[other])), redos)
+                else:
+                    trial = _Choice(swaps, (*redos, other - g))
+                if self.attempt(trial) < key:
+                    better = True
+                    break
+            if better or not self.left():
+                continue
+            # Or several swaps whose copies can hide, largest first, for the bytes missing.
+            bundle: list[int] = []
+            held = 0
+            rest = taken - {col}
+            for o in sorted(
+                (
+                    int(o)
+                    for o in self.covering(first, last)
+                    if o < g and self.hidden[o] and self.size[o] < missing
+                ),
+                key=lambda o: (-int(self.size[o]), o),
+            ):
+                if held >= missing:
+                    break
+                if self.fits(o, rest):
+                    bundle.append(o)
+                    rest.add(o)
+                    held += int(self.size[o])
+            if held >= missing and len(bundle) > 1:
+                self.attempt(_Choice((*swaps, *((o, self.ideal[o]) for o in bundle)), redos))
+
+    def nudge(self) -> None:
+        """Issue a late swap-in (its op waited for it) one op earlier."""
+        key, choice, result = self.current()
+        if key[0] != 0 or not choice.swaps or len(result.tick_ns) < self.it.ticks:
+            return
+        plan = choice.plan(self.cands)
+        at = {
+            (s.persistent, s.block, s.out_after, s.in_before): k for k, s in enumerate(plan.swaps)
+        }
+        ops = [int(op.tick) for op in self.it.ops]
+        for i, (k, issue) in enumerate(choice.swaps):
+            if not self.left():
+                return
+            gap = self.cands.gaps[k]
+            came = result.swap_ns[at[(gap.persistent, gap.block, gap.a, gap.c)]][1]
+            if came + gap.in_ns < result.tick_ns[gap.c]:
+                continue  # on time
+            first = 0 if gap.wraps else gap.a + 1
+            now = gap.c - 1 if issue is None else issue
+            earlier = [t for t in ops if first <= t < now]
+            if not earlier:
+                continue
+            key, choice, _ = self.current()
+            if i >= len(choice.swaps) or choice.swaps[i][0] != k:
+                continue
+            swaps = (*choice.swaps[:i], (k, earlier[-1]), *choice.swaps[i + 1 :])
+            self.judge(_Choice(swaps, choice.redos))
+
+    def improve(self) -> None:
+        """Local search from the best plan until the budget is spent or no round of moves
+        helps: re-time, repair, exchange, drop, nudge (see the module's docstring)."""
+        assert self.best is not None
+        while self.left():
+            key, choice, result = self.best
+            if key[0] == 0:
+                self.judge(self.retime(choice, result))
+            for move in (self.repair, self.exchange, self.shift, self.drop, self.nudge):
+                if not self.left():
+                    break
+                move()
+            if not self.best[0] < key:
+                break
+
+
+def search(
+    it: Iteration,
+    limit: int,
+    out_gbps: float,
+    in_gbps: float,
+    budget: int | None = None,
+    progress: Callable[[float], None] | None = None,
+    recompute: bool = True,
+) -> SwapPlan:
+    """The plan with the shortest simulated step found within `budget` simulations (default
+    `BUDGET`) for `limit` device bytes; `progress` hears the fraction of the budget spent.
+    `recompute=False`: swaps only, for an executor that cannot rebuild blocks."""
+    budget = BUDGET if budget is None else budget
+    tl = _Timeline(it, limit)
+    if tl.ticks == 0 or int(tl.need.max()) <= 0:
+        return SwapPlan()
+    cands = _Candidates(it, out_gbps, in_gbps, _DEPTHS if recompute else ())
+    s = _Search(it, limit, out_gbps, in_gbps, cands, max(budget, 1), progress)
+    starts: list[_Choice] = []
+    kinds = [(False, False), (True, False)]  # (with copies, exact): relaxed and rounded
+    if cands.columns <= _EXACT_COLUMNS:
+        kinds.append((False, True))
+    for weight, (with_copies, exact) in itertools.product(_WEIGHTS, kinds):
+        made = cover(cands, tl, weight, with_copies, exact)
+        if made is not None:
+            starts.append(made)
+    for rule in RULES:
+        starts.append(_from_plan(cands, construct(it, limit, out_gbps, in_gbps, rule)))
+    starts.append(_longest(cands))
+    for choice in starts:
+        if s.left():
+            s.judge(choice)
+    if s.best is None:
+        return SwapPlan()
+    s.improve()
+    if progress is not None:
+        progress(1.0)
+    return s.best[1].plan(cands)
