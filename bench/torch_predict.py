@@ -149,19 +149,14 @@ def recompute_rows(
     return out
 
 
-def rows(
-    path: Path,
-    limit: int | None,
-    names: list[str],
-    gbps: float,
-    footprint: bool,
-    fit: bool = False,
-) -> dict[str, Any]:
-    """The trace's peak and compute time, and each policy's result at `limit` bytes (None:
-    half of the peak); with `fit`, made for a lower limit where the placement needs more."""
-    from tidaloffline.simulate_command import evaluate
+def rows(path: Path, limit: int | None, names: list[str], gbps: float) -> dict[str, Any]:
+    """The trace's peak and compute time, and each policy's placed plan at `limit` bytes (None:
+    half of the peak; made for a lower limit where the placement needs more). `tidalpool` is
+    its search with swaps only: what PyTorch's saved tensors execute."""
     from tidaloffline.simulate_command import load as load_trace
     from tidalplan.autoswap import durations, load, op_bound
+    from tidalplan.combined import fit
+    from tidalplan.policies import policy, swaps_only
 
     it = load_trace(path)
     peak = int(load(it).max())
@@ -179,18 +174,17 @@ def rows(
     if limit >= peak:
         out["policies"] = {n: {"feasible": True, "overhead": 0.0} for n in names}
         return out
-    found = evaluate(it, names, limit, gbps, gbps, 1.0, footprint, fit)
-    out["policies"] = {
-        r.name: {
-            "feasible": r.result.feasible,
-            "overhead": r.result.overhead if r.result.feasible else None,
-            "moved_bytes": r.result.out_bytes,
-            "footprint_bytes": r.footprint,
-            "planned_for_bytes": r.planned_for,
-            "fits": r.fits,
+    out["policies"] = {}
+    for name in names:
+        made = fit(it, swaps_only if name == "tidalpool" else policy(name), limit, gbps, gbps)
+        out["policies"][name] = {
+            "feasible": made.fits,
+            "overhead": made.result.overhead if made.fits else None,
+            "moved_bytes": made.result.out_bytes,
+            "footprint_bytes": made.footprint,
+            "planned_for_bytes": made.planned_for,
+            "fits": made.fits,
         }
-        for r in found
-    }
     return out
 
 
@@ -249,7 +243,7 @@ def main() -> None:
         for name in a.models.split(","):
             b = DEFAULT[name]
             trace = record(name, b, a.tiny, Path(tmp), a.dtype)
-            limit = rows(trace, None, ["tidalpool", "vdnn-all"], a.bandwidth, False)
+            limit = rows(trace, None, ["tidalpool", "vdnn-all"], a.bandwidth)
             p = limit["policies"]
             print(
                 f"{name} batch {b} {a.dtype}: compute {limit['compute_ms']:.1f} ms, peak"
@@ -282,7 +276,7 @@ def main() -> None:
             batches = [int(x) for x in a.batches.split(",")] if a.batches else BATCHES[name]
             for batch in batches:
                 trace = record(name, batch, a.tiny, Path(tmp), a.dtype)
-                r = rows(trace, memory, ["tidalpool"], a.bandwidth, True, fit=True)
+                r = rows(trace, memory, ["tidalpool"], a.bandwidth)
                 t = r["policies"]["tidalpool"]
                 fp, made_for = t.get("footprint_bytes"), t.get("planned_for_bytes")
                 placed = ""

@@ -7,9 +7,10 @@ solves and validates the placement when it is not there, and puts the plan on
 the session's stream. The client switches to it at its next step().
 
 A session that swaps (AttachRequest.swap_limit_bytes) also gets the swap
-schedule of the `tidalpool` policy for its limit, as columns of the PlanUpdate
-against the iteration's structure (allocation index, op index); the cache keeps
-placements only, since the schedule depends on the session's limit.
+schedule of tidalpool's search, swaps only (its executor does not rebuild
+blocks), for its limit, as columns of the PlanUpdate against the iteration's
+structure (allocation index, op index); the cache keeps placements only, since
+the schedule depends on the session's limit.
 """
 
 from __future__ import annotations
@@ -181,7 +182,7 @@ class PlanWorker:
             add_swaps(
                 plan,
                 iteration,
-                policies.plan(iteration, "tidalpool", session.swap_limit, gbps, gbps),
+                policies.swaps_only(iteration, session.swap_limit, gbps, gbps),
             )
         bound = lower_bound(problem)
         with self._lock:

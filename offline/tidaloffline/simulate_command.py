@@ -1,19 +1,21 @@
-"""`tidalpool simulate TRACE`: swap policies under a memory limit, side by side.
+"""`tidalpool simulate TRACE`: memory policies under a limit, side by side, against a bound.
 
-The trace's steady iteration is extracted and every chosen policy plans its
-swaps for the limit; `simulate` runs each plan and the table (or `--json`)
-gives, per policy: feasible, overhead (a fraction of the unconstrained
-iteration time), the simulated device peak, bytes moved each way, the stall,
-and the footprint of the combined plan (the swapped iteration placed by
-Planner I). Every feasible plan passes `validate_swaps` before it is shown.
-`--fit` makes each policy's footprint fit the limit: where the placement
-needs more, the schedule is made again for a lower limit (`combined.fit`),
-and the row shows that schedule and the limit it was made for.
+The trace's steady iteration is extracted and every chosen policy makes its plan
+for the limit: swaps, recomputations, and the placement of what they leave on the
+device (`combined.fit`: where the placement needs more than the limit, the
+schedule is made again for a lower one). A plan counts as feasible only when its
+schedule runs under the simulator, passes `validate_swaps`, and its placement
+fits the limit. The table (or `--json`) gives, per policy: feasible, overhead
+(a fraction of the unconstrained iteration time), the step's ratio to a lower
+bound on the step under the limit (`bound.step_bound`), the simulated device
+peak, the placed footprint, bytes copied each way, bytes recomputed and the
+recomputation's time, and the stall. The `portfolio` row is the best feasible
+plan of all the policies shown; `tidalpool`'s own row is its search alone.
 
 `--sweep` walks limits from the peak down (steps of `--step` of the peak) past
 AutoSwap's `load_min` to the op-wise bound, printing overhead against memory
 per policy (AutoSwap's Figs. 9 and 11); `--plot` draws that curve and the
-memory curves at `--limit` (Fig. 8). Progress goes to stderr during a sweep.
+memory curves at `--limit` (Fig. 8). Progress goes to stderr.
 Exit status: 0 done, 1 a plan that fails validation (a bug), 2 bad input.
 """
 
@@ -23,13 +25,17 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tidalcore.units import format_size, parse_size
-from tidalplan.model import Iteration, SwapPlan
-from tidalplan.simulate import Result
+from tidalplan.model import Iteration
+
+if TYPE_CHECKING:
+    from tidalplan.combined import Plan
+    from tidalplan.simulate import Result
 
 DEFAULT_STEP = 0.05
 
@@ -41,27 +47,39 @@ class InputError(Exception):
 @dataclass(frozen=True, slots=True)
 class Row:
     name: str
-    plan: SwapPlan
-    result: Result
-    footprint: int | None  # the combined plan's bytes; None when infeasible or not asked
-    planned_for: int | None = None  # --fit: the limit the schedule was made for
-    fits: bool | None = None  # --fit: a schedule's placement fits the limit (None: not asked)
+    plan: Plan
+    bound_ns: int | None  # the lower bound on the step under this limit; None: none fits
+    of: str | None = None  # the portfolio row: whose plan it is
+
+    @property
+    def ratio(self) -> float | None:
+        """The step over the bound, for a feasible plan."""
+        if not self.plan.fits or not self.bound_ns:
+            return None
+        return self.plan.result.iteration_ns / self.bound_ns
 
     def as_json(self) -> dict[str, Any]:
-        r = self.result
+        p = self.plan
+        r = p.result
         return {
             "name": self.name,
-            "feasible": r.feasible,
+            **({"of": self.of} if self.of is not None else {}),
+            "feasible": p.fits,
+            "schedule_feasible": r.feasible,
             "overhead": r.overhead,
             "iteration_ns": r.iteration_ns,
+            "bound_ns": self.bound_ns,
+            "ratio_to_bound": self.ratio,
             "peak_bytes": r.peak_bytes,
+            "placed_bytes": p.footprint,
+            "planned_for_bytes": p.planned_for,
             "out_bytes": r.out_bytes,
             "in_bytes": r.in_bytes,
+            "recomputed_bytes": r.recomputed_bytes,
+            "recompute_ns": r.recompute_ns,
             "stall_ns": r.stall_ns,
-            "swaps": len(self.plan.swaps),
-            "footprint_bytes": self.footprint,
-            "planned_for_bytes": self.planned_for,
-            "fits": self.fits,
+            "swaps": len(p.schedule.swaps),
+            "recomputes": len(p.schedule.recomputes),
         }
 
 
@@ -71,9 +89,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "simulate",
-        help="compare swap policies on a trace under a memory limit",
-        description="Simulate one steady iteration of TRACE (a trace CSV v1) under a device"
-        " memory limit with each swap policy, and compare.",
+        help="compare memory policies on a trace under a memory limit",
+        description="Make each memory policy's plan (swaps, recomputations, placement) for one"
+        " steady iteration of TRACE (a trace CSV v1) under a device memory limit, simulate it,"
+        " and compare, beside a lower bound on the step.",
     )
     parser.add_argument("trace", type=Path, metavar="TRACE", help="trace CSV v1")
     parser.add_argument(
@@ -117,20 +136,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", type=Path, metavar="PICTURE.png", help="draw the curves")
     parser.add_argument(
-        "--no-footprint", action="store_true", help="skip placing the combined plans"
-    )
-    parser.add_argument(
         "--place-time",
         type=float,
-        default=1.0,
+        default=0.0,
         metavar="S",
-        help="seconds Planner I may spend placing each combined plan (default 1; 0: its first"
-        " greedy run only, which gives the same footprint on any machine)",
-    )
-    parser.add_argument(
-        "--fit",
-        action="store_true",
-        help="plan for a lower limit where the placement would need more than --limit",
+        help="seconds Planner I may spend placing each plan (default 0: its first greedy run"
+        " only, which gives the same footprint on any machine)",
     )
     parser.set_defaults(handler=run)
     return parser
@@ -200,43 +211,26 @@ def evaluate(
     out_gbps: float,
     in_gbps: float,
     compute_scale: float,
-    footprint: bool,
-    fit_limit: bool = False,
-    place_s: float = 1.0,
+    place_s: float = 0.0,
+    say: Callable[[str], None] | None = None,
 ) -> list[Row]:
-    """Plan, simulate and validate every policy at one limit (and place the feasible ones;
-    with `fit_limit`, plan again for a lower limit where the placement does not fit)."""
-    from tidalplan.combined import combine, fit
-    from tidalplan.policies import plans
-    from tidalplan.simulate import simulate
-    from tidalplan.validate import validate_swaps
+    """Every policy's placed plan at one limit (`combined.fit`), each schedule validated, and
+    the portfolio: the best feasible of them. `say` hears of each policy as it starts."""
+    from tidalplan.bound import step_bound
+    from tidalplan.combined import fit
+    from tidalplan.policies import policy
 
+    bound = step_bound(it, limit, out_gbps, in_gbps, compute_scale).ns
     rows = []
-    for name, plan in plans(it, names, limit, out_gbps, in_gbps).items():
-        r = simulate(it, plan, limit, out_gbps, in_gbps, compute_scale)
-        fp = None
-        if r.feasible:
-            validate_swaps(it, plan, r, limit, in_gbps)
-            if footprint or fit_limit:
-                fp = int(combine(it, plan, r, time_limit_s=place_s).footprint)
-        row = Row(name, plan, r, fp)
-        if fit_limit and fp is not None:
-            row = Row(name, plan, r, fp, limit, fp <= limit)
-            if fp > limit:
-                f = fit(
-                    it,
-                    name,
-                    limit,
-                    out_gbps,
-                    in_gbps,
-                    compute_scale,
-                    time_limit_s=place_s,
-                    known=(limit, fp),
-                )
-                if f is not None:
-                    fp = int(f.combined.footprint)
-                    row = Row(name, f.plan, f.result, fp, int(f.planned_for), True)
-        rows.append(row)
+    for k, name in enumerate(names):
+        if say is not None:
+            say(f"{name} ({k + 1}/{len(names)})")
+        made = fit(it, policy(name), limit, out_gbps, in_gbps, compute_scale, time_limit_s=place_s)
+        rows.append(Row(name, made, bound))
+    fitting = [r for r in rows if r.plan.fits]
+    if len(rows) > 1 and fitting:
+        best = min(fitting, key=lambda r: (r.plan.result.iteration_ns, r.plan.footprint or 0))
+        rows.append(Row("portfolio", best.plan, bound, of=best.name))
     return rows
 
 
@@ -256,13 +250,21 @@ def _percent(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
+def _say(started: float) -> Callable[[str], None]:
+    """Progress lines on stderr, each with the seconds since `started`."""
+
+    def say(text: str) -> None:
+        print(f"[{time.monotonic() - started:6.1f} s] {text}", file=sys.stderr, flush=True)
+
+    return say
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.table import Table
     from tidalplan.autoswap import load as load_curve
     from tidalplan.autoswap import load_min, op_bound
     from tidalplan.simulate import no_limit
-    from tidalplan.validate import InvalidSwapPlan
+    from tidalplan.validate import InvalidPlacement, InvalidSwapPlan
 
     out_gbps = args.bandwidth
     in_gbps = args.in_bandwidth if args.in_bandwidth is not None else out_gbps
@@ -273,12 +275,8 @@ def run(args: argparse.Namespace) -> int:
             raise InputError("--compute-scale must be positive")
         if not 0 < args.step < 1:
             raise InputError("--step must lie in (0, 1)")
-        if args.fit and args.no_footprint:
-            raise InputError("--fit places the plans: it cannot go with --no-footprint")
         if not 0 <= args.place_time < float("inf"):
             raise InputError("--place-time must be a number of seconds >= 0")
-        if args.fit and args.sweep:
-            raise InputError("--fit works at one --limit, not in a --sweep")
         names = policies(args.policy)
         it = load(args.trace)
         peak = int(load_curve(it).max(initial=0))
@@ -299,52 +297,51 @@ def run(args: argparse.Namespace) -> int:
         "op_bound_bytes": bound,
     }
     console = Console(width=max(Console().width, 132))  # the table's columns side by side
+    started = time.monotonic()
+    say = _say(started)
     try:
         if args.sweep:
             grid = sweep_limits(peak, bound, args.step)
             sweep: list[tuple[int, list[Row]]] = []
-            started = time.monotonic()
             for k, lim in enumerate(grid):
-                print(
-                    f"[{time.monotonic() - started:6.1f} s] limit {lim / peak:.2f} of the peak"
-                    f" ({k + 1}/{len(grid)})",
-                    file=sys.stderr,
-                    flush=True,
+                where = f"limit {lim / peak:.2f} of the peak ({k + 1}/{len(grid)})"
+
+                def said(text: str, where: str = where) -> None:
+                    say(f"{where}: {text}")
+
+                rows = evaluate(
+                    it, names, lim, out_gbps, in_gbps, args.compute_scale, args.place_time, said
                 )
-                rows = evaluate(it, names, lim, out_gbps, in_gbps, args.compute_scale, False)
                 sweep.append((lim, rows))
             if args.json:
                 head["sweep"] = [
                     {
                         "limit_bytes": lim,
                         "fraction": lim / peak,
+                        "bound_ns": rows[0].bound_ns if rows else None,
                         "policies": [r.as_json() for r in rows],
                     }
                     for lim, rows in sweep
                 ]
                 print(json.dumps(head))
             else:
-                _sweep_table(console, Table, head, names, sweep, peak)
+                _sweep_table(console, head, names, sweep, peak)
             if args.plot:
-                at = evaluate(it, names, limit, out_gbps, in_gbps, args.compute_scale, False)
+                at = evaluate(
+                    it, names, limit, out_gbps, in_gbps, args.compute_scale, args.place_time
+                )
                 _draw(args.plot, str(args.trace), peak, names, sweep, at, limit, base)
             return 0
         rows = evaluate(
-            it,
-            names,
-            limit,
-            out_gbps,
-            in_gbps,
-            args.compute_scale,
-            not args.no_footprint,
-            args.fit,
-            args.place_time,
+            it, names, limit, out_gbps, in_gbps, args.compute_scale, args.place_time, say
         )
-    except InvalidSwapPlan as e:
+    except (InvalidSwapPlan, InvalidPlacement) as e:
         print(f"tidalpool simulate: a plan failed validation (a bug): {e}", file=sys.stderr)
         return 1
+    step_bound = rows[0].bound_ns if rows else None
     if args.json:
         head["limit_bytes"] = limit
+        head["bound_ns"] = step_bound
         head["policies"] = [r.as_json() for r in rows]
         print(json.dumps(head))
     else:
@@ -352,58 +349,93 @@ def run(args: argparse.Namespace) -> int:
             f"{args.trace}: iteration {base.baseline_ns / 1e6:.2f} ms, peak {format_size(peak)},"
             f" load_min {format_size(lmin)} ({lmin / peak:.0%}), op-wise bound"
             f" {format_size(bound)} ({bound / peak:.0%}); limit {format_size(limit)}"
-            f" ({limit / peak:.0%}), {out_gbps:g}/{in_gbps:g} GB/s"
-        )
-        table = Table()
-        columns = ["policy", "feasible", "overhead", "peak", "out", "in", "stall", "footprint"]
-        for col in columns + (["planned for"] if args.fit else []):
-            table.add_column(col, justify="left" if col == "policy" else "right")
-        for row in rows:
-            r = row.result
-            table.add_row(
-                row.name,
-                "yes" if r.feasible else "no",
-                _percent(r.overhead) if r.feasible else "—",
-                format_size(r.peak_bytes),
-                format_size(r.out_bytes),
-                format_size(r.in_bytes),
-                f"{r.stall_ns / 1e6:.2f} ms",
-                format_size(row.footprint) if row.footprint is not None else "—",
-                *([_planned_for(row)] if args.fit else []),
+            f" ({limit / peak:.0%}), {out_gbps:g}/{in_gbps:g} GB/s; the step cannot be"
+            + (
+                f" under {step_bound / 1e6:.2f} ms at this limit"
+                if step_bound is not None
+                else " made to fit this limit by any plan"
             )
-        console.print(table)
+        )
+        console.print(_table(rows))
     if args.plot:
         _draw(args.plot, str(args.trace), peak, names, [], rows, limit, base)
     return 0
 
 
-def _planned_for(row: Row) -> str:
-    if row.fits is None or row.planned_for is None:
-        return "—"
-    return format_size(row.planned_for) if row.fits else "does not fit"
+def _table(rows: list[Row]) -> Any:
+    from rich.table import Table
+
+    table = Table()
+    columns = [
+        "policy",
+        "feasible",
+        "overhead",
+        "× bound",
+        "peak",
+        "placed",
+        "out",
+        "in",
+        "recomputed",
+        "stall",
+    ]
+    for col in columns:
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    for row in rows:
+        p = row.plan
+        r = p.result
+        if p.fits:
+            feasible = (
+                "yes" if p.planned_for == p.limit else f"yes, for {format_size(p.planned_for)}"
+            )
+        elif r.feasible:
+            feasible = "no: placed over"
+        else:
+            feasible = "no"
+        table.add_row(
+            row.name if row.of is None else f"{row.name} ({row.of})",
+            feasible,
+            _percent(r.overhead) if p.fits else "—",
+            f"{row.ratio:.3f}" if row.ratio is not None else "—",
+            format_size(r.peak_bytes),
+            format_size(p.footprint) if p.footprint is not None else "—",
+            format_size(r.out_bytes),
+            format_size(r.in_bytes),
+            format_size(r.recomputed_bytes),
+            f"{r.stall_ns / 1e6:.2f} ms",
+        )
+    return table
 
 
 def _sweep_table(
     console: Any,
-    table_type: Any,
     head: dict[str, Any],
     names: list[str],
     sweep: list[tuple[int, list[Row]]],
     peak: int,
 ) -> None:
+    from rich.table import Table
+
     console.print(
-        f"{head['trace']}: overhead by limit; peak {format_size(peak)}, load_min"
-        f" {head['load_min_bytes'] / peak:.0%}, op-wise bound {head['op_bound_bytes'] / peak:.0%}"
-        f" of it; — infeasible"
+        f"{head['trace']}: overhead by limit (feasible placed plans); peak {format_size(peak)},"
+        f" load_min {head['load_min_bytes'] / peak:.0%}, op-wise bound"
+        f" {head['op_bound_bytes'] / peak:.0%} of it; — infeasible"
     )
-    table = table_type()
+    table = Table()
     table.add_column("limit", justify="right")
+    table.add_column("bound", justify="right")
     for n in names:
         table.add_column(n, justify="right")
     for lim, rows in sweep:
+        by_name = {r.name: r for r in rows}
+        b = rows[0].bound_ns if rows else None
+        base = head["baseline_ns"]
         table.add_row(
             f"{lim / peak:.0%}",
-            *(_percent(r.result.overhead) if r.result.feasible else "—" for r in rows),
+            _percent(b / base - 1) if b is not None and base else "—",
+            *(
+                _percent(by_name[n].plan.result.overhead) if by_name[n].plan.fits else "—"
+                for n in names
+            ),
         )
     console.print(table)
 
@@ -422,12 +454,12 @@ def _draw(
 
     curves = {
         n: [
-            (lim / peak, r.result.overhead)
+            (lim / peak, r.plan.result.overhead)
             for lim, rows in sweep
             for r in rows
-            if r.name == n and r.result.feasible
+            if r.name == n and r.plan.fits
         ]
         for n in names
     }
-    memory = {r.name: r.result.curve for r in at if r.result.feasible}
+    memory = {r.name: r.plan.result.curve for r in at if r.plan.fits and r.of is None}
     plot_swaps(path, title, curves, memory, base.curve, limit)

@@ -1,19 +1,24 @@
-"""Every swap policy by name, one signature: `plan(it, policy, limit, out_gbps, in_gbps)`.
+"""Every memory policy by name, one signature: `plan(it, policy, limit, out_gbps, in_gbps)`.
 
-    policy            what it is                                   module
-    vdnn-all          vDNN: offload every forward op's inputs       swap_baselines
-    vdnn-conv         vDNN: offload convolution inputs              swap_baselines
-    vdnn-dyn          vDNN's profiled choice among none/conv/all    swap_baselines
-    superneurons      conv outputs, LRU cache, one conv ahead       swap_baselines
-    autoswap-doa      AutoSwap, greedy by Duration of Absence       autoswap
-    autoswap-aoa      ... by Area of Absence                        autoswap
-    autoswap-wdoa     ... by Weighted DOA                           autoswap
-    autoswap-swdoa    ... by Smoothed WDOA (rescored per pick)      autoswap
-    autoswap-bo       AutoSwap's weighted score, weights by BO      autoswap_bo
-    tidalpool         engine-aware covering, judged against all     tidalpool_swap
-                      of the above in simulation
+    policy            what it is                                          module
+    vdnn-all          vDNN: offload every forward layer's input X          baselines
+    vdnn-conv         vDNN: offload convolution inputs                     baselines
+    vdnn-dyn          vDNN's profiling passes: the first that fits         baselines
+    superneurons      cost-aware recomputation of cheap layers, and the   superneurons
+                      LRU tensor cache for convolution outputs
+    autoswap-doa      AutoSwap, greedy by Duration of Absence              autoswap
+    autoswap-aoa      ... by Area of Absence                               autoswap
+    autoswap-wdoa     ... by Weighted DOA                                  autoswap
+    autoswap-swdoa    ... by Smoothed WDOA (rescored per pick)             autoswap
+    autoswap-bo       AutoSwap's weighted score, weights by BO             autoswap_bo
+    capuchin          Capuchin: swap or recompute per tensor by free      capuchin
+                      time and memory saved per second of recompute
+    checkmate         recomputation only, by an integer program           checkmate
+    tidalpool         its own search: keep, swap or recompute each gap,   search
+                      for the shortest simulated step
 
-All are pure: the same iteration, limit and bandwidths give the same plan.
+A plan holds swaps and recomputations. All are pure: the same iteration, limit and
+bandwidths give the same plan; none is made from another's.
 """
 
 from __future__ import annotations
@@ -23,8 +28,11 @@ from collections.abc import Callable, Iterable
 from tidalplan.autoswap import autoswap
 from tidalplan.autoswap_bo import autoswap_bo
 from tidalplan.baselines import BASELINES
-from tidalplan.gap_cover import tidalpool
+from tidalplan.capuchin import capuchin
+from tidalplan.checkmate import checkmate
 from tidalplan.model import Iteration, SwapPlan
+from tidalplan.search import search
+from tidalplan.superneurons import superneurons
 
 Policy = Callable[[Iteration, int, float, float], SwapPlan]
 
@@ -38,34 +46,49 @@ def _autoswap(score: str) -> Policy:
 
 BASELINE_POLICIES: dict[str, Policy] = {
     **BASELINES,
+    "superneurons": superneurons,
     "autoswap-doa": _autoswap("doa"),
     "autoswap-aoa": _autoswap("aoa"),
     "autoswap-wdoa": _autoswap("wdoa"),
     "autoswap-swdoa": _autoswap("swdoa"),
     "autoswap-bo": autoswap_bo,
+    "capuchin": capuchin,
+    "checkmate": lambda it, limit, out_gbps, in_gbps: checkmate(it, limit, out_gbps, in_gbps),
 }
 """The published policies, which `tidalpool` must match or beat."""
 
 POLICIES: tuple[str, ...] = (*BASELINE_POLICIES, "tidalpool")
 
 
+def _tidalpool(it: Iteration, limit: int, out_gbps: float, in_gbps: float) -> SwapPlan:
+    return search(it, limit, out_gbps, in_gbps)
+
+
+def swaps_only(it: Iteration, limit: int, out_gbps: float, in_gbps: float) -> SwapPlan:
+    """tidalpool's search with swaps alone: the plan for an executor that moves blocks but
+    cannot rebuild them (a session's swapping executor, PyTorch's saved tensors)."""
+    return search(it, limit, out_gbps, in_gbps, recompute=False)
+
+
+def policy(name: str) -> Policy:
+    """The policy called `name`; ValueError names an unknown one and lists the known ones."""
+    if name == "tidalpool":
+        return _tidalpool
+    if name not in BASELINE_POLICIES:
+        raise ValueError(f"unknown memory policy {name!r}; one of {', '.join(POLICIES)}")
+    return BASELINE_POLICIES[name]
+
+
 def plans(
     it: Iteration, names: Iterable[str], limit: int, out_gbps: float, in_gbps: float
 ) -> dict[str, SwapPlan]:
-    """The plan of each named policy. `tidalpool` is seeded with every baseline's plan, made
-    once and shared with the baselines asked for. ValueError names an unknown policy."""
-    names = list(names)
-    for name in names:
-        if name not in POLICIES:
-            raise ValueError(f"unknown swap policy {name!r}; one of {', '.join(POLICIES)}")
-    wanted = BASELINE_POLICIES if "tidalpool" in names else {n: BASELINE_POLICIES[n] for n in names}
-    made = {n: make(it, limit, out_gbps, in_gbps) for n, make in wanted.items()}
-    if "tidalpool" in names:
-        made["tidalpool"] = tidalpool(it, limit, out_gbps, in_gbps, seeds=made.values())
-    return {n: made[n] for n in names}
+    """The plan of each named policy, each made on its own. ValueError names an unknown
+    policy."""
+    makers = {name: policy(name) for name in names}
+    return {name: make(it, limit, out_gbps, in_gbps) for name, make in makers.items()}
 
 
-def plan(it: Iteration, policy: str, limit: int, out_gbps: float, in_gbps: float) -> SwapPlan:
-    """The swap plan `policy` makes for `it` under `limit` device bytes; ValueError names an
-    unknown policy and lists the known ones."""
-    return plans(it, [policy], limit, out_gbps, in_gbps)[policy]
+def plan(it: Iteration, name: str, limit: int, out_gbps: float, in_gbps: float) -> SwapPlan:
+    """The plan `name` makes for `it` under `limit` device bytes; ValueError names an unknown
+    policy and lists the known ones."""
+    return policy(name)(it, limit, out_gbps, in_gbps)

@@ -147,7 +147,7 @@ def _checked(it: Iteration, plan: SwapPlan) -> list[tuple[int, Swap]]:
 
 
 @dataclass(slots=True)
-class _Rebuild:
+class Rebuild:
     """The rebuild before one op: every block recomputed for it, at once."""
 
     size: int  # bytes rebuilt
@@ -156,7 +156,7 @@ class _Rebuild:
     members: list[int]  # plan indices of its recomputations
 
 
-def _rebuilds(it: Iteration, plan: SwapPlan, durations: dict[int, int]) -> dict[int, _Rebuild]:
+def rebuilds(it: Iteration, plan: SwapPlan, durations: dict[int, int]) -> dict[int, Rebuild]:
     """The plan's recomputations grouped by the op that needs them back, keyed by its tick;
     ValueError names the first that cannot run (see `Recompute`)."""
     if not plan.recomputes:
@@ -191,7 +191,7 @@ def _rebuilds(it: Iteration, plan: SwapPlan, durations: dict[int, int]) -> dict[
             raise ValueError(f"{r}: no op writes the block before it is dropped")
         away.setdefault(b.id, []).append((r.drop_after, r.before, False))
         groups.setdefault(r.before, []).append(j)
-    out: dict[int, _Rebuild] = {}
+    out: dict[int, Rebuild] = {}
     for before, members in groups.items():
         rebuilt = {it.blocks[plan.recomputes[j].block].id for j in members}
         ops: set[int] = set()
@@ -223,7 +223,7 @@ def _rebuilds(it: Iteration, plan: SwapPlan, durations: dict[int, int]) -> dict[
                     )
         sizes = {b.id: b.size for b in it.blocks}
         sizes.update(it.persistent)
-        out[before] = _Rebuild(
+        out[before] = Rebuild(
             size=sum(it.blocks[plan.recomputes[j].block].size for j in members),
             scratch=sum(sizes.get(pid, 0) for pid in scratch),
             ns=sum(durations[w] for w in ops),
@@ -268,7 +268,7 @@ def simulate(
     swaps = _checked(it, plan)
     limit = _NEVER if limit_bytes is None else limit_bytes
     durations: dict[int, int] = {op.tick: round(op.duration_ns * compute_scale) for op in it.ops}
-    rebuilds = _rebuilds(it, plan, durations)
+    rebuild_at = rebuilds(it, plan, durations)
     drops_after: dict[int, int] = {}  # op tick -> bytes dropped when it ends
     for r in plan.recomputes:
         drops_after[r.drop_after] = drops_after.get(r.drop_after, 0) + it.blocks[r.block].size
@@ -394,7 +394,7 @@ def simulate(
                 break
             start = max([now, *(x.done for x in needs.get(tick, ()))])
             stall += start - now
-            if (rb := rebuilds.get(tick)) is not None:  # rebuild what the op needs back
+            if (rb := rebuild_at.get(tick)) is not None:  # rebuild what the op needs back
                 while step(start) is not None:
                     pass
                 ready = start

@@ -17,18 +17,26 @@ def _resnet() -> str:
 
 def test_json_report_per_policy(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["simulate", _resnet(), "--limit", "0.9", "--bandwidth", "50", "--json"]
-    assert main([*argv, "--policy", "vdnn-conv,autoswap-aoa,tidalpool"]) == 0
+    assert main([*argv, "--policy", "vdnn-conv,autoswap-aoa,capuchin,tidalpool"]) == 0
     got = json.loads(capsys.readouterr().out)
-    peak = got["unconstrained_peak_bytes"]
-    assert got["limit_bytes"] == int(0.9 * peak)
+    peak, limit = got["unconstrained_peak_bytes"], got["limit_bytes"]
+    assert limit == int(0.9 * peak)
     assert got["op_bound_bytes"] < got["load_min_bytes"] < peak
+    assert got["baseline_ns"] <= got["bound_ns"]
     rows = {p["name"]: p for p in got["policies"]}
-    assert list(rows) == ["vdnn-conv", "autoswap-aoa", "tidalpool"]
+    assert list(rows) == ["vdnn-conv", "autoswap-aoa", "capuchin", "tidalpool", "portfolio"]
     for p in rows.values():
-        assert p["feasible"] and p["peak_bytes"] <= got["limit_bytes"]
-        assert p["out_bytes"] == p["in_bytes"] > 0
-        assert p["footprint_bytes"] >= p["peak_bytes"] - 256 * p["swaps"]
-    assert rows["tidalpool"]["overhead"] <= min(p["overhead"] for p in rows.values())
+        # Feasible means placed within the limit, the schedule made for a limit at or below it.
+        assert p["feasible"] and p["placed_bytes"] <= limit
+        assert p["peak_bytes"] <= p["planned_for_bytes"] <= limit
+        assert p["bound_ns"] == got["bound_ns"] <= p["iteration_ns"]
+        assert p["ratio_to_bound"] == pytest.approx(p["iteration_ns"] / got["bound_ns"])
+        assert p["out_bytes"] == p["in_bytes"]
+        assert (p["recomputed_bytes"] > 0) == (p["recomputes"] > 0) == (p["recompute_ns"] > 0)
+    assert rows["vdnn-conv"]["recomputes"] == 0 and rows["capuchin"]["recomputes"] > 0
+    best = min((p for n, p in rows.items() if n != "portfolio"), key=lambda p: p["iteration_ns"])
+    assert rows["portfolio"]["of"] == best["name"]
+    assert rows["portfolio"]["iteration_ns"] == best["iteration_ns"]
     # Bytes are accepted as well as fractions.
     assert (
         main(["simulate", _resnet(), "--limit", "2GiB", "--policy", "autoswap-doa", "--json"]) == 0
@@ -36,31 +44,20 @@ def test_json_report_per_policy(capsys: pytest.CaptureFixture[str]) -> None:
     assert json.loads(capsys.readouterr().out)["limit_bytes"] == 2 << 30
 
 
-def test_fit_plans_for_a_lower_limit_until_the_placement_fits(
+def test_a_plan_placed_over_the_limit_is_made_again_for_a_lower_one(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     trace = str(shared_file("traces/models/mobilenet_v3_large.b64.trace.csv"))
     argv = ["simulate", trace, "--limit", "0.8", "--bandwidth", "50", "--policy", "autoswap-aoa"]
-    argv += ["--place-time", "0"]  # the first greedy placement: the same on every machine
     assert main([*argv, "--json"]) == 0
-    (plain,) = json.loads(capsys.readouterr().out)["policies"]
-    assert main([*argv, "--json", "--fit"]) == 0
     got = json.loads(capsys.readouterr().out)
-    (fitted,) = got["policies"]
+    (row,) = got["policies"]  # one policy: no portfolio
     limit = got["limit_bytes"]
-    assert plain["footprint_bytes"] > limit  # placed, the schedule for the limit needs more
-    assert plain["planned_for_bytes"] is None and plain["fits"] is None
-    assert fitted["fits"] and fitted["footprint_bytes"] <= limit
-    assert (
-        fitted["planned_for_bytes"] < limit and fitted["peak_bytes"] <= fitted["planned_for_bytes"]
-    )
-    assert fitted["overhead"] >= plain["overhead"]
-    assert main([*argv, "--fit"]) == 0
-    assert "planned for" in capsys.readouterr().out
-    assert main([*argv, "--fit", "--no-footprint"]) == 2
-    assert "cannot go with --no-footprint" in capsys.readouterr().err
-    assert main([*argv, "--fit", "--sweep"]) == 2
-    assert "--fit works at one --limit" in capsys.readouterr().err
+    assert row["feasible"] and row["placed_bytes"] <= limit
+    # Placed, the schedule made for the limit itself needed more: this one was made for less.
+    assert row["peak_bytes"] <= row["planned_for_bytes"] < limit
+    assert main(argv) == 0
+    assert "yes, for" in capsys.readouterr().out
 
 
 def test_sweep_walks_down_to_the_op_wise_bound(capsys: pytest.CaptureFixture[str]) -> None:
@@ -70,7 +67,9 @@ def test_sweep_walks_down_to_the_op_wise_bound(capsys: pytest.CaptureFixture[str
     got = json.loads(captured.out)
     fractions = [round(s["fraction"], 2) for s in got["sweep"]]
     assert fractions == [1.0, 0.7, 0.4]  # 0.1 is below the op-wise bound (10%)
-    assert all(len(s["policies"]) == 2 for s in got["sweep"])
+    for s in got["sweep"]:  # and the best of them, where one fits
+        names = [p["name"] for p in s["policies"]]
+        assert names[:2] == ["vdnn-all", "autoswap-doa"] and names[2:] in ([], ["portfolio"])
     at_peak = {p["name"]: p for p in got["sweep"][0]["policies"]}
     assert at_peak["autoswap-doa"]["overhead"] == 0  # swaps only what the limit needs
     assert at_peak["vdnn-all"]["overhead"] > 0  # offloads every layer input regardless
@@ -86,7 +85,8 @@ def test_table_and_picture(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert "autoswap-aoa" in out and "load_min" in out
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["simulate", _resnet(), "--limit", "0.8", "--policy", "autoswap-aoa"]) == 0
-    assert "footprint" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "placed" in out and "× bound" in out
 
 
 @pytest.mark.parametrize(

@@ -40,7 +40,7 @@ from tidalclient.torch.recompute import Recomputed, is_recomputed, names_of, rec
 from tidalplan import learn
 from tidalplan.autoswap import durations, load
 from tidalplan.combined import fit
-from tidalplan.policies import plan as swap_plan
+from tidalplan.policies import swaps_only
 from tidalplan.recompute import Candidate, Segment, best, order, prefixes
 from tidalplan.simulate import simulate
 from torch import nn
@@ -216,11 +216,11 @@ def plan_recompute(
             step: int | None = compute
             footprint = None
             if place:
-                f = fit(it, "tidalpool", limit, gbps, gbps, time_limit_s=place_time_s)
-                step = None if f is None else f.result.iteration_ns
-                footprint = None if f is None else int(f.combined.footprint)
+                f = fit(it, swaps_only, limit, gbps, gbps, time_limit_s=place_time_s)
+                step = f.result.iteration_ns if f.fits else None
+                footprint = f.footprint if f.fits else None
             elif peak > limit:
-                swaps = swap_plan(it, "tidalpool", limit, gbps, gbps)
+                swaps = swaps_only(it, limit, gbps, gbps)
                 result = simulate(it, swaps, limit, gbps, gbps)
                 step = result.iteration_ns if result.feasible else None
             c = Candidate(chosen, compute, peak, step, footprint)
