@@ -154,7 +154,10 @@ def test_a_swap_limit_below_one_block_is_refused_and_leaves_nothing(daemon: Loca
     before = {t.name for t in threading.enumerate()}
     with pytest.raises(ValueError, match="swap limit of 100 bytes is below one aligned block"):
         tidalpool.attach(daemon.socket_dir, device_limit="1MiB", host_limit="1MiB", swap_limit=100)
-    assert {t.name for t in threading.enumerate()} == before  # the recorder's thread too
+    deadline = time.monotonic() + 30  # the recorder's thread too, once it has drained
+    while {t.name for t in threading.enumerate()} != before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert {t.name for t in threading.enumerate()} == before
     deadline = time.monotonic() + 10
     while status.fetch(daemon.socket_dir)[1].sessions and time.monotonic() < deadline:
         time.sleep(0.05)  # the daemon ends the session when its stream closes
