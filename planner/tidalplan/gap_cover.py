@@ -44,7 +44,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Literal
 
-import highspy
 import numpy as np
 import numpy.typing as npt
 from scipy.sparse import csr_matrix
@@ -61,7 +60,6 @@ _GAP = 0.02  # and the relative gap at which it stops
 _FIRST_ROWS = 64  # rows it starts with, and the most it adds per round
 _ROUNDS = 12
 _BUSY_WEIGHT = 0.5
-_FEASIBLE = 2  # HiGHS' primal_solution_status of a feasible solution
 
 Rule = Literal["gain", "gain-per-byte", "engine-first"]
 RULES: tuple[Rule, ...] = ("gain", "gain-per-byte", "engine-first")
@@ -324,27 +322,16 @@ def _cover_milp(
 ) -> npt.NDArray[np.float64] | None:
     """min cost·x over binary x such that cover·x >= need, by HiGHS within `_NODE_LIMIT`
     branch-and-bound nodes (deterministic, unlike a time limit); None when it found no
-    feasible x. Silent through HiGHS' own option, set before any other call as HiGHS asks:
-    `highspy._core._Highs` is the binding's solver itself (`highspy.Highs` calls a method while it
-    is made, which writes HiGHS' banner before an option can be set)."""
-    lp = highspy.HighsLp()
-    lp.num_col_, lp.num_row_ = cover.shape[1], cover.shape[0]
-    lp.col_cost_ = cost
-    lp.col_lower_ = np.zeros(lp.num_col_)
-    lp.col_upper_ = np.ones(lp.num_col_)
-    lp.row_lower_ = need
-    lp.row_upper_ = np.full(lp.num_row_, highspy.kHighsInf)
-    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
-    lp.a_matrix_.start_ = cover.indptr
-    lp.a_matrix_.index_ = cover.indices
-    lp.a_matrix_.value_ = cover.data
-    lp.integrality_ = [highspy.HighsVarType.kInteger] * lp.num_col_
-    solver = highs.solver(presolve="off", mip_max_nodes=_NODE_LIMIT, mip_rel_gap=_GAP)
-    solver.passModel(lp)
-    solver.run()
-    if solver.getInfo().primal_solution_status != _FEASIBLE:
-        return None
-    return np.asarray(solver.getSolution().col_value, dtype=np.float64)
+    feasible x (`highs.cover`, silent)."""
+    return highs.cover(
+        cost,
+        cover,
+        need,
+        cover.shape[1],
+        presolve="off",
+        mip_max_nodes=_NODE_LIMIT,
+        mip_rel_gap=_GAP,
+    )
 
 
 def select(

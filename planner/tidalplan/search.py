@@ -43,7 +43,6 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import highspy
 import numpy as np
 import numpy.typing as npt
 from scipy.sparse import csc_matrix, csr_matrix, vstack
@@ -51,7 +50,6 @@ from tidalcore.units import Tick
 
 from tidalplan import highs
 from tidalplan.gap_cover import (
-    _FEASIBLE,
     RULES,
     Gap,
     _ideal_span,
@@ -329,28 +327,16 @@ def _solve(
 ) -> npt.NDArray[np.float64] | None:
     """min cost·x over x in [0, 1] with rows·x >= lower, the first `columns` of x binary, by
     HiGHS within deterministic limits (`_SIMPLEX` simplex iterations; for an integer program,
-    its root node and `_GAP`); None when it found no solution. Silent as
-    `gap_cover._cover_milp` explains."""
-    lp = highspy.HighsLp()
-    lp.num_col_, lp.num_row_ = rows.shape[1], rows.shape[0]
-    lp.col_cost_ = cost
-    lp.col_lower_ = np.zeros(lp.num_col_)
-    lp.col_upper_ = np.ones(lp.num_col_)
-    lp.row_lower_ = lower
-    lp.row_upper_ = np.full(lp.num_row_, highspy.kHighsInf)
-    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
-    lp.a_matrix_.start_ = rows.indptr
-    lp.a_matrix_.index_ = rows.indices
-    lp.a_matrix_.value_ = rows.data
-    if columns:
-        integer, real = highspy.HighsVarType.kInteger, highspy.HighsVarType.kContinuous
-        lp.integrality_ = [integer] * columns + [real] * (lp.num_col_ - columns)
-    solver = highs.solver(simplex_iteration_limit=_SIMPLEX, mip_max_nodes=1, mip_rel_gap=_GAP)
-    solver.passModel(lp)
-    solver.run()
-    if solver.getInfo().primal_solution_status != _FEASIBLE:
-        return None
-    return np.asarray(solver.getSolution().col_value, dtype=np.float64)
+    its root node and `_GAP`); None when it found no solution."""
+    return highs.cover(
+        cost,
+        rows,
+        lower,
+        columns,
+        simplex_iteration_limit=_SIMPLEX,
+        mip_max_nodes=1,
+        mip_rel_gap=_GAP,
+    )
 
 
 def _round(
