@@ -53,15 +53,11 @@ BASELINE_POLICIES: dict[str, Policy] = {
     "autoswap-swdoa": _autoswap("swdoa"),
     "autoswap-bo": autoswap_bo,
     "capuchin": capuchin,
-    "checkmate": lambda it, limit, out_gbps, in_gbps: checkmate(it, limit, out_gbps, in_gbps),
+    "checkmate": checkmate,
 }
 """The published policies, which `tidalpool` must match or beat."""
 
 POLICIES: tuple[str, ...] = (*BASELINE_POLICIES, "tidalpool")
-
-
-def _tidalpool(it: Iteration, limit: int, out_gbps: float, in_gbps: float) -> SwapPlan:
-    return search(it, limit, out_gbps, in_gbps)
 
 
 def swaps_only(it: Iteration, limit: int, out_gbps: float, in_gbps: float) -> SwapPlan:
@@ -73,7 +69,7 @@ def swaps_only(it: Iteration, limit: int, out_gbps: float, in_gbps: float) -> Sw
 def policy(name: str) -> Policy:
     """The policy called `name`; ValueError names an unknown one and lists the known ones."""
     if name == "tidalpool":
-        return _tidalpool
+        return search
     if name not in BASELINE_POLICIES:
         raise ValueError(f"unknown memory policy {name!r}; one of {', '.join(POLICIES)}")
     return BASELINE_POLICIES[name]

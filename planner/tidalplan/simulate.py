@@ -366,6 +366,17 @@ def simulate(
         retry = 0
         return s
 
+    def room(extra: int, since: int) -> int | None:
+        """When `extra` more bytes fit under the limit, waiting from `since` for swap-outs to
+        finish; None if they never will (none is pending)."""
+        at = since
+        while persistent + level - off + extra > limit:
+            if not releases:
+                return None
+            t = step(_NEVER)
+            at = max(at, t if t is not None else at)
+        return at
+
     now = 0
     stall = 0
     feasible = device <= limit
@@ -397,14 +408,9 @@ def simulate(
             if (rb := rebuild_at.get(tick)) is not None:  # rebuild what the op needs back
                 while step(start) is not None:
                     pass
-                ready = start
-                while persistent + level - off + rb.size + rb.scratch > limit:
-                    if not releases:
-                        feasible = False
-                        break
-                    t = step(_NEVER)
-                    ready = max(ready, t if t is not None else ready)
-                if not feasible:
+                ready = room(rb.size + rb.scratch, start)
+                if ready is None:
+                    feasible = False
                     break
                 stall += ready - start
                 off -= rb.size
@@ -431,17 +437,12 @@ def simulate(
                 if blocked:
                     blocked, retry = False, now
         elif rise > 0:  # a malloc: wait for swap-outs to make room
-            start = now
-            while persistent + live[tick] - off > limit:
-                if not releases:
-                    feasible = False
-                    break
-                t = step(_NEVER)
-                start = max(start, t if t is not None else start)
-            if not feasible:
+            made = room(rise, now)
+            if made is None:
+                feasible = False
                 break
-            stall += start - now
-            tick_ns[-1] = now = start
+            stall += made - now
+            tick_ns[-1] = now = made
         if rise:
             level = live[tick]
             note(now)

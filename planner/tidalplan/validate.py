@@ -263,8 +263,10 @@ def _check_rebuilds(
     block_of = {b.id: b for b in it.blocks}
     size_of = {b.id: b.size for b in it.blocks} | dict(it.persistent)
     history: dict[int, list[tuple[int, bool]]] = {}  # block id -> (tick, write) in trace order
+    at_op: dict[int, list[tuple[int, bool]]] = {}  # op tick -> (block id, write)
     for a in it.accesses:
         history.setdefault(a.block, []).append((a.tick, a.write))
+        at_op.setdefault(a.tick, []).append((a.block, a.write))
     at: dict[int, list[int]] = {}  # the op tick it is rebuilt for -> recomputation indices
     for j, r in enumerate(plan.recomputes):
         if not 0 <= r.block < len(it.blocks) or r.drop_after not in ns or r.before not in ns:
@@ -308,28 +310,28 @@ def _check_rebuilds(
             writers |= mine
         extra: set[int] = set()
         for w in writers:
-            for pid, trail in history.items():
+            for pid, write in at_op.get(w, ()):
                 if pid in ids:
                     continue
-                if any(t == w and wr for t, wr in trail):
+                if write:
                     extra.add(pid)
-                if any(t == w and not wr for t, wr in trail):
-                    if not resident(pid, before):
-                        raise InvalidSwapPlan(
-                            f"op {w}, run again for op {before}, reads block {pid}, which is"
-                            " not on the device then"
-                        )
-                    if any(w <= t < before and wr for t, wr in trail):
-                        raise InvalidSwapPlan(
-                            f"op {w}, run again for op {before}, reads block {pid}, which is"
-                            " written again in between"
-                        )
+                    continue
+                if not resident(pid, before):
+                    raise InvalidSwapPlan(
+                        f"op {w}, run again for op {before}, reads block {pid}, which is"
+                        " not on the device then"
+                    )
+                if any(w <= t < before and wr for t, wr in history[pid]):
+                    raise InvalidSwapPlan(
+                        f"op {w}, run again for op {before}, reads block {pid}, which is"
+                        " written again in between"
+                    )
         scratch[before] = sum(size_of.get(pid, 0) for pid in extra)
         started = {result.rebuild_ns[j] for j in members}
         if len(started) != 1:
             raise InvalidSwapPlan(f"the rebuild for op {before} started at several times")
         start = started.pop()
-        k = ticks.index(before)
+        k = bisect_left(ticks, before)
         previous_end = times[ticks[k - 1]] + ns[ticks[k - 1]] if k else 0
         work = sum(ns[w] for w in writers)
         if start < previous_end or start + work > times[before]:
