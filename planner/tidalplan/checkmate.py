@@ -384,8 +384,7 @@ def _run(
     exhaustive: bool,
     time_limit_s: float,
 ) -> Remat:
-    """Solve with HiGHS, silent through its own option, set before any other call (see
-    `gap_cover._cover_milp`)."""
+    """Solve with HiGHS (`highs.solver`: silent, one thread)."""
     lp = highspy.HighsLp()
     lp.num_col_, lp.num_row_ = len(prog.cost), len(prog.lower)
     matrix = csr_matrix(

@@ -1,4 +1,4 @@
-"""tidalpool's swap policy: plan the copies against the copy engines, then keep the best plan.
+"""Swap gaps, and a greedy cover of the excess that schedules the copies against the engines.
 
 The published policies choose *which* blocks to swap and leave *when* to the
 copy engines: AutoSwap ranks blocks by how long they are away, vDNN and
@@ -6,7 +6,7 @@ SuperNeurons take whole layer classes. On a fast GPU the engines, not the gaps,
 are the bottleneck (at 12 GB/s a 20 ms iteration moves 240 MB each way), so a
 plan that ignores them queues copies behind each other and compute waits.
 
-This policy schedules the copies itself, on the no-stall timeline of the trace:
+`construct` schedules the copies itself, on the no-stall timeline of the trace:
 
     time ──────────────────────────────────────────────────────────────▶
     compute  [op a]─────────────── ... ───────────────[op c]
@@ -14,9 +14,9 @@ This policy schedules the copies itself, on the no-stall timeline of the trace:
     in                               ┌─[copy in, as late as possible]┘ ends by op c
     off the device:                  f ──────────── s      (ticks in [f, s) are covered)
 
-1. Candidates are all gaps between two consecutive accesses of a block: every
-   gap of a transient block (so a block can be swapped more than once, which is
-   how limits below AutoSwap's `load_min` are reached) and, for persistent
+1. Candidates (`gaps`) are all gaps between two consecutive accesses of a block:
+   every gap of a transient block (so a block can be swapped more than once, which
+   is how limits below AutoSwap's `load_min` are reached) and, for persistent
    blocks (weights, optimizer state), the gaps inside the iteration and the one
    across its boundary.
 2. Greedy covering in time order: at the first tick whose load is over the
@@ -27,39 +27,25 @@ This policy schedules the copies itself, on the no-stall timeline of the trace:
    without uncovering an earlier tick, keep the best by one of three `RULES`. When no gap can
    be added without a stall, the rest is covered by the most promising gaps
    regardless of the engines (`simulate` then charges the stalls).
-3. `select`: an integer program over the same gaps (HiGHS, through highspy) for the fewest bytes
-   moved that cover every tick's excess, once counting the copy times (engines idle) and once
-   not; where copies must stall anyway, moving fewer bytes is what keeps the stall short.
-4. The three rules' plans, each also with its swap-ins issued as late as possible (at
-   the op that needs the block), and `select`'s are judged by `simulate` together with
-   the `seeds` (the other policies' plans for the same limit), and the best is returned:
-   least overhead among the feasible, then fewest bytes moved. So the policy is never
-   worse in simulation than any plan it is seeded with.
+
+Both are starts for tidalpool's policy, `search`.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
-from scipy.sparse import csr_matrix
 from tidalcore.units import Tick
 
-from tidalplan import highs
 from tidalplan.autoswap import durations, load
 from tidalplan.model import Iteration, Swap, SwapPlan
-from tidalplan.simulate import Result, copy_ns, simulate
+from tidalplan.simulate import copy_ns
 
 _BEAM = 24  # gaps tried in full at each greedy step
-_NODE_LIMIT = 10  # branch-and-bound nodes of `select`'s integer program
-_GAP = 0.02  # and the relative gap at which it stops
-_FIRST_ROWS = 64  # rows it starts with, and the most it adds per round
-_ROUNDS = 12
-_BUSY_WEIGHT = 0.5
 
 Rule = Literal["gain", "gain-per-byte", "engine-first"]
 RULES: tuple[Rule, ...] = ("gain", "gain-per-byte", "engine-first")
@@ -315,134 +301,3 @@ def construct(
     return SwapPlan(
         tuple(sorted([*swaps, *late], key=lambda s: (s.out_after, s.in_before, s.block)))
     )
-
-
-def _cover_milp(
-    cost: npt.NDArray[np.float64], cover: csr_matrix, need: npt.NDArray[np.float64]
-) -> npt.NDArray[np.float64] | None:
-    """min cost·x over binary x such that cover·x >= need, by HiGHS within `_NODE_LIMIT`
-    branch-and-bound nodes (deterministic, unlike a time limit); None when it found no
-    feasible x (`highs.cover`, silent)."""
-    return highs.cover(
-        cost,
-        cover,
-        need,
-        cover.shape[1],
-        presolve="off",
-        mip_max_nodes=_NODE_LIMIT,
-        mip_rel_gap=_GAP,
-    )
-
-
-def select(
-    it: Iteration, limit: int, out_gbps: float, in_gbps: float, with_copies: bool
-) -> SwapPlan | None:
-    """The fewest bytes moved that bring every tick under `limit`: an integer program over all
-    gaps (HiGHS, through highspy), min sum(size_k x_k) such that at every over-limit tick the gaps
-    covering it hold at least its excess. With `with_copies`, a gap covers the ticks between
-    its swap-out's end and its swap-in's start with idle engines, and the swap-in is issued as
-    late as that allows; without, it covers its whole gap and the swap-in is issued at the op
-    that needs it (`simulate` charges the copies as stalls). Consecutive ticks covered by the
-    same gaps are one row (their largest excess). None when no selection covers the limit, or
-    HiGHS finds none within its node limit (deterministic, unlike a time limit)."""
-    tl = _Timeline(it, limit)
-    every = gaps(it, out_gbps, in_gbps)
-    if not every or int(tl.need.max(initial=0)) <= 0:
-        return SwapPlan() if int(tl.need.max(initial=0)) <= 0 else None
-    g = _Gaps.of(every)
-    n = tl.ticks
-    if with_copies:
-        spans = [_ideal_span(tl, x) for x in every]
-        lo = np.array([sp[0] for sp in spans], np.int64)
-        hi = np.array([sp[1] for sp in spans], np.int64)
-    else:
-        lo, hi = g.a + 1, g.c.copy()
-    lo, hi = np.clip(lo, 0, n), np.clip(hi, 0, n)
-    # Segments: the ticks between consecutive span ends; a gap covers whole segments.
-    cuts = np.unique(np.concatenate(([0, n], lo, hi)))
-    seg_start = cuts[:-1]
-    worst = np.maximum.reduceat(tl.need, seg_start)
-    rows_needed = np.flatnonzero(worst > 0)
-    row_of = np.full(len(seg_start), -1, np.int64)
-    row_of[rows_needed] = np.arange(len(rows_needed))
-    rows: list[npt.NDArray[np.int64]] = []
-    cols: list[npt.NDArray[np.int64]] = []
-    for k in range(len(every)):
-        ranges = [(int(lo[k]), n), (0, int(hi[k]))] if g.wraps[k] else [(int(lo[k]), int(hi[k]))]
-        for first, last in ranges:
-            if first >= last:
-                continue
-            segs = np.arange(np.searchsorted(seg_start, first), np.searchsorted(seg_start, last))
-            r = row_of[segs]
-            r = r[r >= 0]
-            rows.append(r)
-            cols.append(np.full(len(r), k, np.int64))
-    row = np.concatenate(rows) if rows else np.zeros(0, np.int64)
-    col = np.concatenate(cols) if cols else np.zeros(0, np.int64)
-    size = g.size.astype(np.float64)
-    cover = csr_matrix((size[col], (row, col)), shape=(len(rows_needed), len(every)))
-    need = worst[rows_needed].astype(np.float64)
-    # Row generation: solve with the rows of the largest excess, add the rows the solution
-    # leaves uncovered, repeat; the full program is rarely needed.
-    active = np.argsort(-need, kind="stable")[:_FIRST_ROWS]
-    x = None
-    # Bytes moved, a little more for gaps whose copies fill more of their time (they stall
-    # first when the engines are busy).
-    gap_ns = np.maximum(tl.start[g.c] - tl.end_of[g.a], 0)
-    gap_ns = np.where(g.wraps, tl.total - tl.end_of[g.a] + tl.start[g.c], gap_ns)
-    busy = (g.out_ns + g.in_ns) / np.maximum(gap_ns, 1)
-    cost = size / float(size.max()) * (1.0 + _BUSY_WEIGHT * np.minimum(busy, 4.0))
-    for _ in range(_ROUNDS):
-        solution = _cover_milp(cost, cover[active], need[active])
-        if solution is None:
-            return None
-        x = np.round(solution)
-        short = need - cover @ x
-        missing = np.flatnonzero(short > 0.5)
-        if not len(missing):
-            break
-        worst_first = missing[np.argsort(-short[missing], kind="stable")][:_FIRST_ROWS]
-        active = np.union1d(active, worst_first)
-    else:
-        return None
-    assert x is not None
-    swaps = []
-    for k in np.flatnonzero(x > 0.5).tolist():
-        gap = every[k]
-        first = 0 if gap.wraps else gap.a + 1
-        at = max(min(int(hi[k]), gap.c), first) if with_copies else gap.c
-        swaps.append(Swap(gap.block, gap.a, gap.c, Tick(at), gap.persistent))
-    return SwapPlan(tuple(sorted(swaps, key=lambda s: (s.out_after, s.in_before, s.block))))
-
-
-def judge(
-    it: Iteration, plans: Iterable[SwapPlan], limit: int, out_gbps: float, in_gbps: float
-) -> tuple[SwapPlan, Result]:
-    """The plan `simulate` likes best: feasible first, then least overhead, then fewest bytes
-    moved, then the earliest given."""
-    best: tuple[tuple[bool, float, int, int], SwapPlan, Result] | None = None
-    for k, p in enumerate(plans):
-        r = simulate(it, p, limit, out_gbps, in_gbps)
-        key = (not r.feasible, r.overhead, r.out_bytes + r.in_bytes, k)
-        if best is None or key < best[0]:
-            best = (key, p, r)
-    if best is None:
-        raise ValueError("no plans to judge")
-    return best[1], best[2]
-
-
-def tidalpool(
-    it: Iteration,
-    limit: int,
-    out_gbps: float,
-    in_gbps: float,
-    seeds: Iterable[SwapPlan] = (),
-) -> SwapPlan:
-    """Step 3: the best in simulation of no swaps, the greedy plan under each rule (also with
-    every swap-in issued only at the op that needs it: the most frugal timing, for limits where
-    early swap-ins would take the room a malloc needs), and `seeds`."""
-    mine = [construct(it, limit, out_gbps, in_gbps, rule) for rule in RULES]
-    late = [SwapPlan(tuple(replace(s, in_at=s.in_before) for s in p.swaps)) for p in mine]
-    chosen = [select(it, limit, out_gbps, in_gbps, with_copies) for with_copies in (True, False)]
-    exact = [p for p in chosen if p is not None]
-    return judge(it, [SwapPlan(), *mine, *late, *exact, *seeds], limit, out_gbps, in_gbps)[0]

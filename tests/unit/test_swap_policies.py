@@ -15,7 +15,7 @@ from tidaloffline.formats import read_trace_csv
 from tidalplan.autoswap import autoswap, load, load_min, op_bound
 from tidalplan.autoswap_bo import cost, tune
 from tidalplan.combined import combine, fit, pieces
-from tidalplan.gap_cover import RULES, construct, gaps, judge, select
+from tidalplan.gap_cover import RULES, construct, gaps
 from tidalplan.learn import extract
 from tidalplan.model import Iteration, Recompute, Swap, SwapPlan
 from tidalplan.policies import BASELINE_POLICIES, POLICIES, plan, plans
@@ -110,17 +110,6 @@ def test_engine_aware_plan_hides_what_vdnn_cannot() -> None:
     for rule in RULES:
         r = simulate(it, construct(it, limit, 50.0, 50.0, rule), limit, 50.0, 50.0)
         assert r.feasible and r.overhead <= 0.005, rule
-
-
-def test_judge_prefers_feasible_then_overhead_then_fewer_bytes() -> None:
-    plan_a = SwapPlan((Swap(0, Tick(1), Tick(5)),))
-    both = SwapPlan((Swap(0, Tick(1), Tick(5)), Swap(0, Tick(5), Tick(9))))
-    got, r = judge(TWICE, [SwapPlan(), both, plan_a], 400, 100.0, 100.0)
-    assert got == SwapPlan() and r.feasible  # nothing to move at the peak
-    got, r = judge(TWICE, [SwapPlan(), plan_a, both], 300, 100.0, 100.0)
-    assert got == both and r.feasible
-    with pytest.raises(ValueError):
-        judge(TWICE, [], 300, 1.0, 1.0)
 
 
 def test_policies_by_name() -> None:
@@ -249,24 +238,6 @@ def test_swapping_weights_reaches_the_op_wise_bound() -> None:
     assert not simulate(WEIGHTS, plan(WEIGHTS, "tidalpool", 299, 1.0, 1.0), 299, 1.0, 1.0).feasible
 
 
-def test_select_moves_the_fewest_bytes_that_cover_the_limit() -> None:
-    got = select(TWICE, 300, 100.0, 100.0, with_copies=False)
-    assert got is not None
-    assert [(s.block, s.out_after, s.in_before, s.in_at) for s in got.swaps] == [
-        (0, 1, 5, 5),  # issued at the op that needs the block
-        (0, 5, 9, 9),
-    ]
-    weights = select(WEIGHTS, 300, 100.0, 100.0, with_copies=False)
-    assert weights is not None
-    assert [(s.persistent, s.out_after, s.in_before) for s in weights.swaps] == [(True, 0, 5)]
-    # Counting copy times, nothing can be away when X (t2) or A (t1) is allocated: those
-    # mallocs come the moment the op before them ends.
-    assert select(TWICE, 300, 100.0, 100.0, with_copies=True) is None
-    assert select(WEIGHTS, 300, 100.0, 100.0, with_copies=True) is None
-    assert select(TWICE, 250, 100.0, 100.0, with_copies=False) is None  # X has no gap
-    assert select(TWICE, 400, 100.0, 100.0, with_copies=True) == SwapPlan()
-
-
 def test_tidalpool_beats_every_baseline_where_copies_must_stall() -> None:
     it = _resnet()
     limit = int(0.8 * int(load(it).max()))
@@ -276,14 +247,14 @@ def test_tidalpool_beats_every_baseline_where_copies_must_stall() -> None:
     assert overhead["tidalpool"] < 0.95 * best
 
 
-def test_select_writes_nothing_to_stdout() -> None:
-    """The integer program is silenced through the solver's own options: in a fresh process
-    (HiGHS writes its banner once per process), only what the caller prints reaches stdout,
-    where `tidalpool simulate --json` writes."""
+def test_the_integer_programs_write_nothing_to_stdout() -> None:
+    """The search's programs are silenced through the solver's own options: in a fresh
+    process (HiGHS writes its banner once per process), only what the caller prints reaches
+    stdout, where `tidalpool simulate --json` writes."""
     code = (
         "from tests.unit.test_swap_policies import TWICE\n"
-        "from tidalplan.gap_cover import select\n"
-        "print(len(select(TWICE, 300, 100.0, 100.0, with_copies=False).swaps))\n"
+        "from tidalplan.policies import plan\n"
+        "print(len(plan(TWICE, 'tidalpool', 300, 100.0, 100.0).swaps))\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60
