@@ -34,18 +34,20 @@ on the device at that op (no candidate that takes it away over the op may be cho
    - drop: leave a column out;
    - nudge: issue a swap-in its op waited for one op earlier.
 
-Deterministic: the search spends a budget of simulations, not of wall-clock time.
+Deterministic: the search spends a budget of simulations (`default_budget`: fewer on long
+iterations), not of wall-clock time.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
-from scipy.sparse import csc_matrix, csr_matrix, vstack
+from scipy.sparse import csc_matrix, csr_matrix
 from tidalcore.units import Tick
 
 from tidalplan import highs
@@ -60,7 +62,9 @@ from tidalplan.gap_cover import (
 from tidalplan.model import Iteration, Recompute, Swap, SwapPlan
 from tidalplan.simulate import Result, simulate
 
-BUDGET = 320  # simulations a search spends by default
+BUDGET = 320  # simulations a search spends by default, on iterations of up to _BUDGET_TICKS
+_BUDGET_TICKS = 8_000  # longer ones get as many simulated ticks in all: fewer simulations
+_LEAST = 48  # ... but at least this many
 _SIMPLEX = 200_000  # simplex iterations the cover's program may spend
 _GAP = 0.1  # the relative gap at which its integer version stops (at the root node)
 _EXACT_COLUMNS = 12_000  # the integer version only up to this many columns
@@ -321,15 +325,19 @@ class _Choice:
 
 def _solve(
     cost: npt.NDArray[np.float64],
+    spans: highs.Spans,
+    need: npt.NDArray[np.float64],
     rows: csr_matrix,
     lower: npt.NDArray[np.float64],
     columns: int = 0,
 ) -> npt.NDArray[np.float64] | None:
-    """min cost·x over x in [0, 1] with rows·x >= lower, the first `columns` of x binary, by
-    HiGHS within deterministic limits (`_SIMPLEX` simplex iterations; for an integer program,
-    its root node and `_GAP`); None when it found no solution."""
+    """min cost·x over x in [0, 1] where the `spans` hold `need` and rows·x >= lower, the first
+    `columns` of x binary, by HiGHS within deterministic limits (`_SIMPLEX` simplex iterations;
+    for an integer program, its root node and `_GAP`); None when it found no solution."""
     return highs.cover(
         cost,
+        spans,
+        need,
         rows,
         lower,
         columns,
@@ -350,53 +358,82 @@ def _round(
     the exclusion rows keep their sum at most 1); then, while rows are short, the column that
     covers the most short need per cost, weighted by its x, among those that clash with none
     taken; a swap excluded by taken recomputations may displace them for good. Last, columns no
-    row needs are dropped, costliest first. None when some row stays short."""
+    row needs are dropped, costliest first. None when some row stays short.
+
+    The greedy is lazy: a column's score only falls as rows fill, so a score computed earlier
+    bounds it from above; the heap is scored afresh when a displacement empties rows again."""
     short = need.copy()
     taken: set[int] = set()
     gone: set[int] = set()  # displaced: never taken again
     g = len(cands.gaps)
+    ptr, idx, val = coverage.indptr, coverage.indices, np.maximum(coverage.data, 0.0)
+    weight = (0.1 + x) / cost
 
-    def gain(j: int) -> float:
-        lo, hi = coverage.indptr[j], coverage.indptr[j + 1]
-        rows, vals = coverage.indices[lo:hi], coverage.data[lo:hi]
-        return float(np.minimum(np.maximum(short[rows], 0.0), np.maximum(vals, 0.0)).sum())
+    def scores() -> npt.NDArray[np.float64]:
+        covered = np.minimum(np.maximum(short[idx], 0.0), val)
+        sums = np.add.reduceat(np.append(covered, 0.0), ptr[:-1]) * (ptr[1:] > ptr[:-1])
+        made: npt.NDArray[np.float64] = sums * weight
+        return made
+
+    def score(j: int) -> float:
+        lo, hi = ptr[j], ptr[j + 1]
+        return float(np.minimum(np.maximum(short[idx[lo:hi]], 0.0), val[lo:hi]).sum() * weight[j])
 
     def put(j: int, sign: float) -> None:
-        lo, hi = coverage.indptr[j], coverage.indptr[j + 1]
-        short[coverage.indices[lo:hi]] -= sign * coverage.data[lo:hi]
+        lo, hi = ptr[j], ptr[j + 1]
+        short[idx[lo:hi]] -= sign * coverage.data[lo:hi]
+
+    def fresh() -> list[tuple[float, int]]:
+        every = scores()
+        heap = [
+            (-float(every[j]), j)
+            for j in np.flatnonzero(every > 0).tolist()
+            if j not in taken and j not in gone
+        ]
+        heapq.heapify(heap)
+        return heap
 
     for j in np.flatnonzero(x > 0.5 + 1e-6).tolist():
         put(j, 1.0)
         taken.add(j)
+    heap = fresh()
+    blocked: list[int] = []  # popped while a taken column excludes them
     while (short > 1e-9).any():
-        missing = np.flatnonzero(short > 1e-9)
-        cols = np.unique(coverage[missing].indices).tolist()
-        best, score, forced, forced_score = -1, 0.0, -1, 0.0
-        for j in cols:
+        best = -1
+        while heap:
+            _, j = heapq.heappop(heap)
             if j in taken or j in gone:
                 continue
-            v = gain(j) / cost[j] * (0.1 + x[j])
+            v = score(j)
             if v <= 0:
                 continue
-            if cands.excludes.get(j, set()) & taken:
-                if j < g and (forced < 0 or v > forced_score):
-                    forced, forced_score = j, v
+            if heap and -v > heap[0][0]:  # stale: below another's bound
+                heapq.heappush(heap, (-v, j))
                 continue
-            if v > score:
-                best, score = j, v
-        if best < 0 and forced >= 0:
-            for k in sorted(cands.excludes.get(forced, set()) & taken):
+            if cands.excludes.get(j, set()) & taken:
+                blocked.append(j)
+                continue
+            best = j
+            break
+        if best < 0:  # none fits beside the taken: a swap may displace recomputations
+            swaps = [(score(j), j) for j in blocked if j < g and j not in gone]
+            swaps = [(v, j) for v, j in swaps if v > 0]
+            if not swaps:
+                return None
+            _, best = max(swaps, key=lambda p: (p[0], -p[1]))
+            for k in sorted(cands.excludes.get(best, set()) & taken):
                 put(k, -1.0)
                 taken.discard(k)
                 gone.add(k)
-            best = forced
-        if best < 0:
-            return None
+            put(best, 1.0)
+            taken.add(best)
+            heap, blocked = fresh(), []
+            continue
         put(best, 1.0)
         taken.add(best)
     for j in sorted(taken, key=lambda j: (-cost[j], j)):
-        lo, hi = coverage.indptr[j], coverage.indptr[j + 1]
-        rows, vals = coverage.indices[lo:hi], coverage.data[lo:hi]
+        lo, hi = ptr[j], ptr[j + 1]
+        rows, vals = idx[lo:hi], coverage.data[lo:hi]
         if (short[rows] + vals <= 1e-9).all():
             short[rows] += vals
             taken.discard(j)
@@ -416,9 +453,9 @@ def cover(
     size = np.array([g.size for g in every], np.int64)
     copies = np.array([g.out_ns + g.in_ns for g in every], np.float64)
     if with_copies:
-        spans = [_ideal_span(tl, g) for g in every]
-        lo = np.array([s[0] for s in spans], np.int64)
-        hi = np.array([s[1] for s in spans], np.int64)
+        ideal = [_ideal_span(tl, g) for g in every]
+        lo = np.array([s[0] for s in ideal], np.int64)
+        hi = np.array([s[1] for s in ideal], np.int64)
     else:
         lo, hi = a + 1, c.copy()
     r_lo = np.array([d[1] + 1 for r in cands.redo for d in r.drops], np.int64)
@@ -435,68 +472,67 @@ def cover(
     rows_needed = np.flatnonzero(needed)
     row_of = np.full(len(seg_start), -1, np.int64)
     row_of[rows_needed] = np.arange(len(rows_needed))
-    rows: list[npt.NDArray[np.int64]] = []
-    cols: list[npt.NDArray[np.int64]] = []
-    vals: list[npt.NDArray[np.float64]] = []
-
-    def add(col: int, first: int, last: int, value: float) -> None:
-        if first >= last:
-            return
-        segs = np.arange(np.searchsorted(seg_start, first), np.searchsorted(seg_start, last))
-        r = row_of[segs]
-        r = r[r >= 0]
-        rows.append(r)
-        cols.append(np.full(len(r), col, np.int64))
-        vals.append(np.full(len(r), value, np.float64))
-
-    for k in range(len(every)):
-        if wraps[k]:
-            add(k, int(lo[k]), n, float(size[k]))
-            add(k, 0, int(hi[k]), float(size[k]))
-        else:
-            add(k, int(lo[k]), int(hi[k]), float(size[k]))
+    # Every column as intervals of ticks [first, last) with a value (bytes it holds there).
     g = len(every)
     blocks = cands.it.blocks
-    for j, r in enumerate(cands.redo):
-        for i, drop in r.drops:
-            add(g + j, drop + 1, r.before, float(blocks[i].size))
-        if r.scratch:
-            add(g + j, r.before, r.before + 1, -float(r.scratch))
-    row = np.concatenate(rows) if rows else np.zeros(0, np.int64)
-    col = np.concatenate(cols) if cols else np.zeros(0, np.int64)
-    val = np.concatenate(vals) if vals else np.zeros(0, np.float64)
+    ks = np.arange(g, dtype=np.int64)
+    c_parts = [ks, ks[wraps]]
+    f_parts = [lo, np.zeros(int(wraps.sum()), np.int64)]
+    l_parts = [np.where(wraps, n, hi), hi[wraps]]
+    v_parts = [size.astype(np.float64), size[wraps].astype(np.float64)]
+    drops = [
+        (g + j, d + 1, r.before, int(blocks[i].size))
+        for j, r in enumerate(cands.redo)
+        for i, d in r.drops
+    ]
+    drops += [
+        (g + j, r.before, r.before + 1, -r.scratch) for j, r in enumerate(cands.redo) if r.scratch
+    ]
+    if drops:
+        more = np.array(drops, np.int64).reshape(-1, 4)
+        c_parts.append(more[:, 0])
+        f_parts.append(more[:, 1])
+        l_parts.append(more[:, 2])
+        v_parts.append(more[:, 3].astype(np.float64))
+    col_a, first_a = np.concatenate(c_parts), np.concatenate(f_parts)
+    last_a, value_a = np.concatenate(l_parts), np.concatenate(v_parts)
+    # ... as ranges of the rows (the segments that need bytes), spread for the coverage.
+    r0 = np.searchsorted(rows_needed, np.searchsorted(seg_start, first_a))
+    r1 = np.searchsorted(rows_needed, np.searchsorted(seg_start, last_a))
+    count = np.maximum(r1 - r0, 0)
+    row = np.repeat(r0 - np.cumsum(count) + count, count) + np.arange(int(count.sum()))
     m = cands.columns
-    coverage = csr_matrix((val, (row, col)), shape=(len(rows_needed), m))
     need = worst[rows_needed].astype(np.float64)
     scale = float(size.max())
-    coverage = coverage / scale
     need = need / scale
-    exclusion, floor = cands.exclusion()
-    coverage = csr_matrix(
-        (coverage.data, coverage.indices, coverage.indptr),
-        shape=(coverage.shape[0], exclusion.shape[1]),
+    coverage = csc_matrix(
+        (np.repeat(value_a / scale, count), (row, np.repeat(col_a, count))),
+        shape=(len(rows_needed), m),
     )
+    exclusion, floor = cands.exclusion()
     redo_ns = np.array([r.ns for r in cands.redo], np.float64)
     cost = np.concatenate((weight * copies, redo_ns)) + 1.0
     cost = cost / float(cost.max())
     cost = np.concatenate((cost, np.zeros(exclusion.shape[1] - m)))
     # The integer program by row generation: the rows of the largest excess first, then the
     # rows its solution leaves short, `_ROUNDS` times at most; `_round` repairs what is left.
-    active = np.argsort(-need, kind="stable")[: _FIRST_ROWS if exact else len(need)]
+    active = np.sort(np.argsort(-need, kind="stable")[: _FIRST_ROWS if exact else len(need)])
     solution = None
     for _ in range(_ROUNDS if exact else 1):
-        rows = csr_matrix(vstack([coverage[active], exclusion]))
-        solution = _solve(cost, rows, np.concatenate((need[active], floor)), m if exact else 0)
+        spans = highs.Spans(
+            col_a, np.searchsorted(active, r0), np.searchsorted(active, r1), value_a / scale
+        )
+        solution = _solve(cost, spans, need[active], exclusion, floor, m if exact else 0)
         if solution is None:
             return None
-        short = need - coverage @ np.round(solution)
+        short = need - coverage @ np.round(solution[:m])
         missing = np.flatnonzero(short > 1e-9)
         if not len(missing):
             break
         worst_first = missing[np.argsort(-short[missing], kind="stable")][:_FIRST_ROWS]
         active = np.union1d(active, worst_first)
     assert solution is not None
-    picked = _round(cands, solution[:m], cost[:m], coverage[:, :m].tocsc(), need)
+    picked = _round(cands, solution[:m], cost[:m], coverage, need)
     if picked is None:
         return None
     swaps: list[tuple[int, int | None]] = []
@@ -879,6 +915,32 @@ class _Search:
                 break
 
 
+def default_budget(it: Iteration) -> int:
+    """`BUDGET` simulations for an iteration of up to `_BUDGET_TICKS` ticks; for a longer one,
+    as many simulated ticks in all (a simulation's time grows with the ticks), at least
+    `_LEAST` simulations."""
+    if it.ticks <= _BUDGET_TICKS:
+        return BUDGET
+    return max(_LEAST, BUDGET * _BUDGET_TICKS // it.ticks)
+
+
+_KEPT: list[tuple[Iteration, tuple[float, float, tuple[int, ...]], _Candidates]] = []
+
+
+def _candidates(
+    it: Iteration, out_gbps: float, in_gbps: float, depths: Sequence[int]
+) -> _Candidates:
+    """The candidates of `it` at these bandwidths: they do not depend on the limit, so the
+    last ones made are kept for the next search (`combined.fit` searches several limits)."""
+    key = (out_gbps, in_gbps, tuple(depths))
+    for held, k, made in _KEPT:
+        if held is it and k == key:
+            return made
+    made = _Candidates(it, out_gbps, in_gbps, depths)
+    _KEPT[:] = [(it, key, made)]
+    return made
+
+
 def search(
     it: Iteration,
     limit: int,
@@ -888,14 +950,14 @@ def search(
     progress: Callable[[float], None] | None = None,
     recompute: bool = True,
 ) -> SwapPlan:
-    """The plan with the shortest simulated step found within `budget` simulations (default
-    `BUDGET`) for `limit` device bytes; `progress` hears the fraction of the budget spent.
-    `recompute=False`: swaps only, for an executor that cannot rebuild blocks."""
-    budget = BUDGET if budget is None else budget
+    """The plan with the shortest simulated step found within `budget` simulations (default:
+    `default_budget`) for `limit` device bytes; `progress` hears the fraction of the budget
+    spent. `recompute=False`: swaps only, for an executor that cannot rebuild blocks."""
+    budget = default_budget(it) if budget is None else budget
     tl = _Timeline(it, limit)
     if tl.ticks == 0 or int(tl.need.max()) <= 0:
         return SwapPlan()
-    cands = _Candidates(it, out_gbps, in_gbps, _DEPTHS if recompute else ())
+    cands = _candidates(it, out_gbps, in_gbps, _DEPTHS if recompute else ())
     s = _Search(it, limit, out_gbps, in_gbps, cands, max(budget, 1), progress)
     starts: list[_Choice] = []
     kinds = [(False, False), (True, False)]  # (with copies, exact): relaxed and rounded
