@@ -137,10 +137,8 @@ def record_traces(directory: Path) -> list[Path]:
     """GPT-2 small (batch 8) and ResNet-50 (batch 64) recorded on the meta device with an
     H100's roofline durations; kept in `directory` and reused."""
     sys.path.insert(0, str(ROOT / "bench"))
-    import tidalpool.torch
-    import torch
     from tidaloffline.torch.roofline import Roofline
-    from torch_train import LOOP, build
+    from torch_train import record_training
 
     directory.mkdir(parents=True, exist_ok=True)
     out = []
@@ -148,16 +146,7 @@ def record_traces(directory: Path) -> list[Path]:
         path = directory / f"{name}-h100.b{batch}.trace.csv"
         if not path.exists():
             print(f"recording {path.name} on the meta device ...", file=sys.stderr, flush=True)
-            model, make_batch, _ = build(name, tiny=False)
-            tidalpool.torch.record(
-                model,
-                make_batch(batch),
-                torch.nn.functional.cross_entropy,
-                lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4),
-                path=path,
-                roofline=Roofline(),
-                **LOOP,
-            )
+            record_training(name, batch, path, roofline=Roofline())
         out.append(path)
     return out
 

@@ -58,21 +58,10 @@ def autocast(dtype: str) -> Any:
 
 
 def record(name: str, batch: int, tiny: bool, directory: Path, dtype: str = "fp32") -> Path:
-    import tidalpool.torch
-    import torch
-    from torch_train import LOOP, build
+    from torch_train import record_training
 
-    model, make_batch, _ = build(name, tiny)
     path = directory / f"{name}.b{batch}.csv"
-    tidalpool.torch.record(
-        model,
-        make_batch(batch),
-        torch.nn.functional.cross_entropy,
-        lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4),
-        path=path,
-        autocast=autocast(dtype),
-        **LOOP,
-    )
+    record_training(name, batch, path, tiny, autocast(dtype))
     return path
 
 

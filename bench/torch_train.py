@@ -65,6 +65,32 @@ def log(*args: object) -> None:
 # -- models (imported lazily: the parent process does not need torch) ---------------------------
 
 
+def record_training(
+    name: str,
+    batch: int,
+    path: Path,
+    tiny: bool = False,
+    autocast: Any = None,
+    roofline: Any = None,
+) -> None:
+    """Record the bench's training loop of model `name` at `batch` (cross-entropy, AdamW) with
+    `tidalpool.torch.record` to the trace CSV `path`; `autocast` and `roofline` as it takes them."""
+    import tidalpool.torch
+    import torch
+
+    model, make_batch, _ = build(name, tiny)
+    tidalpool.torch.record(
+        model,
+        make_batch(batch),
+        torch.nn.functional.cross_entropy,
+        lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4),
+        path=path,
+        autocast=autocast,
+        roofline=roofline,
+        **LOOP,
+    )
+
+
 def build(name: str, tiny: bool) -> tuple[Any, Callable[[int], tuple[Any, Any]], list[Any]]:
     """(model, batch maker, the blocks to checkpoint) on the CPU."""
     import torch

@@ -45,3 +45,26 @@ def build(steps: list[str], persistent: dict[str, int] | None = None) -> Iterati
         accesses=tuple(accesses),
         persistent=tuple((ids[n], Bytes(s)) for n, s in (persistent or {}).items()),
     )
+
+
+# Two layers forward, a loss, two backward. Blocks in allocation order: 0 X, 1 A, 2 B, 3 L,
+# 4 GB, 5 GA; W persistent. The peak, 13,110 bytes, is at ticks 7 and 8 (X A B L GB and W).
+TWO_LAYERS = [
+    "a X 1000",  # 0
+    "a A 4000",  # 1
+    "o fwd1 1000 X W >A",  # 2   A's writer
+    "a B 4000",  # 3
+    "o fwd2 2000 A >B",  # 4   A's last access before backward
+    "a L 10",  # 5
+    "o loss 100 B >L",  # 6
+    "a GB 4000",  # 7
+    "o bwd2 2000 B L >GB",  # 8
+    "f B",  # 9
+    "f L",  # 10
+    "a GA 4000",  # 11
+    "o bwd1 1000 A GB >GA",  # 12  A needed again
+    "f GB",  # 13
+    "f A",  # 14
+    "f GA",  # 15
+    "f X",  # 16
+]

@@ -18,32 +18,14 @@ from tidalplan.model import Iteration, Recompute, SwapPlan
 from tidalplan.simulate import Result, no_limit, simulate
 from tidalplan.validate import validate_swaps
 
-from .iterations import build
+from .iterations import TWO_LAYERS, build
 
 GBPS = 12.0
-TRACES = Path("/work/shared/traces/models")
+TRACES = Path(__file__).resolve().parents[3] / "shared/traces/models"
 
-# Two layers forward, a loss, two backward (as in test_recompute_sim). Blocks: 0 X, 1 A, 2 B,
+# Two layers forward, a loss, two backward (`iterations.TWO_LAYERS`). Blocks: 0 X, 1 A, 2 B,
 # 3 L, 4 GB, 5 GA; W persistent. The peak, 13,110 bytes, is at ticks 7 and 8.
-NET = [
-    "a X 1000",  # 0
-    "a A 4000",  # 1
-    "o fwd1 1000 X W >A",  # 2
-    "a B 4000",  # 3
-    "o fwd2 2000 A >B",  # 4
-    "a L 10",  # 5
-    "o loss 100 B >L",  # 6
-    "a GB 4000",  # 7
-    "o bwd2 2000 B L >GB",  # 8
-    "f B",  # 9
-    "f L",  # 10
-    "a GA 4000",  # 11
-    "o bwd1 1000 A GB >GA",  # 12
-    "f GB",  # 13
-    "f A",  # 14
-    "f GA",  # 15
-    "f X",  # 16
-]
+NET = TWO_LAYERS
 # The same, fwd1 also writing S (freed at once): rebuilding A needs S's bytes as scratch.
 SCRATCH = [*NET[:2], "a S 500", "o fwd1 1000 X W >A >S", "f S", *NET[3:]]
 # A chain: B's writer reads A. At the peak (tick 10: X A B D C T, 25,000 bytes) two of A, B

@@ -12,29 +12,9 @@ from tidalplan.model import Recompute, Swap, SwapPlan
 from tidalplan.simulate import no_limit, simulate
 from tidalplan.validate import InvalidSwapPlan, validate_swaps
 
-from .iterations import build
+from .iterations import TWO_LAYERS, build
 
-# Two layers forward, a loss, two backward. Blocks in allocation order: 0 X, 1 A, 2 B, 3 L,
-# 4 GB, 5 GA; W persistent. The peak, 13,110 bytes, is at ticks 7 and 8 (X A B L GB and W).
-STEPS = [
-    "a X 1000",  # 0
-    "a A 4000",  # 1
-    "o fwd1 1000 X W >A",  # 2   A's writer
-    "a B 4000",  # 3
-    "o fwd2 2000 A >B",  # 4   A's last access before backward
-    "a L 10",  # 5
-    "o loss 100 B >L",  # 6
-    "a GB 4000",  # 7
-    "o bwd2 2000 B L >GB",  # 8
-    "f B",  # 9
-    "f L",  # 10
-    "a GA 4000",  # 11
-    "o bwd1 1000 A GB >GA",  # 12  A needed again
-    "f GB",  # 13
-    "f A",  # 14
-    "f GA",  # 15
-    "f X",  # 16
-]
+STEPS = TWO_LAYERS
 NET = build(STEPS, persistent={"W": 100})
 A, B = 1, 2
 DROP_A = Recompute(block=A, drop_after=Tick(4), before=Tick(12))
