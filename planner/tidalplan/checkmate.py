@@ -74,6 +74,7 @@ from scipy.sparse import csr_matrix
 from tidalcore.units import Tick
 
 from tidalplan import highs
+from tidalplan.accesses import accesses
 from tidalplan.autoswap import load
 from tidalplan.model import Iteration, Recompute, SwapPlan
 
@@ -114,24 +115,14 @@ class _Trace:
     """The accesses of an iteration, indexed as the simulator reads them."""
 
     def __init__(self, it: Iteration) -> None:
-        self.ops = [int(op.tick) for op in it.ops]
-        self.duration = {int(op.tick): op.duration_ns for op in it.ops}
-        self.reads: dict[int, set[int]] = {}
-        self.writes: dict[int, set[int]] = {}
-        self.written: dict[int, list[int]] = {}
-        ticks: dict[int, set[int]] = {}
-        for acc in it.accesses:
-            (self.writes if acc.write else self.reads).setdefault(acc.tick, set()).add(acc.block)
-            ticks.setdefault(acc.block, set()).add(acc.tick)
-            if acc.write:
-                self.written.setdefault(acc.block, []).append(acc.tick)
-        self.index = {b.id: i for i, b in enumerate(it.blocks)}
-        self.persistent = {pid for pid, _ in it.persistent}
-        self.size = {b.id: int(b.size) for b in it.blocks} | {p: int(s) for p, s in it.persistent}
+        ix = accesses(it)
+        self.ops, self.duration = ix.op_ticks, ix.durations
+        self.reads, self.writes, self.written = ix.reads, ix.writes, ix.written
+        self.index, self.persistent, self.size = ix.index, ix.persistent, ix.sizes
         self.gaps: list[_Gap] = []
         self.gaps_of: dict[int, list[int]] = {}  # trace id -> its gaps, in tick order
         for i, b in enumerate(it.blocks):
-            mine = sorted(t for t in ticks.get(b.id, ()) if b.start < t < b.end)
+            mine = sorted({t for t in ix.touched.get(b.id, ()) if b.start < t < b.end})
             for a, c in itertools.pairwise(mine):
                 writers = tuple(
                     sorted({t for t in self.written.get(b.id, ()) if b.start <= t <= a})

@@ -51,6 +51,7 @@ from scipy.sparse import csc_matrix, csr_matrix
 from tidalcore.units import Tick
 
 from tidalplan import highs
+from tidalplan.accesses import Accesses, accesses, derived
 from tidalplan.gap_cover import (
     RULES,
     Gap,
@@ -91,30 +92,8 @@ class Redo:
     pins: tuple[int, ...]  # trace ids of the blocks the writers read, held on the device
 
 
-class _Access:
-    """Who reads and writes what, by op tick and by block."""
-
-    def __init__(self, it: Iteration) -> None:
-        self.reads: dict[int, set[int]] = {}
-        self.writes: dict[int, set[int]] = {}
-        self.written: dict[int, list[int]] = {}
-        self.touched: dict[int, list[int]] = {}
-        for acc in it.accesses:
-            (self.writes if acc.write else self.reads).setdefault(acc.tick, set()).add(acc.block)
-            self.touched.setdefault(acc.block, []).append(acc.tick)
-            if acc.write:
-                self.written.setdefault(acc.block, []).append(acc.tick)
-        for ticks in self.touched.values():
-            ticks.sort()
-        self.dur: dict[int, int] = {int(op.tick): op.duration_ns for op in it.ops}
-        self.index = {b.id: i for i, b in enumerate(it.blocks)}
-        self.sizes = {b.id: int(b.size) for b in it.blocks}
-        self.sizes.update((pid, int(size)) for pid, size in it.persistent)
-        self.persistent = {pid for pid, _ in it.persistent}
-
-
 def _group(
-    it: Iteration, acc: _Access, head: int, head_a: int, before: int, depth: int
+    it: Iteration, acc: Accesses, head: int, head_a: int, before: int, depth: int
 ) -> tuple[tuple[tuple[int, int], ...], set[int], set[int]] | None:
     """The blocks rebuilt with block `head` (dropped after `head_a`) before op `before`: its
     writers' transient inputs down to `depth` levels (0: none), each dropped after its last
@@ -167,7 +146,7 @@ def _group(
 def redos(it: Iteration, every: Sequence[Gap], depths: Sequence[int] = (0,)) -> list[Redo]:
     """The transient gaps that can be recomputed, alone (depth 0) and with their writers'
     inputs down to each of `depths` levels (see the module's docstring)."""
-    acc = _Access(it)
+    acc = accesses(it)
     out: list[Redo] = []
     seen: set[tuple[int, tuple[tuple[int, int], ...]]] = set()
     for k, g in enumerate(every):
@@ -190,7 +169,7 @@ def redos(it: Iteration, every: Sequence[Gap], depths: Sequence[int] = (0,)) -> 
                     k,
                     g.c,
                     drops,
-                    sum(acc.dur[w] for w in writers),
+                    sum(acc.durations[w] for w in writers),
                     sum(acc.sizes.get(q, 0) for q in scratch),
                     tuple(sorted(pins)),
                 )
@@ -924,23 +903,6 @@ def default_budget(it: Iteration) -> int:
     return max(_LEAST, BUDGET * _BUDGET_TICKS // it.ticks)
 
 
-_KEPT: list[tuple[Iteration, tuple[float, float, tuple[int, ...]], _Candidates]] = []
-
-
-def _candidates(
-    it: Iteration, out_gbps: float, in_gbps: float, depths: Sequence[int]
-) -> _Candidates:
-    """The candidates of `it` at these bandwidths: they do not depend on the limit, so the
-    last ones made are kept for the next search (`combined.fit` searches several limits)."""
-    key = (out_gbps, in_gbps, tuple(depths))
-    for held, k, made in _KEPT:
-        if held is it and k == key:
-            return made
-    made = _Candidates(it, out_gbps, in_gbps, depths)
-    _KEPT[:] = [(it, key, made)]
-    return made
-
-
 def search(
     it: Iteration,
     limit: int,
@@ -957,7 +919,13 @@ def search(
     tl = _Timeline(it, limit)
     if tl.ticks == 0 or int(tl.need.max()) <= 0:
         return SwapPlan()
-    cands = _candidates(it, out_gbps, in_gbps, _DEPTHS if recompute else ())
+    depths = _DEPTHS if recompute else ()
+    # The candidates do not depend on the limit: kept for the next search (`fit` tries several).
+    cands = derived(
+        it,
+        ("search", out_gbps, in_gbps, depths),
+        lambda: _Candidates(it, out_gbps, in_gbps, depths),
+    )
     s = _Search(it, limit, out_gbps, in_gbps, cands, max(budget, 1), progress)
     starts: list[_Choice] = []
     kinds = [(False, False), (True, False)]  # (with copies, exact): relaxed and rounded

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from tidalcore.units import Bytes
 
-from tidalplan.learn import live_bytes
+from tidalplan.accesses import Accesses, accesses
 from tidalplan.model import Iteration, Swap, SwapPlan
 
 _NEVER = 1 << 62  # a time after every event
@@ -97,54 +97,7 @@ class _In:
     done: int = _NEVER  # when the copy finished
 
 
-class _Index:
-    """What the simulator looks up in an iteration, built once per iteration (`_index`)."""
-
-    def __init__(self, it: Iteration) -> None:
-        self.op_ticks = [int(op.tick) for op in it.ops]
-        self.op_pos = {t: k for k, t in enumerate(self.op_ticks)}
-        self.live = live_bytes(it).tolist() if it.ticks else [0]
-        self.reads: dict[int, set[int]] = {}  # op tick -> block ids it reads
-        self.writes: dict[int, set[int]] = {}  # op tick -> block ids it writes
-        self.written: dict[int, list[int]] = {}  # block id -> ticks writing it
-        self.touched: dict[int, list[int]] = {}  # block id -> ticks accessing it
-        for a in it.accesses:
-            (self.writes if a.write else self.reads).setdefault(a.tick, set()).add(a.block)
-            self.touched.setdefault(a.block, []).append(a.tick)
-            if a.write:
-                self.written.setdefault(a.block, []).append(a.tick)
-        self.index = {b.id: i for i, b in enumerate(it.blocks)}
-        self.persistent = {pid for pid, _ in it.persistent}
-        self.sizes: dict[int, int] = {b.id: b.size for b in it.blocks}
-        self.sizes.update(it.persistent)
-        self._durations: dict[float, dict[int, int]] = {}
-
-    def durations(self, it: Iteration, compute_scale: float) -> dict[int, int]:
-        """Op tick -> its duration times `compute_scale`, rounded to whole ns (do not change)."""
-        made = self._durations.get(compute_scale)
-        if made is None:
-            made = {op.tick: round(op.duration_ns * compute_scale) for op in it.ops}
-            self._durations[compute_scale] = made
-        return made
-
-
-_INDEXES: dict[int, tuple[Iteration, _Index]] = {}  # by id(it); the iteration keeps the id
-_KEPT = 8
-
-
-def _index(it: Iteration) -> _Index:
-    """The iteration's `_Index`, built at its first simulation (iterations are immutable)."""
-    held = _INDEXES.get(id(it))
-    if held is not None and held[0] is it:
-        return held[1]
-    made = _Index(it)
-    if len(_INDEXES) >= _KEPT:
-        del _INDEXES[next(iter(_INDEXES))]
-    _INDEXES[id(it)] = (it, made)
-    return made
-
-
-def _checked(it: Iteration, plan: SwapPlan, ix: _Index) -> list[tuple[int, Swap]]:
+def _checked(it: Iteration, plan: SwapPlan, ix: Accesses) -> list[tuple[int, Swap]]:
     """(size, swap) for every swap of the plan; ValueError names the first bad one."""
     op_index = ix.op_pos
     touched = ix.touched
@@ -199,7 +152,7 @@ def rebuilds(it: Iteration, plan: SwapPlan, durations: dict[int, int]) -> dict[i
     ValueError names the first that cannot run (see `Recompute`)."""
     if not plan.recomputes:
         return {}
-    ix = _index(it)
+    ix = accesses(it)
     reads, writes, written, touched = ix.reads, ix.writes, ix.written, ix.touched
     index, persistent = ix.index, ix.persistent
     away: dict[int, list[tuple[int, int, bool]]] = {}  # block id -> (from, to, crosses)
@@ -251,10 +204,9 @@ def rebuilds(it: Iteration, plan: SwapPlan, durations: dict[int, int]) -> dict[i
                         f"{plan.recomputes[members[0]]}: op {w} reads block {pid}, which is"
                         f" written again before op {before}"
                     )
-        sizes = ix.sizes
         out[before] = Rebuild(
             size=sum(it.blocks[plan.recomputes[j].block].size for j in members),
-            scratch=sum(sizes.get(pid, 0) for pid in scratch),
+            scratch=sum(ix.sizes.get(pid, 0) for pid in scratch),
             ns=sum(durations[w] for w in ops),
             members=members,
         )
@@ -294,10 +246,10 @@ def simulate(
     """
     if not (0 < out_gbps < math.inf and 0 < in_gbps < math.inf and 0 <= compute_scale < math.inf):
         raise ValueError("bandwidths must be positive and compute_scale non-negative")
-    ix = _index(it)
+    ix = accesses(it)
     swaps = _checked(it, plan, ix)
     limit = _NEVER if limit_bytes is None else limit_bytes
-    durations = ix.durations(it, compute_scale)
+    durations = ix.scaled(compute_scale)
     rebuild_at = rebuilds(it, plan, durations)
     drops_after: dict[int, int] = {}  # op tick -> bytes dropped when it ends
     for r in plan.recomputes:
