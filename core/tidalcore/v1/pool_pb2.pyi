@@ -60,7 +60,7 @@ class ClientMessage(_message.Message):
     def __init__(self, heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., trace: _Optional[_Union[TraceChunk, _Mapping]] = ..., step: _Optional[_Union[StepMark, _Mapping]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("device_used_bytes", "device_peak_bytes", "host_used_bytes", "plan_misses", "swapped_out_bytes", "swapped_in_bytes", "swap_stall_ns")
+    __slots__ = ("device_used_bytes", "device_peak_bytes", "host_used_bytes", "plan_misses", "swapped_out_bytes", "swapped_in_bytes", "swap_stall_ns", "on_demand_out_bytes", "on_demand_in_bytes")
     DEVICE_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
     HOST_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,8 @@ class Heartbeat(_message.Message):
     SWAPPED_OUT_BYTES_FIELD_NUMBER: _ClassVar[int]
     SWAPPED_IN_BYTES_FIELD_NUMBER: _ClassVar[int]
     SWAP_STALL_NS_FIELD_NUMBER: _ClassVar[int]
+    ON_DEMAND_OUT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ON_DEMAND_IN_BYTES_FIELD_NUMBER: _ClassVar[int]
     device_used_bytes: int
     device_peak_bytes: int
     host_used_bytes: int
@@ -75,7 +77,9 @@ class Heartbeat(_message.Message):
     swapped_out_bytes: int
     swapped_in_bytes: int
     swap_stall_ns: int
-    def __init__(self, device_used_bytes: _Optional[int] = ..., device_peak_bytes: _Optional[int] = ..., host_used_bytes: _Optional[int] = ..., plan_misses: _Optional[int] = ..., swapped_out_bytes: _Optional[int] = ..., swapped_in_bytes: _Optional[int] = ..., swap_stall_ns: _Optional[int] = ...) -> None: ...
+    on_demand_out_bytes: int
+    on_demand_in_bytes: int
+    def __init__(self, device_used_bytes: _Optional[int] = ..., device_peak_bytes: _Optional[int] = ..., host_used_bytes: _Optional[int] = ..., plan_misses: _Optional[int] = ..., swapped_out_bytes: _Optional[int] = ..., swapped_in_bytes: _Optional[int] = ..., swap_stall_ns: _Optional[int] = ..., on_demand_out_bytes: _Optional[int] = ..., on_demand_in_bytes: _Optional[int] = ...) -> None: ...
 
 class TraceChunk(_message.Message):
     __slots__ = ("first_event", "kinds", "block_ids", "sizes", "durations_ns", "name_ids", "new_names")
@@ -123,7 +127,7 @@ class ServerMessage(_message.Message):
     def __init__(self, plan: _Optional[_Union[PlanUpdate, _Mapping]] = ..., quota: _Optional[_Union[QuotaChange, _Mapping]] = ..., error: _Optional[_Union[SessionError, _Mapping]] = ..., goodbye: _Optional[_Union[Goodbye, _Mapping]] = ...) -> None: ...
 
 class PlanUpdate(_message.Message):
-    __slots__ = ("plan_id", "signature", "sizes", "offsets", "height_bytes", "swap_blocks", "swap_persistent", "swap_out_after", "swap_in_at", "swap_in_before")
+    __slots__ = ("plan_id", "signature", "sizes", "offsets", "height_bytes", "swap_blocks", "swap_persistent", "swap_out_after", "swap_in_at", "swap_in_before", "version", "swap_in_offsets", "recompute_blocks", "recompute_drop_after", "recompute_before", "limit_bytes", "resident_persistent_bytes", "prediction")
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +138,14 @@ class PlanUpdate(_message.Message):
     SWAP_OUT_AFTER_FIELD_NUMBER: _ClassVar[int]
     SWAP_IN_AT_FIELD_NUMBER: _ClassVar[int]
     SWAP_IN_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SWAP_IN_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_DROP_AFTER_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_PERSISTENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREDICTION_FIELD_NUMBER: _ClassVar[int]
     plan_id: int
     signature: bytes
     sizes: _containers.RepeatedScalarFieldContainer[int]
@@ -144,7 +156,35 @@ class PlanUpdate(_message.Message):
     swap_out_after: _containers.RepeatedScalarFieldContainer[int]
     swap_in_at: _containers.RepeatedScalarFieldContainer[int]
     swap_in_before: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, plan_id: _Optional[int] = ..., signature: _Optional[bytes] = ..., sizes: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., height_bytes: _Optional[int] = ..., swap_blocks: _Optional[_Iterable[int]] = ..., swap_persistent: _Optional[_Iterable[bool]] = ..., swap_out_after: _Optional[_Iterable[int]] = ..., swap_in_at: _Optional[_Iterable[int]] = ..., swap_in_before: _Optional[_Iterable[int]] = ...) -> None: ...
+    version: int
+    swap_in_offsets: _containers.RepeatedScalarFieldContainer[int]
+    recompute_blocks: _containers.RepeatedScalarFieldContainer[int]
+    recompute_drop_after: _containers.RepeatedScalarFieldContainer[int]
+    recompute_before: _containers.RepeatedScalarFieldContainer[int]
+    limit_bytes: int
+    resident_persistent_bytes: int
+    prediction: PlanPrediction
+    def __init__(self, plan_id: _Optional[int] = ..., signature: _Optional[bytes] = ..., sizes: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., height_bytes: _Optional[int] = ..., swap_blocks: _Optional[_Iterable[int]] = ..., swap_persistent: _Optional[_Iterable[bool]] = ..., swap_out_after: _Optional[_Iterable[int]] = ..., swap_in_at: _Optional[_Iterable[int]] = ..., swap_in_before: _Optional[_Iterable[int]] = ..., version: _Optional[int] = ..., swap_in_offsets: _Optional[_Iterable[int]] = ..., recompute_blocks: _Optional[_Iterable[int]] = ..., recompute_drop_after: _Optional[_Iterable[int]] = ..., recompute_before: _Optional[_Iterable[int]] = ..., limit_bytes: _Optional[int] = ..., resident_persistent_bytes: _Optional[int] = ..., prediction: _Optional[_Union[PlanPrediction, _Mapping]] = ...) -> None: ...
+
+class PlanPrediction(_message.Message):
+    __slots__ = ("step_ns", "baseline_ns", "out_bytes", "in_bytes", "stall_ns", "peak_bytes", "footprint_bytes", "copy_gbps")
+    STEP_NS_FIELD_NUMBER: _ClassVar[int]
+    BASELINE_NS_FIELD_NUMBER: _ClassVar[int]
+    OUT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    IN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STALL_NS_FIELD_NUMBER: _ClassVar[int]
+    PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FOOTPRINT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COPY_GBPS_FIELD_NUMBER: _ClassVar[int]
+    step_ns: int
+    baseline_ns: int
+    out_bytes: int
+    in_bytes: int
+    stall_ns: int
+    peak_bytes: int
+    footprint_bytes: int
+    copy_gbps: float
+    def __init__(self, step_ns: _Optional[int] = ..., baseline_ns: _Optional[int] = ..., out_bytes: _Optional[int] = ..., in_bytes: _Optional[int] = ..., stall_ns: _Optional[int] = ..., peak_bytes: _Optional[int] = ..., footprint_bytes: _Optional[int] = ..., copy_gbps: _Optional[float] = ...) -> None: ...
 
 class QuotaChange(_message.Message):
     __slots__ = ("device_limit_bytes", "host_limit_bytes", "reason")
