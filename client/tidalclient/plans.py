@@ -2,12 +2,19 @@
 
     PlanUpdate ──decode()──▶ Plan ──Executor.install_plan()──▶ used from the next step()
                               ├─ table: PlanTable   the placement: size and offset per allocation
-                              └─ swaps: ScheduledSwap...   the swap schedule (under a swap limit)
+                              ├─ swaps: ScheduledSwap...   the swap schedule (under a swap limit)
+                              ├─ swap_in_offsets    where each swap-in lands (version 2)
+                              └─ prediction         the simulator's timeline of the plan
 
 The table lists, in allocation order, the size and offset of every allocation of the steady
 iteration; offsets are relative to an *arena*, one range of the lease reserved for the plan
 (`executors/arena.py`). Each slot comes with the other slots sharing any of its bytes, so the
 hot path checks a slot in O(those slots).
+
+A swapped block is on the device in pieces: its allocation's slot until its first swap-out,
+then, from each swap-in on, the piece that swap-in fills. The swap engine adds those pieces to
+the table as slots after the allocations' (`with_pieces`), once it knows the sizes of the
+persistent blocks among them; their overlaps are computed over all slots together.
 
 Pure: no I/O, no threads, no clock.
 """
@@ -36,21 +43,44 @@ class PlanTable:
     offsets: tuple[int, ...]
     height: int
     overlaps: tuple[tuple[int, ...], ...]  # per slot: the other slots sharing any of its bytes
+    # Slots after the allocations' (slot len(sizes) + j): (size, offset) of swap j's piece.
+    pieces: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def build(
-        cls, plan_id: int, sizes: list[int], offsets: list[int], height: int, alignment: int
+        cls,
+        plan_id: int,
+        sizes: list[int],
+        offsets: list[int],
+        height: int,
+        alignment: int,
+        pieces: Sequence[tuple[int, int]] = (),
     ) -> PlanTable:
         if len(sizes) != len(offsets):
             raise PlanRejected(f"plan {plan_id}: {len(sizes)} sizes but {len(offsets)} offsets")
-        for i, (size, offset) in enumerate(zip(sizes, offsets, strict=True)):
+        slots = [*zip(sizes, offsets, strict=True), *pieces]
+        for i, (size, offset) in enumerate(slots):
             if size <= 0 or offset % alignment or offset + align_up(size, alignment) > height:
+                what = f"slot {i}" if i < len(sizes) else f"the piece of swap {i - len(sizes)}"
                 raise PlanRejected(
-                    f"plan {plan_id}: slot {i} ({size} bytes at offset {offset}) is empty, "
+                    f"plan {plan_id}: {what} ({size} bytes at offset {offset}) is empty, "
                     f"misaligned or beyond the plan's height {height}"
                 )
+        all_sizes = [size for size, _ in slots]
+        all_offsets = [offset for _, offset in slots]
         return cls(
-            plan_id, tuple(sizes), tuple(offsets), height, _overlaps(sizes, offsets, alignment)
+            plan_id,
+            tuple(sizes),
+            tuple(offsets),
+            height,
+            _overlaps(all_sizes, all_offsets, alignment),
+            tuple(pieces),
+        )
+
+    def with_pieces(self, pieces: Sequence[tuple[int, int]], alignment: int) -> PlanTable:
+        """This table with a slot for each swap's piece, (size, offset) in swap order."""
+        return PlanTable.build(
+            self.plan_id, list(self.sizes), list(self.offsets), self.height, alignment, pieces
         )
 
 
@@ -112,26 +142,105 @@ class ScheduledSwap:
 
 
 @dataclass(frozen=True, slots=True)
+class Prediction:
+    """The simulator's timeline of the plan's iteration (`PlanPrediction`)."""
+
+    step_ns: int
+    baseline_ns: int
+    out_bytes: int
+    in_bytes: int
+    stall_ns: int
+    peak_bytes: int
+    footprint_bytes: int
+    copy_gbps: float
+
+
+@dataclass(frozen=True, slots=True)
+class Recompute:
+    """A hint: allocation `block` may be dropped after op `drop_after` and rebuilt before op
+    `before` (the placement leaves room for it)."""
+
+    block: int
+    drop_after: int
+    before: int
+
+
+VERSION = 2
+"""The newest `PlanUpdate.version` this client knows (see pool.proto's version rule)."""
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
     """One plan of the daemon: where each allocation goes and, under a swap limit, which
-    blocks leave the device between their uses."""
+    blocks leave the device between their uses and where each comes back."""
 
     table: PlanTable
     swaps: tuple[ScheduledSwap, ...] = ()
+    swap_in_offsets: tuple[int, ...] = ()  # per swap: the arena offset its swap-in fills
+    recomputes: tuple[Recompute, ...] = ()
+    version: int = 1
+    limit: int = 0  # the device bytes the plan was made to fit (0: no swap limit)
+    prediction: Prediction | None = None
 
     @property
     def plan_id(self) -> int:
         return self.table.plan_id
 
+    @property
+    def places_swaps(self) -> bool:
+        """Whether the plan says where every swap-in lands (else the client places them)."""
+        return bool(self.swaps) and len(self.swap_in_offsets) == len(self.swaps)
+
 
 def decode(update: pool_pb2.PlanUpdate, alignment: int = ALIGNMENT) -> Plan:
     """The plan a `PlanUpdate` carries. PlanRejected when its placement is unusable; a
     malformed swap schedule (columns of unequal lengths, an inconsistent swap) is logged and
-    left out, and the placement is kept."""
+    left out, and the placement is kept; so are swap-in offsets that do not match the
+    schedule (the swap-ins are then placed here). Fields of a version newer than `VERSION`
+    are not read (the version rule: they only add to what the known ones say)."""
     table = PlanTable.build(
         update.plan_id, list(update.sizes), list(update.offsets), update.height_bytes, alignment
     )
-    return Plan(table, _swaps(update))
+    swaps = _swaps(update)
+    offsets: tuple[int, ...] = tuple(update.swap_in_offsets)
+    if offsets and (
+        len(offsets) != len(swaps)
+        or any(o % alignment or o >= update.height_bytes for o in offsets)
+    ):
+        log.warning(
+            "tidalpool: plan %d: %d swap-in offsets for %d swaps, or one misaligned or beyond"
+            " its height: the swap-ins are placed here",
+            update.plan_id,
+            len(offsets),
+            len(swaps),
+        )
+        offsets = ()
+    prediction = None
+    if update.HasField("prediction"):
+        p = update.prediction
+        prediction = Prediction(
+            p.step_ns,
+            p.baseline_ns,
+            p.out_bytes,
+            p.in_bytes,
+            p.stall_ns,
+            p.peak_bytes,
+            p.footprint_bytes,
+            p.copy_gbps,
+        )
+    columns = (update.recompute_blocks, update.recompute_drop_after, update.recompute_before)
+    recomputes: tuple[Recompute, ...] = ()
+    if len({len(c) for c in columns}) == 1:
+        recomputes = tuple(Recompute(*r) for r in zip(*columns, strict=True))
+    return Plan(
+        table,
+        swaps,
+        offsets,
+        recomputes,
+        update.version or 1,
+        update.limit_bytes,
+        prediction,
+    )
 
 
 def _swaps(update: pool_pb2.PlanUpdate) -> tuple[ScheduledSwap, ...]:

@@ -33,6 +33,7 @@ from tidalcore.wire import HANDLES_SOCKET
 
 from tidalclient.connection import Connection
 from tidalclient.devices.lease import CudaLease, DeviceLease, HostLease, MappedLease, map_grant
+from tidalclient.devices.streams import Stream
 from tidalclient.errors import InvalidBlock, SessionClosed
 from tidalclient.executors.base import Block, Executor, SwapStats
 from tidalclient.executors.native import NativeExecutor
@@ -41,7 +42,7 @@ from tidalclient.executors.swapping import Swapping
 from tidalclient.handles import Grant, request_lease
 from tidalclient.hotpath import HotPath, NativeStats
 from tidalclient.numpy import Tensor, array, release
-from tidalclient.plans import PlanRejected, decode
+from tidalclient.plans import Plan, PlanRejected, decode
 from tidalclient.recorder import Recorder
 from tidalclient.views import CudaViews, HostViews, Views
 
@@ -97,6 +98,7 @@ def attach(
     driver: Driver | None = None,
     allocator: str = "python",
     native_device: int | None = None,
+    async_compute: bool = False,
 ) -> Session:
     """Open a session with the daemon of `socket_dir` and map its lease.
 
@@ -110,6 +112,10 @@ def attach(
     (`tidalclient.hotpath`), called by a framework such as PyTorch; `native_device` is the
     device index the framework passes it (default: the lease's GPU as this process numbers it,
     0 on sim). Python's `malloc`/`op` then refuse, and swapping is not available.
+    `async_compute`: the ops' work runs on `Session.compute`, a stream, asynchronously to the
+    calling thread (sim: a worker thread's `Stream`; cuda: the compute stream, CuPy's current
+    one), and the swap engine orders its copies against that stream instead of waiting on
+    this thread; give each op its compute time with `op(..., duration_ns=)`.
     Raises AttachError when there is no daemon or it refuses (wrong uid, pool
     exhausted, its GPU not visible here).
     """
@@ -123,6 +129,8 @@ def attach(
         raise ValueError(f"allocator must be 'python' or 'native', got {allocator!r}")
     if allocator == "native" and (swap_bytes is not None or copy_gbps is not None):
         raise ValueError("the native allocator does not swap: drop swap_limit and copy_gbps")
+    if allocator == "native" and async_compute:
+        raise ValueError("async_compute orders Python ops: the native allocator has none")
     name = job_name or os.environ.get("TIDALPOOL_JOB_NAME") or Path(sys.argv[0] or "python").name
     grant = request_lease(directory / HANDLES_SOCKET, device_bytes, host_bytes, name)
     try:
@@ -145,16 +153,20 @@ def attach(
         recorder = Recorder(connection.send, chunk_events=reply.trace_chunk_events or 4096)
         undo.append(recorder.close)
         executor: Executor
+        compute: Callable[[], Any] | None = None
+        if async_compute:
+            compute = _compute_stream(mapped)
+            undo.append(lambda: _close_compute(compute))
         if native is not None:
             native.connect(recorder)
             executor = native
         else:
-            executor = _python_executor(mapped, recorder, swap_bytes, copy_gbps)
+            executor = _python_executor(mapped, recorder, swap_bytes, copy_gbps, compute)
     except BaseException:
         for step in reversed(undo):
             step()
         raise
-    session = Session(grant.response.session_id, mapped, connection, recorder, executor)
+    session = Session(grant.response.session_id, mapped, connection, recorder, executor, compute)
     connection.start(
         on_plan=session._receive_plan,
         on_end=session._ended,
@@ -171,19 +183,44 @@ def map_lease(grant: Grant, driver: Driver | None = None) -> MappedLease:
     return map_grant(grant, driver)
 
 
+def _compute_stream(mapped: MappedLease) -> Callable[[], Any]:
+    """The stream ops' work runs on, as a function giving it now: a sim `Stream` of its own,
+    or the cuda compute stream (CuPy's current one)."""
+    if mapped.cuda is not None:
+        from tidalclient.devices.cuda import compute_stream
+
+        return compute_stream(mapped.cuda.driver)
+    stream = Stream("compute")
+    return lambda: stream
+
+
+def _close_compute(compute: Callable[[], Any] | None) -> None:
+    """Finish and stop a sim compute stream (a cuda one is not ours to close)."""
+    stream = compute() if compute is not None else None
+    if isinstance(stream, Stream):
+        stream.close()
+
+
 def _python_executor(
-    mapped: MappedLease, recorder: Recorder, swap_limit: int | None, copy_gbps: float | None
+    mapped: MappedLease,
+    recorder: Recorder,
+    swap_limit: int | None,
+    copy_gbps: float | None,
+    compute: Callable[[], Any] | None = None,
 ) -> Executor:
     """Blocks placed in Python; swapped under `swap_limit` (or when copies are throttled)."""
     placed = PythonExecutor(mapped.device.length, trace=recorder)
     if swap_limit is None and copy_gbps is None:
         return placed
-    streams: dict[str, Any] = {}
+    streams: dict[str, Any] = {} if compute is None else {"compute": compute}
     if mapped.cuda is not None:  # two CUDA copy streams, ordered against the compute stream
         from tidalclient.devices.cuda import compute_stream, swap_streams
 
         driver = mapped.cuda.driver
-        streams = {"streams": lambda _gbps: swap_streams(driver), "compute": compute_stream(driver)}
+        streams = {
+            "streams": lambda _gbps: swap_streams(driver),
+            "compute": compute or compute_stream(driver),
+        }
     return Swapping(
         placed,
         device_address=mapped.device.address,
@@ -205,6 +242,7 @@ class Session:
         connection: Connection,
         recorder: Recorder,
         executor: Executor,
+        compute: Callable[[], Any] | None = None,
     ) -> None:
         self.id = session_id
         self.device: DeviceLease = mapped.device
@@ -221,6 +259,8 @@ class Session:
             self.views = CudaViews(self, mapped.cuda)
         self.plans_received = 0
         self.plans_rejected = 0
+        self.plan: Plan | None = None  # the plan last received (executed from a step() on)
+        self._compute = compute
         self._closed = False  # the session is over: closed here, or ended by the daemon
         self._released = False  # threads joined, channel closed, mappings retired
         self._dead: deque[Block] = deque()  # blocks of garbage tensors, freed at the next op
@@ -283,9 +323,19 @@ class Session:
                 self.executor.free(self._dead.popleft())
 
     # -- iteration structure ------------------------------------------------------------
+    @property
+    def compute(self) -> Any:
+        """The stream the ops' work runs on (`attach(async_compute=True)`), else None: a sim
+        `Stream` (`launch`, `record`, `synchronize`) or the cuda compute stream."""
+        return self._compute() if self._compute is not None else None
+
     @contextmanager
     def op(
-        self, reads: Sequence[Any] = (), writes: Sequence[Any] = (), name: str = "op"
+        self,
+        reads: Sequence[Any] = (),
+        writes: Sequence[Any] = (),
+        name: str = "op",
+        duration_ns: int | None = None,
     ) -> Iterator[tuple[Any, ...]]:
         """Around one computation on session arrays, tensors or blocks: records which it reads
         and writes and its time. Yields one array per item, reads then writes, to compute on:
@@ -293,7 +343,10 @@ class Session:
         With swapping, they are all on the device and locked there until the op ends; views
         must not be used after it. On cuda a tensor's view is a CuPy array over its device
         bytes, a block is yielded as its device address, and CuPy arrays of the session (see
-        `tidalpool.cupy`) are yielded as they are."""
+        `tidalpool.cupy`) are yielded as they are. `duration_ns`: the op's compute time, recorded
+        instead of the time the `with` body took (work run asynchronously on `compute`)."""
+        if duration_ns is not None and duration_ns < 0:
+            raise ValueError(f"an op cannot take negative time ({duration_ns} ns)")
         if self._released:
             raise SessionClosed(self._why_closed())
         if self._dead:
@@ -313,7 +366,8 @@ class Session:
         try:
             yield tuple(yielded)
         finally:
-            record(OP, 0, 0, time.perf_counter_ns() - start, name_id)
+            took = time.perf_counter_ns() - start if duration_ns is None else duration_ns
+            record(OP, 0, 0, took, name_id)
             self.executor.end_op(blocks)
 
     def record_op(self, name: str, duration_ns: int) -> None:
@@ -376,6 +430,7 @@ class Session:
         self._closed = True
         self._released = True
         self.executor.close()  # copies in flight end before the mappings go
+        _close_compute(self._compute)
         self.connection.close()
         self.device.retire()
         self.host.retire()
@@ -401,11 +456,13 @@ class Session:
     def _receive_plan(self, update: pool_pb2.PlanUpdate) -> None:
         """Ready a plan for the hot path here, off it; the executor switches at the next step()."""
         try:
-            self.executor.install_plan(decode(update))
+            plan = decode(update)
+            self.executor.install_plan(plan)
         except PlanRejected as e:  # the native table also checks the plan against its lease
             self.plans_rejected += 1
             log.warning("tidalpool: ignoring a plan: %s", e)
             return
+        self.plan = plan
         self.plans_received += 1
 
     def _heartbeat(self) -> pool_pb2.Heartbeat:
@@ -421,4 +478,6 @@ class Session:
             beat.swapped_out_bytes = ex.swap.swapped_out_bytes
             beat.swapped_in_bytes = ex.swap.swapped_in_bytes
             beat.swap_stall_ns = ex.swap.stall_ns
+            beat.on_demand_out_bytes = ex.swap.on_demand_out_bytes
+            beat.on_demand_in_bytes = ex.swap.on_demand_in_bytes
         return beat

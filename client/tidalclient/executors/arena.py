@@ -34,7 +34,7 @@ class Arena:
     def __init__(self, table: PlanTable, base: int) -> None:
         self.table = table
         self.base = base
-        self.occupant = [0] * len(table.sizes)  # block id holding each slot, 0 if none
+        self.occupant = [0] * len(table.overlaps)  # block id holding each slot, 0 if none
         self.slot_of: dict[int, int] = {}
         self.cursor = 0  # index of the next allocation within the iteration
         self.active = True  # False once abandoned: no new slots, live ones drain
@@ -58,6 +58,27 @@ class Arena:
         self.slot_of[block_id] = i
         self.hits += 1
         return self.base + table.offsets[i]
+
+    def would_take(self, nbytes: int) -> bool:
+        """Whether `take(nbytes, ...)` would give a slot now (no side effect)."""
+        i, table, occupant = self.cursor, self.table, self.occupant
+        return (
+            self.active
+            and i < len(table.sizes)
+            and table.sizes[i] == nbytes
+            and not occupant[i]
+            and not any(occupant[j] for j in table.overlaps[i])
+        )
+
+    def take_slot(self, slot: int, block_id: int) -> int | None:
+        """The lease offset of a piece's slot (after the allocations') for `block_id`, or None
+        while it or a slot sharing its bytes is held. Counts no hit or miss."""
+        occupant = self.occupant
+        if not self.active or occupant[slot] or any(occupant[j] for j in self.table.overlaps[slot]):
+            return None
+        occupant[slot] = block_id
+        self.slot_of[block_id] = slot
+        return self.base + self.table.pieces[slot - len(self.table.sizes)][1]
 
     def release(self, block_id: int) -> bool:
         """Free a block's slot; False if the block is not one of this arena's."""

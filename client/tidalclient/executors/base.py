@@ -56,6 +56,13 @@ class SwapStats:
     scheduled_swaps: int  # swaps in the schedule in use (0: none, LRU only)
     schedule_skips: int  # scheduled swaps not applied (block gone, locked or pinned, or no room)
     host_used_bytes: int = 0  # host lease bytes holding swapped-out blocks
+    # Of the bytes swapped each way: what a plan's schedule moved, and what the LRU cache moved
+    # on demand (before a plan, after a miss); the two add up to swapped_*_bytes.
+    planned_out_bytes: int = 0
+    planned_in_bytes: int = 0
+    on_demand_out_bytes: int = 0
+    on_demand_in_bytes: int = 0
+    piece_misses: int = 0  # scheduled swap-ins that could not land at their planned offset
 
 
 @dataclass(frozen=True, slots=True)

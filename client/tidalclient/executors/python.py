@@ -192,6 +192,55 @@ class PythonExecutor:
         """Give back bytes from `reserve`."""
         self._fit.release(offset)
 
+    # -- a plan's slots, for an adaptor that executes its swaps --------------------------------
+    def plan_fits(self, nbytes: int) -> bool:
+        """Whether the next malloc of `nbytes` takes its slot of the plan in use (no bytes
+        beyond the arena's)."""
+        arena = self._arena
+        return arena is not None and arena.would_take(nbytes)
+
+    def slot(self, block_id: int) -> int | None:
+        """The plan slot a live block (or a piece an adaptor reserved for it) holds, if any."""
+        arena = self._arena
+        return None if arena is None else arena.slot_of.get(block_id)
+
+    def reserve_piece(self, slot: int, block_id: int) -> int | None:
+        """The lease offset of a piece's slot of the plan in use, held for `block_id` until
+        `release_piece`; None while the slot or one sharing its bytes is held."""
+        arena = self._arena
+        if arena is None:
+            return None
+        offset = arena.take_slot(slot, block_id)
+        if offset is not None:
+            self._high_water = max(self._high_water, offset + self._arena_slot_size(slot))
+        return offset
+
+    def release_piece(self, block_id: int) -> None:
+        """Give back the slot `reserve_piece` held for `block_id`."""
+        arena = self._arena
+        if arena is None or not arena.release(block_id):
+            raise InvalidBlock(f"block {block_id} holds no piece of a plan")
+        if not arena.active and not arena.live:
+            self._drop_arena()
+
+    def _arena_slot_size(self, slot: int) -> int:
+        assert self._arena is not None
+        table = self._arena.table
+        n = len(table.sizes)
+        return table.sizes[slot] if slot < n else table.pieces[slot - n][0]
+
+    @property
+    def plan_table(self) -> PlanTable | None:
+        """The table of the plan whose arena is held (in use, or draining after a fallback)."""
+        arena = self._arena
+        return arena.table if arena is not None else None
+
+    @property
+    def arena_bytes(self) -> int:
+        """Lease bytes the plan's arena holds (0: none)."""
+        arena = self._arena
+        return align_up(arena.table.height, self._fit.alignment) if arena is not None else 0
+
     # -- ops and iterations ---------------------------------------------------------------
     def begin_op(self, blocks: Sequence[Block]) -> list[int]:
         """An op is about to access `blocks`: their lease offsets (here, where they were put)."""

@@ -33,17 +33,40 @@ enqueued before it (a swap-out reads bytes a kernel may still write; a swap-in w
 freed block's kernel may still read), and an op makes the compute stream wait for its blocks'
 swap-ins instead of blocking this thread.
 
-Planned: a `ScheduledSwap` list against the iteration's structure (allocation i, op k) swaps a
-block out right after op `out_after`, issues its swap-in when op `in_at` begins, and holds op
-`in_before` until it is back. The LRU cache still guards the limit where the schedule falls short.
-Under a limit, a plan's placement is not handed to the inner executor: it was made without the
-swaps, and its arena's blocks could not make room.
+Planned: the daemon's plan (`plans.Plan`) is executed whole. Its `ScheduledSwap` list, against
+the iteration's structure (allocation i, op k), swaps a block out right after op `out_after`,
+issues its swap-in when op `in_at` begins, and holds op `in_before` until it is back. Its
+placement puts every *piece* of device memory at its planned offset in the plan's arena: a
+block's allocation slot from its malloc to its first swap-out, then, from each swap-in on, the
+piece that swap-in fills (`PlanTable.pieces`: slot len(sizes) + j for swap j).
+
+    arena   [slot of alloc i ]            [piece of swap j]
+    block i ███████████████┐  out copy    ┌██████████████    its swap-in lands at the piece
+                           └─ the slot is free for its next holder when the copy is *issued*:
+                              that holder's work waits for the copy's event on its stream
+
+The bytes of a swapped-out block are reusable in stream order: a block taking a slot that shares
+bytes with one whose copy out is still running makes the compute stream wait for that copy's
+event (the host, only when there is no compute stream), and a swap-in into such a piece makes
+the in stream wait for it. A swap-in whose piece is still held by a live block (a free comes
+later in the iteration than the plan's timeline had it) waits for that free, and lands at its
+piece then; one that cannot land by the op that needs it comes in on bytes placed online
+(`piece_misses`). The switch happens at a `step()` once the arena fits under the limit (least
+recently used blocks leave to make room); swapped persistent blocks move into their pieces at
+their first scheduled swap-in.
+
+The LRU cache remains the fallback, before a plan and after a miss; its traffic is counted
+apart (`on_demand_*_bytes`): in a steady planned iteration it moves nothing. Under a limit, a
+plan is executed whole only when it was made for this limit or a lower one (version 2,
+`Plan.limit`); an older plan's schedule runs with its swap-ins placed online and its placement
+unused (it was made without the swaps).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
@@ -60,7 +83,6 @@ from tidalclient.executors.base import (
     HOST,
     LEAVING,
     Block,
-    Executor,
     ExecutorStats,
     SwapStats,
     check_size,
@@ -68,7 +90,10 @@ from tidalclient.executors.base import (
     size_text,
 )
 from tidalclient.executors.bestfit import BestFit
-from tidalclient.plans import Plan, ScheduledSwap
+from tidalclient.executors.python import PythonExecutor
+from tidalclient.plans import Plan, PlanRejected, PlanTable, ScheduledSwap
+
+log = logging.getLogger("tidalpool")
 
 _Ref = tuple[bool, int]  # a scheduled block: (False, allocation index) or (True, block id)
 _T = TypeVar("_T")
@@ -85,6 +110,7 @@ class _Flight:
     size: int  # rounded device bytes
     device: Callable[[], None] | None = None
     host: int = -1
+    keepable: bool = True  # False: its device bytes (a plan slot) went to the next holder
 
 
 @dataclass(slots=True, eq=False)
@@ -96,6 +122,7 @@ class _Entry:
     locks: int = 0
     pinned: bool = False  # never moves (an ndarray holds its address)
     planned: bool = False  # in a plan's arena: its bytes are the arena's, the LRU leaves it
+    slot: int = -1  # the plan slot it holds (allocation or piece), -1: none
     flight: _Flight | None = None
     release: Callable[[], None] | None = None  # gives back its device bytes once they are ours
 
@@ -112,7 +139,7 @@ class Swapping:
 
     def __init__(
         self,
-        inner: Executor,
+        inner: PythonExecutor,
         *,
         device_address: int,
         host_address: int,
@@ -136,7 +163,12 @@ class Swapping:
         self._ins: deque[_Flight] = deque()
         self._leaving = 0  # device bytes of copies out in flight, released when they complete
         self._schedule: _Schedule | None = None
-        self._pending_schedule: _Schedule | None = None
+        self._pending_schedule: _Schedule | None = None  # a schedule alone (placement unused)
+        self._pending_plan: Plan | None = None  # from the connection's thread
+        self._staged: tuple[int, _Schedule | None, int] | None = None  # plan id, schedule, height
+        self._table: PlanTable | None = None  # of the plan executed: slots' overlaps
+        self._fences: dict[int, Completion] = {}  # slot -> copy out still reading its bytes
+        self._pending_ins: dict[int, _Entry] = {}  # swap -> block waiting for its piece
         self._op_index = 0
         self._iter_ids: list[int] = []  # block ids by allocation index in this iteration
         self.peak_resident_bytes = 0
@@ -144,6 +176,9 @@ class Swapping:
         self.swapped_in_bytes = 0
         self.swap_outs = 0
         self.swap_ins = 0
+        self.planned_out_bytes = 0  # of swapped_out_bytes: what a schedule asked for
+        self.planned_in_bytes = 0
+        self.piece_misses = 0  # scheduled swap-ins that could not land at their piece
         self.stall_ns = 0
         self.schedule_skips = 0
         self.plans_deferred = 0  # plans whose placement went unused under the limit
@@ -169,10 +204,13 @@ class Swapping:
             block = inner.try_malloc(nbytes)
             return None if block is None else (block, inner.used_bytes == held)
 
-        block, in_arena = self._under_limit(nbytes, take)
+        block, in_arena = self._under_limit(nbytes, take, inner.plan_fits(nbytes))
         entry = _Entry(block, block.offset, planned=in_arena)  # the LRU leaves planned blocks
         if not entry.planned:
             self._lru[block.id] = entry
+        elif (slot := inner.slot(block.id)) is not None:
+            entry.slot = slot
+            self._fenced(slot)  # its first writer runs after copies out of these bytes
         self._entries[block.id] = entry
         self._iter_ids.append(block.id)
         return block
@@ -202,6 +240,8 @@ class Swapping:
             else:
                 e.flight.device = e.release
             e.flight.entry = None
+        if self._pending_ins:
+            self._retry_ins()  # a piece this block held may be free now
 
     def pin(self, block: Block) -> None:
         """Keep the block on the device at its current offset for good."""
@@ -254,10 +294,29 @@ class Swapping:
         schedule = self._schedule
         if schedule is None:
             self._acquire(entries)
+        elif not schedule.slots:  # swap-ins placed here
+            k = self._op_index
+            ahead = self._scheduled(schedule, schedule.ins_at.get(k, ()))
+            needed = self._scheduled(schedule, schedule.needed_before.get(k, ()))
+            self._acquire(entries, ahead, needed)
         else:
             k = self._op_index
-            ahead = self._scheduled(schedule.ins_at.get(k, ()))
-            self._acquire(entries, ahead, self._scheduled(schedule.needed_before.get(k, ())))
+            for j in schedule.ins_at.get(k, ()):
+                e = self._resolve(schedule.refs[j])
+                if e is None:
+                    self.schedule_skips += 1
+                elif not self._piece_in(e, schedule.slots[j]):
+                    self._pending_ins[j] = e  # lands once its piece is free
+            needed = []
+            for j in schedule.needed_before.get(k, ()):
+                e = self._pending_ins.pop(j, None) or self._resolve(schedule.refs[j])
+                if e is None:
+                    self.schedule_skips += 1
+                    continue
+                if e.where in (HOST, LEAVING) and not self._piece_in(e, schedule.slots[j]):
+                    self.piece_misses += 1  # it comes in on bytes placed online
+                needed.append(e)
+            self._acquire(entries, (), needed)
         return [e.offset for e in entries]
 
     def end_op(self, blocks: Sequence[Block]) -> None:
@@ -265,10 +324,10 @@ class Swapping:
         self._unlock([e for b in blocks if (e := self._entries.get(b.id)) is not None])
         schedule = self._schedule
         if schedule is not None:
-            for ref in schedule.outs_after.get(self._op_index, ()):
-                e = self._resolve(ref)
+            for j in schedule.outs_after.get(self._op_index, ()):
+                e = self._resolve(schedule.refs[j])
                 if e is not None and e.where == DEVICE and not e.locks and not e.pinned:
-                    self._evict(e)
+                    self._evict(e, planned=True)
                 else:
                     self.schedule_skips += 1
         self._op_index += 1
@@ -288,9 +347,52 @@ class Swapping:
 
     # -- iterations and plans ------------------------------------------------------------------
     def install_plan(self, plan: Plan) -> None:
-        """Swap by the plan's schedule from the next `step()` on; its placement goes to the
-        inner executor unless this adaptor has a limit of its own (see the module doc).
-        Thread-safe against the training thread: it only replaces pending values."""
+        """Execute this plan from a coming `step()` on (see the module doc). Thread-safe
+        against the training thread: it only replaces a pending value."""
+        self._pending_plan = plan
+
+    def install_schedule(self, swaps: Sequence[ScheduledSwap]) -> None:
+        """Swap by this schedule from the next `step()` on (ValueError if malformed)."""
+        self._pending_schedule = _Schedule.build(swaps)
+
+    def step(self) -> int:
+        plan, self._pending_plan = self._pending_plan, None
+        if plan is not None:
+            self._stage(plan)
+        if self._staged is not None:
+            self._make_room(self._staged[2])
+        iteration = self.inner.step()
+        self.peak_resident_bytes = max(self.peak_resident_bytes, self.inner.used_bytes)
+        table = self.inner.plan_table
+        if self._staged is not None and table is not None and table.plan_id == self._staged[0]:
+            if self._fences:  # slots of the plan before: their copies end before new holders
+                self._out.synchronize()
+                self._reap()
+                self._fences.clear()
+            self._schedule, self._table, self._staged = self._staged[1], table, None
+        elif self._pending_schedule is not None:
+            self._schedule, self._pending_schedule = self._pending_schedule, None
+        self.piece_misses += len(self._pending_ins)  # never landed in their iteration
+        self._pending_ins.clear()
+        self._op_index = 0
+        self._iter_ids = []
+        return iteration
+
+    def _stage(self, plan: Plan) -> None:
+        """Hand the plan's placement, with its pieces, to the inner executor; its schedule
+        starts once the inner executor has switched to it. Under a limit, a plan not made for
+        it runs its schedule alone (see the module doc)."""
+        usable = not self._limited or (plan.version >= 2 and 0 < plan.limit <= self._limit)
+        if usable and (plan.places_swaps or not plan.swaps):
+            try:
+                table = plan.table.with_pieces(self._pieces(plan), self.inner.alignment)
+            except PlanRejected as e:
+                log.warning("tidalpool: plan %d: its pieces are unusable: %s", plan.plan_id, e)
+            else:
+                schedule = _Schedule.build(plan.swaps, len(table.sizes)) if plan.swaps else None
+                self.inner.install_plan(dataclasses.replace(plan, table=table))
+                self._staged = (plan.plan_id, schedule, table.height)
+                return
         if plan.swaps:
             self._pending_schedule = _Schedule.build(plan.swaps)
         if self._limited:
@@ -298,18 +400,38 @@ class Swapping:
         else:
             self.inner.install_plan(plan)
 
-    def install_schedule(self, swaps: Sequence[ScheduledSwap]) -> None:
-        """Swap by this schedule from the next `step()` on (ValueError if malformed)."""
-        self._pending_schedule = _Schedule.build(swaps)
+    def _pieces(self, plan: Plan) -> list[tuple[int, int]]:
+        """(size, offset) of each swap's piece; a persistent block's size is its live one."""
+        pieces: list[tuple[int, int]] = []
+        sizes = plan.table.sizes
+        for swap, offset in zip(plan.swaps, plan.swap_in_offsets, strict=True):
+            if swap.persistent:
+                e = self._entries.get(swap.block)
+                if e is None:
+                    raise PlanRejected(f"persistent block {swap.block} is not live")
+                size = int(e.block.size)
+            elif swap.block < len(sizes):
+                size = sizes[swap.block]
+            else:
+                raise PlanRejected(f"{swap} names allocation {swap.block} of {len(sizes)}")
+            pieces.append((size, offset))
+        return pieces
 
-    def step(self) -> int:
-        iteration = self.inner.step()
-        self.peak_resident_bytes = max(self.peak_resident_bytes, self.inner.used_bytes)
-        if self._pending_schedule is not None:
-            self._schedule, self._pending_schedule = self._pending_schedule, None
-        self._op_index = 0
-        self._iter_ids = []
-        return iteration
+    def _make_room(self, height: int) -> None:
+        """Before the switch: least recently used blocks leave until the arena fits under the
+        limit, and their copies complete (on demand, and once)."""
+        inner = self.inner
+        if self._limit >= inner.capacity:
+            return
+
+        def over() -> int:  # the arena held now goes at the switch
+            return inner.used_bytes - inner.arena_bytes + height - self._limit
+
+        while self._lru and over() > self._leaving:
+            self._evict(next(iter(self._lru.values())))
+        while self._outs and over() > 0:
+            self._wait(self._outs[0].event)
+            self._reap()
 
     # -- views --------------------------------------------------------------------------------
     @property
@@ -357,6 +479,11 @@ class Swapping:
             scheduled_swaps=self._schedule.swaps if self._schedule is not None else 0,
             schedule_skips=self.schedule_skips,
             host_used_bytes=self._host.used_bytes,
+            planned_out_bytes=self.planned_out_bytes,
+            planned_in_bytes=self.planned_in_bytes,
+            on_demand_out_bytes=self.swapped_out_bytes - self.planned_out_bytes,
+            on_demand_in_bytes=self.swapped_in_bytes - self.planned_in_bytes,
+            piece_misses=self.piece_misses,
         )
 
     # -- the engine -----------------------------------------------------------------------------
@@ -373,9 +500,9 @@ class Swapping:
         ids = self._iter_ids
         return self._entries.get(ids[index]) if index < len(ids) else None
 
-    def _scheduled(self, refs: Sequence[_Ref]) -> list[_Entry]:
-        found = [e for ref in refs if (e := self._resolve(ref)) is not None]
-        self.schedule_skips += len(refs) - len(found)
+    def _scheduled(self, schedule: _Schedule, swaps: Sequence[int]) -> list[_Entry]:
+        found = [e for j in swaps if (e := self._resolve(schedule.refs[j])) is not None]
+        self.schedule_skips += len(swaps) - len(found)
         return found
 
     def _acquire(
@@ -385,16 +512,16 @@ class Swapping:
         `needed`, and wait for `needed` too. On failure nothing stays locked."""
         for e in entries:  # lock first: bringing in one of them must not evict another
             if e.where == LEAVING:
-                self._keep(e)
+                self._settle(e)
             if not e.locks:
                 self._lru.pop(e.block.id, None)
             e.locks += 1
         try:
+            for e in (*needed, *ahead):  # first: what the schedule brings in is not on demand
+                self._scheduled_in(e)
             for e in entries:
                 if e.where == HOST:
                     self._bring_in(e)
-            for e in (*needed, *ahead):
-                self._scheduled_in(e)
             compute = None if self._compute is None else self._compute()
             for e in (*entries, *needed):
                 if e.where == ARRIVING:
@@ -408,10 +535,10 @@ class Swapping:
             self._unlock(entries)
             raise
 
-    def _prefetch(self, e: _Entry) -> None:
+    def _prefetch(self, e: _Entry, planned: bool = False) -> None:
         e.locks += 1  # making room for it must not choose it
         try:
-            self._bring_in(e)
+            self._bring_in(e, planned)
         finally:
             self._unlock([e])
 
@@ -419,7 +546,7 @@ class Swapping:
         """A scheduled swap-in, best effort: with no room for it now (the op's own blocks and
         pinned ones fill the limit) it is skipped, and the block comes in when an op needs it."""
         try:
-            self._prefetch(e)
+            self._prefetch(e, planned=True)
         except LeaseExceeded:
             self.schedule_skips += 1
 
@@ -430,11 +557,13 @@ class Swapping:
             if not e.locks and e.where == DEVICE and not (e.pinned or e.planned):
                 lru[e.block.id] = e  # re-inserted: now the most recently used
 
-    def _under_limit(self, nbytes: int, take: Callable[[], _T | None]) -> _T:
+    def _under_limit(
+        self, nbytes: int, take: Callable[[], _T | None], in_arena: bool = False
+    ) -> _T:
         """What `take()` gives (a block, or raw bytes, of `nbytes`) once the device bytes held
         stay under the limit with it: reaps finished copies, evicts least recently used blocks
         and waits for their copies as needed. With the lease as the limit, whatever the inner
-        executor can place fits (a plan's slot included)."""
+        executor can place fits; so does a plan's slot (`in_arena`: bytes the arena holds)."""
         inner, limit = self.inner, self._limit
         size = align_up(nbytes, inner.alignment)
         if size > limit:
@@ -442,7 +571,7 @@ class Swapping:
         lease_is_limit = limit >= inner.capacity
         while True:
             self._reap()
-            if lease_is_limit or inner.used_bytes + size <= limit:
+            if lease_is_limit or in_arena or inner.used_bytes + size <= limit:
                 got = take()
                 if got is not None:
                     self.peak_resident_bytes = max(self.peak_resident_bytes, inner.used_bytes)
@@ -474,8 +603,10 @@ class Swapping:
             self._reap()
         return offset
 
-    def _evict(self, e: _Entry) -> None:
-        """Start copying a resident, unlocked block out; its device bytes go when the copy ends."""
+    def _evict(self, e: _Entry, planned: bool = False) -> None:
+        """Start copying a resident, unlocked block out. Its device bytes go when the copy
+        ends; a plan slot's go now, to a next holder that waits for the copy (module doc).
+        `planned`: a schedule's swap-out (else on demand)."""
         block = e.block
         size = align_up(block.size, self.inner.alignment)
         host = self._host_room(size)
@@ -483,27 +614,44 @@ class Swapping:
         if self._compute is not None:  # after the kernels that write the block
             self._out.wait_event(self._compute().record())
         self._out.copy(self._host_address + host, self._device_address + e.offset, block.size)
+        event = self._out.record()
         release = e.release if e.release is not None else self.inner.vacate(block)
-        flight = _Flight(self._out.record(), e, block.id, size, device=release)
+        if e.slot >= 0:
+            release()
+            self._fences[e.slot] = event
+            flight = _Flight(event, e, block.id, size, keepable=False)
+            e.slot = -1
+        else:
+            flight = _Flight(event, e, block.id, size, device=release)
+            self._leaving += size
         e.where, e.host, e.flight, e.release = LEAVING, host, flight, None
-        e.planned = False  # it comes back on bytes of its own
+        e.planned = False  # it comes back on bytes of its own, or in a piece
         self._outs.append(flight)
-        self._leaving += size
         self.swapped_out_bytes += block.size
         self.swap_outs += 1
+        if planned:
+            self.planned_out_bytes += block.size
+        if not flight.keepable and self._pending_ins:
+            self._retry_ins()  # a piece waiting for this slot's bytes can land now
 
-    def _keep(self, e: _Entry) -> None:
-        """A block wanted while its copy out runs keeps its device bytes (still intact)."""
+    def _settle(self, e: _Entry) -> None:
+        """A block wanted while its copy out runs: it keeps its device bytes (still intact),
+        unless they were a plan slot, already someone else's; then it waits for the copy."""
         flight = e.flight
         assert flight is not None
+        if not flight.keepable:
+            self._wait(flight.event)
+            self._reap()
+            return
         e.release, flight.device, flight.host, flight.entry = flight.device, None, e.host, None
         self._leaving -= flight.size
         e.where, e.host, e.flight = DEVICE, -1, None
 
-    def _bring_in(self, e: _Entry) -> None:
-        """Start bringing a block back: DEVICE or ARRIVING stay, LEAVING is kept, HOST copies."""
+    def _bring_in(self, e: _Entry, planned: bool = False) -> None:
+        """Start bringing a block back on bytes placed online: DEVICE or ARRIVING stay,
+        LEAVING is settled, HOST copies. `planned`: a schedule's swap-in (else on demand)."""
         if e.where == LEAVING:
-            self._keep(e)
+            self._settle(e)
         if e.where != HOST:
             return
         block = e.block
@@ -519,6 +667,62 @@ class Swapping:
         self._ins.append(flight)
         self.swapped_in_bytes += block.size
         self.swap_ins += 1
+        if planned:
+            self.planned_in_bytes += block.size
+
+    def _piece_in(self, e: _Entry, slot: int) -> bool:
+        """A scheduled swap-in into its planned piece; False while the piece's bytes are held
+        by a live block (nothing issued then)."""
+        if e.where == LEAVING:
+            self._settle(e)
+        if e.where != HOST:
+            return True
+        block, inner = e.block, self.inner
+        offset = inner.reserve_piece(slot, block.id)
+        if offset is None:
+            return False
+        if self._compute is not None:  # after the kernels of the bytes' previous holder
+            self._in.wait_event(self._compute().record())
+        self._fenced(slot, self._in)
+        self._in.copy(self._device_address + offset, self._host_address + e.host, block.size)
+        size = align_up(block.size, inner.alignment)
+        flight = _Flight(self._in.record(), e, block.id, size, host=e.host)
+        e.where, e.offset, e.host, e.flight = ARRIVING, offset, -1, flight
+        e.slot, e.planned = slot, True
+        e.release = functools.partial(inner.release_piece, block.id)
+        self._ins.append(flight)
+        self.swapped_in_bytes += block.size
+        self.planned_in_bytes += block.size
+        self.swap_ins += 1
+        return True
+
+    def _retry_ins(self) -> None:
+        """Land the swap-ins waiting for their pieces whose bytes are free now."""
+        schedule = self._schedule
+        for j, e in list(self._pending_ins.items()):
+            if self._entries.get(e.block.id) is not e or schedule is None:
+                del self._pending_ins[j]  # freed meanwhile
+            elif self._piece_in(e, schedule.slots[j]):
+                del self._pending_ins[j]
+
+    def _fenced(self, slot: int, stream: CopyStream | None = None) -> None:
+        """Order the next use of a slot's bytes after the copies out still reading them: on
+        `stream`, else on the compute stream, else (no compute stream) on this thread."""
+        fences, table = self._fences, self._table
+        if not fences or table is None:
+            return
+        for k in (slot, *table.overlaps[slot]):
+            event = fences.get(k)
+            if event is None:
+                continue
+            if event.query():
+                del fences[k]
+            elif stream is not None:
+                stream.wait_event(event)
+            elif self._compute is not None:
+                self._compute().wait_event(event)
+            else:
+                self._wait(event)
 
     def _wait(self, event: Completion) -> None:
         if not event.query():
@@ -550,27 +754,34 @@ class Swapping:
             e = f.entry
             if e is not None:
                 e.where, e.flight = DEVICE, None
-                if not e.locks and not e.pinned:
+                if not e.locks and not (e.pinned or e.planned):
                     self._lru[e.block.id] = e
 
 
 @dataclass(frozen=True, slots=True)
 class _Schedule:
-    """A swap schedule by op index: swap-outs after op k, swap-ins issued at op k, and the
-    blocks op k waits for."""
+    """A swap schedule by op index: the swaps (by index) out after op k, in issued at op k,
+    and waited for by op k; with `slots`, the plan slot of each swap's piece."""
 
-    outs_after: dict[int, tuple[_Ref, ...]]
-    ins_at: dict[int, tuple[_Ref, ...]]
-    needed_before: dict[int, tuple[_Ref, ...]]
-    swaps: int
+    refs: tuple[_Ref, ...]  # per swap: its block
+    slots: tuple[int, ...]  # per swap: its piece's slot; empty: swap-ins placed online
+    outs_after: dict[int, tuple[int, ...]]
+    ins_at: dict[int, tuple[int, ...]]
+    needed_before: dict[int, tuple[int, ...]]
+
+    @property
+    def swaps(self) -> int:
+        return len(self.refs)
 
     @classmethod
-    def build(cls, swaps: Sequence[ScheduledSwap]) -> _Schedule:
-        by_op: tuple[dict[int, list[_Ref]], ...] = ({}, {}, {})
-        for s in swaps:
+    def build(cls, swaps: Sequence[ScheduledSwap], first_slot: int | None = None) -> _Schedule:
+        """`first_slot`: the slot of swap 0's piece (the plan's allocations come before)."""
+        by_op: tuple[dict[int, list[int]], ...] = ({}, {}, {})
+        for j, s in enumerate(swaps):
             s.check()
-            ref = (s.persistent, s.block)
             for table, k in zip(by_op, (s.out_after, s.issue_at(), s.in_before), strict=True):
-                table.setdefault(k, []).append(ref)
+                table.setdefault(k, []).append(j)
         outs, ins, needed = ({k: tuple(v) for k, v in t.items()} for t in by_op)
-        return cls(outs, ins, needed, len(swaps))
+        refs = tuple((s.persistent, s.block) for s in swaps)
+        slots = () if first_slot is None else tuple(range(first_slot, first_slot + len(swaps)))
+        return cls(refs, slots, outs, ins, needed)

@@ -1,0 +1,215 @@
+"""The swap engine executing a whole plan: every piece at its planned offset, swap-outs after
+their ops, swap-ins into their pieces, a slot's bytes reused in stream order, and the LRU cache
+only as the fallback, its traffic counted apart."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from tidalclient.devices.streams import Stream
+from tidalclient.executors.base import HOST
+from tidalclient.plans import Plan, PlanTable, ScheduledSwap
+
+from tests.unit.test_swap_engine import Rig
+
+KiB = 1024
+
+
+@pytest.fixture
+def rigs() -> Iterator[list[Rig]]:
+    made: list[Rig] = []
+    yield made
+    for rig in made:
+        rig.ex.close()
+
+
+def plan(
+    swaps: tuple[ScheduledSwap, ...], in_offsets: tuple[int, ...], limit: int = 2 * KiB
+) -> Plan:
+    """Allocations a, b, c of 1 KiB at 0, 1 KiB, 0 (c reuses a's bytes once a is out)."""
+    table = PlanTable.build(7, [KiB] * 3, [0, KiB, 0], 2 * KiB, 256)
+    return Plan(table, swaps, in_offsets, version=2, limit=limit)
+
+
+A_OUT = ScheduledSwap(block=0, out_after=0, in_before=3, in_at=2)
+
+
+def iteration(rig: Rig, n: int) -> dict[str, int]:
+    """a written; b written; c (a's slot) written from b; b and c freed; a read back; a freed.
+    Returns the offsets where a was written, c was placed and a came back."""
+    ex = rig.ex
+    ex.step()
+    a = ex.malloc(KiB)
+    seen = {"a": ex.begin_op([a])[0]}
+    ex.end_op([a])
+    rig.device.buffer(seen["a"], KiB)[:] = bytes([n]) * KiB  # written between the op's ends
+    b = rig.filled(KiB, 100 + n)
+    c = ex.malloc(KiB)
+    seen["c"] = ex.begin_op([b, c])[1]
+    ex.end_op([b, c])
+    ex.free(b)
+    ex.free(c)
+    seen["a_back"] = ex.begin_op([a])[0]
+    assert bytes(rig.device.buffer(seen["a_back"], KiB)) == bytes([n]) * KiB
+    ex.end_op([a])
+    ex.free(a)
+    return seen
+
+
+def test_the_session_executes_the_plan_whole_and_the_lru_moves_nothing(rigs: list[Rig]) -> None:
+    rig = Rig(limit=2 * KiB, device=8 * KiB, host=8 * KiB)
+    rigs.append(rig)
+    iteration(rig, 1)  # learning: the LRU cache makes room for c
+    learned = rig.ex.swap_stats()
+    assert learned.on_demand_out_bytes == KiB and learned.planned_out_bytes == 0
+    rig.ex.install_plan(plan((A_OUT,), (KiB,)))
+    for n in (2, 3, 4):
+        before = rig.ex.swap_stats()
+        seen = iteration(rig, n)
+        after = rig.ex.swap_stats()
+        assert rig.ex.stats().mode == "planned"
+        base = seen["a"]  # the arena's base: a sits at slot 0
+        assert (seen["c"], seen["a_back"]) == (base, base + KiB)  # c on a's bytes, a at its piece
+        moved = {
+            f: getattr(after, f) - getattr(before, f)
+            for f in ("planned_out_bytes", "planned_in_bytes", "on_demand_out_bytes")
+        }
+        assert moved == {"planned_out_bytes": KiB, "planned_in_bytes": KiB, "on_demand_out_bytes": 0}
+        assert after.on_demand_in_bytes == learned.on_demand_in_bytes
+        assert (after.piece_misses, after.schedule_skips) == (0, 0)
+
+
+def test_a_slot_reused_while_its_copy_out_runs_orders_the_compute_stream(
+    rigs: list[Rig],
+) -> None:
+    compute = Stream("compute")
+    rig = Rig(limit=2 * KiB, device=8 * KiB, host=8 * KiB, compute=lambda: compute)
+    rigs.append(rig)
+    iteration(rig, 1)
+    rig.ex.install_plan(plan((A_OUT,), (KiB,)))
+    ex = rig.ex
+    ex.step()
+    assert ex.stats().mode == "planned"
+    a = ex.malloc(KiB)
+    gate = rig.gate("out")  # a's copy out, scheduled after op 0, cannot finish yet
+    try:
+        rig.op(a, write=bytes([9]) * KiB)
+        b = rig.filled(KiB, 8)
+        c = ex.malloc(KiB)  # a's slot: given at once, the host does not wait for the copy
+        assert ex.inner.slot(c.id) == 2 and ex.offset(c) == ex._entries[a.id].offset
+        marker = compute.record()  # compute work after c's malloc waits for a's copy
+        assert not marker.wait(timeout=0.05)
+    finally:
+        gate.set()
+    assert marker.wait(timeout=30)
+    ex.free(b)
+    ex.free(c)
+    (where,) = ex.begin_op([a])  # its swap-in lands at its piece; compute waits for it
+    compute.synchronize()
+    assert bytes(rig.device.buffer(where, KiB)) == bytes([9]) * KiB
+    ex.end_op([a])
+    compute.close()
+
+
+def test_a_swap_in_waits_for_its_piece_to_be_freed(rigs: list[Rig]) -> None:
+    # a's swap-in is issued at op 2, but its piece is b's slot, free only after op 2.
+    rig = Rig(limit=2 * KiB, device=8 * KiB, host=8 * KiB)
+    rigs.append(rig)
+    iteration(rig, 1)
+    rig.ex.install_plan(plan((A_OUT,), (KiB,)))
+    ex = rig.ex
+    ex.step()
+    a = rig.filled(KiB, 5)
+    b = rig.filled(KiB, 6)
+    c = ex.malloc(KiB)
+    ex.begin_op([b, c])
+    assert ex.where(a) == HOST and 0 in ex._pending_ins  # b still holds a's piece
+    ex.end_op([b, c])
+    ex.free(b)  # the piece is free: a's swap-in lands there now
+    assert 0 not in ex._pending_ins and ex.where(a) != HOST
+    ex.free(c)
+    assert rig.op(a) == [bytes([5]) * KiB]
+    assert ex.swap_stats().piece_misses == 0
+
+
+def test_a_piece_still_held_when_needed_comes_in_online(rigs: list[Rig]) -> None:
+    rig = Rig(limit=3 * KiB, device=8 * KiB, host=8 * KiB)
+    rigs.append(rig)
+    iteration(rig, 1)
+    rig.ex.install_plan(plan((A_OUT,), (KiB,), limit=3 * KiB))
+    ex = rig.ex
+    ex.step()
+    a = rig.filled(KiB, 5)
+    b = rig.filled(KiB, 6)
+    c = ex.malloc(KiB)
+    rig.op(b, c)
+    ex.free(c)  # b is kept past op 3: a's piece is still b's when op 3 needs a
+    assert rig.op(a) == [bytes([5]) * KiB]
+    s = ex.swap_stats()
+    assert s.piece_misses == 1 and s.planned_in_bytes == KiB and s.on_demand_in_bytes == 0
+    arena = ex.inner._arena
+    assert arena is not None
+    assert not arena.base <= ex.offset(a) < arena.base + arena.table.height  # placed online
+
+
+def test_a_persistent_block_moves_into_its_piece_and_stays_there(rigs: list[Rig]) -> None:
+    # p (1 KiB) lives across iterations. The plan swaps it out after op 0 and back before op 2,
+    # into a piece at 2 KiB of the arena, where it stays across the boundary.
+    rig = Rig(limit=3 * KiB, device=8 * KiB, host=8 * KiB)
+    rigs.append(rig)
+    ex = rig.ex
+    p = rig.filled(KiB, 42)
+
+    def one(n: int) -> int:
+        ex.step()
+        x = rig.filled(KiB, n)  # op 0
+        ex.free(x)
+        y = ex.malloc(2 * KiB)
+        rig.op(y)  # op 1
+        ex.free(y)
+        where = ex.begin_op([p])[0]  # op 2
+        assert bytes(rig.device.buffer(where, KiB)) == bytes([42]) * KiB
+        ex.end_op([p])
+        return where
+
+    one(1)
+    table = PlanTable.build(3, [KiB, 2 * KiB], [0, 0], 3 * KiB, 256)
+    swap = ScheduledSwap(block=p.id, out_after=0, in_before=2, in_at=1, persistent=True)
+    ex.install_plan(Plan(table, (swap,), (2 * KiB,), version=2, limit=3 * KiB))
+    one(2)  # the switch: p leaves its online bytes for room (on demand), lands in its piece
+    assert ex.stats().mode == "planned"
+    arena = ex.inner._arena
+    assert arena is not None
+    switched = ex.swap_stats()
+    assert [one(n) for n in (3, 4)] == [arena.base + 2 * KiB] * 2
+    steady = ex.swap_stats()
+    assert steady.planned_out_bytes - switched.planned_out_bytes == 2 * KiB
+    assert steady.planned_in_bytes - switched.planned_in_bytes == 2 * KiB
+    assert (steady.on_demand_out_bytes, steady.on_demand_in_bytes) == (
+        switched.on_demand_out_bytes,
+        switched.on_demand_in_bytes,
+    )
+    assert steady.piece_misses == 0 and steady.peak_resident_bytes <= 3 * KiB + KiB
+
+
+def test_an_older_plan_runs_its_schedule_with_swap_ins_placed_here(rigs: list[Rig]) -> None:
+    # Version 1 (no swap-in offsets): the schedule runs, the placement made without the swaps
+    # is not used under a limit.
+    rig = Rig(limit=2 * KiB, device=8 * KiB, host=8 * KiB)
+    rigs.append(rig)
+    iteration(rig, 1)
+    rig.ex.install_plan(Plan(plan((A_OUT,), ()).table, (A_OUT,)))
+    iteration(rig, 2)
+    s = rig.ex.swap_stats()
+    assert rig.ex.stats().mode == "learning" and rig.ex.plans_deferred == 1
+    assert s.scheduled_swaps == 1 and s.planned_out_bytes == KiB
+
+
+def test_a_plan_made_for_a_higher_limit_is_not_executed_whole(rigs: list[Rig]) -> None:
+    rig = Rig(limit=2 * KiB, device=8 * KiB, host=8 * KiB)
+    rigs.append(rig)
+    iteration(rig, 1)
+    rig.ex.install_plan(plan((A_OUT,), (KiB,), limit=4 * KiB))
+    iteration(rig, 2)
+    assert rig.ex.stats().mode == "learning" and rig.ex.plans_deferred == 1
