@@ -564,3 +564,22 @@ def test_a_real_trace_gets_the_python_executors_decisions(
         assert grown_in_1 > 8
     else:
         assert (s.hits, s.misses, s.fallbacks) == (2 * n, 0, 0)
+
+
+def test_the_native_executor_refuses_a_plan_it_could_not_execute_whole(hp: HotPath) -> None:
+    """A plan that swaps is executed whole or not at all: the allocator cannot move the
+    framework's tensors, so it refuses it, and its placement is not half-used."""
+    from tidalclient.executors.native import NativeExecutor
+    from tidalclient.plans import Plan, ScheduledSwap
+
+    ex = NativeExecutor(hp, BASE, KiB)
+    try:
+        placed = table([512, 256], [0, 512], 768, plan_id=4)
+        swapping = Plan(placed, (ScheduledSwap(block=0, out_after=0, in_before=2),), (0,))
+        with pytest.raises(PlanRejected, match="swaps or recomputes"):
+            ex.install_plan(swapping)
+        ex.install_plan(Plan(placed))
+        ex.step()
+        assert hp.stats().plan_id == 4
+    finally:
+        ex.close()

@@ -28,7 +28,7 @@ from tidalcore.units import ALIGNMENT
 from tidalclient.errors import TidalpoolError
 from tidalclient.executors.base import Block, ExecutorStats, executor_ids
 from tidalclient.hotpath import EVENT_DTYPE, HotPath, NativeError, NativeStats, forward
-from tidalclient.plans import Plan
+from tidalclient.plans import Plan, PlanRejected
 from tidalclient.recorder import Recorder
 
 log = logging.getLogger("tidalpool")
@@ -127,7 +127,14 @@ class NativeExecutor:
 
     def install_plan(self, plan: Plan) -> None:
         """Hand a plan's placement to the native table (it takes over at a later step);
-        PlanRejected when it does not suit the lease. Nothing swaps here."""
+        PlanRejected when it does not suit the lease, or when it swaps or recomputes: the
+        framework holds its tensors' addresses, so the allocator executes a placement and
+        nothing else, and a plan is executed whole or not at all (docs/native.md)."""
+        if plan.swaps or plan.recomputes:
+            raise PlanRejected(
+                f"plan {plan.plan_id} swaps or recomputes blocks, which the native allocator"
+                " cannot do (a native session has no swap limit)"
+            )
         self.hotpath.install_plan(plan.table)
 
     # -- what Python may not do here ---------------------------------------------------
