@@ -75,7 +75,11 @@ def test_the_session_executes_the_plan_whole_and_the_lru_moves_nothing(rigs: lis
             f: getattr(after, f) - getattr(before, f)
             for f in ("planned_out_bytes", "planned_in_bytes", "on_demand_out_bytes")
         }
-        assert moved == {"planned_out_bytes": KiB, "planned_in_bytes": KiB, "on_demand_out_bytes": 0}
+        assert moved == {
+            "planned_out_bytes": KiB,
+            "planned_in_bytes": KiB,
+            "on_demand_out_bytes": 0,
+        }
         assert after.on_demand_in_bytes == learned.on_demand_in_bytes
         assert (after.piece_misses, after.schedule_skips) == (0, 0)
 
@@ -213,3 +217,33 @@ def test_a_plan_made_for_a_higher_limit_is_not_executed_whole(rigs: list[Rig]) -
     rig.ex.install_plan(plan((A_OUT,), (KiB,), limit=4 * KiB))
     iteration(rig, 2)
     assert rig.ex.stats().mode == "learning" and rig.ex.plans_deferred == 1
+
+
+def test_a_piece_freed_while_its_swap_in_runs_is_free_at_once_in_stream_order(
+    rigs: list[Rig],
+) -> None:
+    compute = Stream("compute")
+    rig = Rig(limit=2 * KiB, device=8 * KiB, host=8 * KiB, compute=lambda: compute)
+    rigs.append(rig)
+    iteration(rig, 1)
+    rig.ex.install_plan(plan((A_OUT,), (KiB,)))
+    ex = rig.ex
+    ex.step()
+    a = rig.filled(KiB, 5)
+    b = rig.filled(KiB, 6)
+    c = ex.malloc(KiB)
+    gate = rig.gate("in")
+    try:
+        rig.ex.begin_op([b, c])  # op 2: a's swap-in waits for b's slot
+        rig.ex.end_op([b, c])
+        ex.free(b)  # a's swap-in is issued into b's old slot, and held behind the gate
+        ex.free(c)
+        assert ex.inner.slot(a.id) == 3 and ex._entries[a.id].flight is not None
+        in_event = ex._entries[a.id].flight.event
+        ex.free(a)  # while its copy in runs: the piece is free now, its next holder waits
+        assert ex.inner.slot(a.id) is None and ex._fences[3] is in_event
+    finally:
+        gate.set()
+    compute.synchronize()
+    ex.synchronize()
+    compute.close()

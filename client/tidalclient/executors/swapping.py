@@ -237,6 +237,9 @@ class Swapping:
             assert e.flight is not None
             if e.where == LEAVING:
                 e.flight.host = e.host
+            elif e.slot >= 0 and e.release is not None:  # a piece: free now, in stream order
+                e.release()
+                self._fences[e.slot] = e.flight.event  # its next holder waits for the copy
             else:
                 e.flight.device = e.release
             e.flight.entry = None
@@ -360,7 +363,7 @@ class Swapping:
         if plan is not None:
             self._stage(plan)
         if self._staged is not None:
-            self._make_room(self._staged[2])
+            self._make_room(self._staged[2], self._staged[1])
         iteration = self.inner.step()
         self.peak_resident_bytes = max(self.peak_resident_bytes, self.inner.used_bytes)
         table = self.inner.plan_table
@@ -370,6 +373,8 @@ class Swapping:
                 self._reap()
                 self._fences.clear()
             self._schedule, self._table, self._staged = self._staged[1], table, None
+            if self._schedule is not None and self._schedule.slots:
+                self._move_into_place(self._schedule)
         elif self._pending_schedule is not None:
             self._schedule, self._pending_schedule = self._pending_schedule, None
         self.piece_misses += len(self._pending_ins)  # never landed in their iteration
@@ -417,9 +422,10 @@ class Swapping:
             pieces.append((size, offset))
         return pieces
 
-    def _make_room(self, height: int) -> None:
-        """Before the switch: least recently used blocks leave until the arena fits under the
-        limit, and their copies complete (on demand, and once)."""
+    def _make_room(self, height: int, schedule: _Schedule | None) -> None:
+        """Before the switch: blocks leave until the arena fits under the limit, and their
+        copies complete (on demand, and once). First the persistent blocks the plan swaps
+        (they go to their pieces at the switch), then the least recently used."""
         inner = self.inner
         if self._limit >= inner.capacity:
             return
@@ -427,11 +433,51 @@ class Swapping:
         def over() -> int:  # the arena held now goes at the switch
             return inner.used_bytes - inner.arena_bytes + height - self._limit
 
-        while self._lru and over() > self._leaving:
-            self._evict(next(iter(self._lru.values())))
-        while self._outs and over() > 0:
-            self._wait(self._outs[0].event)
-            self._reap()
+        moving = [] if schedule is None else self._swapped_persistent(schedule)
+        while over() > 0:
+            first = next((e for e in moving if e.where == DEVICE and e.slot < 0), None)
+            if over() > self._leaving and first is not None and not (first.locks or first.pinned):
+                self._evict(first)
+            elif over() > self._leaving and self._lru:
+                self._evict(next(iter(self._lru.values())))
+            elif self._outs or self._ins:  # bytes leaving come back; blocks landing can leave
+                self._wait((self._outs or self._ins)[0].event)
+                self._reap()
+            else:
+                break  # what stays is locked or pinned: the switch waits for a later step
+
+    def _swapped_persistent(self, schedule: _Schedule) -> list[_Entry]:
+        """The live persistent blocks a schedule swaps, once each."""
+        ids = dict.fromkeys(index for persistent, index in schedule.refs if persistent)
+        return [e for i in ids if (e := self._entries.get(i)) is not None]
+
+    def _move_into_place(self, schedule: _Schedule) -> None:
+        """At the switch: each persistent block the plan swaps goes where the plan has it as
+        an iteration begins, on demand and once: to the host if its swap crosses the boundary,
+        else into the piece of its last swap-in (the piece that holds it across the boundary).
+        """
+        last: dict[int, int] = {}  # block id -> its swap whose piece it starts in, -1: away
+        for j, (persistent, index) in enumerate(schedule.refs):
+            if not persistent or last.get(index) == -1:
+                continue
+            crosses = schedule.in_before[j] <= schedule.out_after[j]
+            if crosses:
+                last[index] = -1
+            elif index not in last or schedule.in_before[j] > schedule.in_before[last[index]]:
+                last[index] = j
+        for index, j in last.items():
+            e = self._entries.get(index)
+            if e is None or e.locks or e.pinned or e.slot >= 0:
+                continue
+            if e.where == DEVICE:
+                self._evict(e)
+            if j >= 0:  # into its piece: once its copy out has ended
+                if e.where == LEAVING:
+                    assert e.flight is not None
+                    self._wait(e.flight.event)
+                    self._reap()
+                if not self._piece_in(e, schedule.slots[j], planned=False):
+                    self.piece_misses += 1
 
     # -- views --------------------------------------------------------------------------------
     @property
@@ -670,9 +716,9 @@ class Swapping:
         if planned:
             self.planned_in_bytes += block.size
 
-    def _piece_in(self, e: _Entry, slot: int) -> bool:
-        """A scheduled swap-in into its planned piece; False while the piece's bytes are held
-        by a live block (nothing issued then)."""
+    def _piece_in(self, e: _Entry, slot: int, planned: bool = True) -> bool:
+        """A swap-in into a planned piece (`planned`: the schedule's); False while the
+        piece's bytes are held by a live block (nothing issued then)."""
         if e.where == LEAVING:
             self._settle(e)
         if e.where != HOST:
@@ -692,7 +738,8 @@ class Swapping:
         e.release = functools.partial(inner.release_piece, block.id)
         self._ins.append(flight)
         self.swapped_in_bytes += block.size
-        self.planned_in_bytes += block.size
+        if planned:
+            self.planned_in_bytes += block.size
         self.swap_ins += 1
         return True
 
@@ -765,6 +812,8 @@ class _Schedule:
 
     refs: tuple[_Ref, ...]  # per swap: its block
     slots: tuple[int, ...]  # per swap: its piece's slot; empty: swap-ins placed online
+    out_after: tuple[int, ...]  # per swap
+    in_before: tuple[int, ...]
     outs_after: dict[int, tuple[int, ...]]
     ins_at: dict[int, tuple[int, ...]]
     needed_before: dict[int, tuple[int, ...]]
@@ -784,4 +833,6 @@ class _Schedule:
         outs, ins, needed = ({k: tuple(v) for k, v in t.items()} for t in by_op)
         refs = tuple((s.persistent, s.block) for s in swaps)
         slots = () if first_slot is None else tuple(range(first_slot, first_slot + len(swaps)))
-        return cls(refs, slots, outs, ins, needed)
+        after = tuple(s.out_after for s in swaps)
+        before = tuple(s.in_before for s in swaps)
+        return cls(refs, slots, after, before, outs, ins, needed)
