@@ -145,6 +145,14 @@ class DaemonCollector(Collector):
         swapped.add_metric(["out"], c.swapped_out_bytes)
         swapped.add_metric(["in"], c.swapped_in_bytes)
         yield swapped
+        on_demand = CounterMetricFamily(
+            "tidalpool_swapped_on_demand_bytes",
+            "Of the bytes clients swapped, those no plan scheduled (their LRU caches').",
+            labels=["direction"],
+        )
+        on_demand.add_metric(["out"], c.on_demand_out_bytes)
+        on_demand.add_metric(["in"], c.on_demand_in_bytes)
+        yield on_demand
         yield CounterMetricFamily(
             "tidalpool_swap_stall_seconds",
             "Time clients' ops and mallocs waited for swap copies.",
@@ -164,7 +172,9 @@ class DaemonCollector(Collector):
         used = gauge("tidalpool_session_used_bytes", "Live bytes the session reports.", "pool")
         peak = gauge("tidalpool_session_peak_bytes", "Peak live device bytes of the session.")
         footprint = gauge(
-            "tidalpool_session_plan_footprint_bytes", "Height of the session's latest plan."
+            "tidalpool_session_plan_footprint_bytes",
+            "Height of the session's latest plan (its arena, the pieces of swapped blocks"
+            " included).",
         )
         bound = gauge(
             "tidalpool_session_plan_lower_bound_bytes",
@@ -177,6 +187,11 @@ class DaemonCollector(Collector):
         events = counter("tidalpool_session_trace_events_received", "Trace events received.")
         misses = counter("tidalpool_session_plan_misses", "Allocations the plan could not serve.")
         swapped = counter("tidalpool_session_swapped_bytes", "Bytes swapped.", "direction")
+        on_demand = counter(
+            "tidalpool_session_swapped_on_demand_bytes",
+            "Of the bytes swapped, those no plan scheduled (the LRU cache's).",
+            "direction",
+        )
         stall = counter("tidalpool_session_swap_stall_seconds", "Time waited for swap copies.")
         for s in snap.sessions:
             key = [s.id, job_label(s.job_name)]
@@ -194,19 +209,24 @@ class DaemonCollector(Collector):
             misses.add_metric(key, s.counts.plan_misses)
             swapped.add_metric([*key, "out"], s.counts.swapped_out_bytes)
             swapped.add_metric([*key, "in"], s.counts.swapped_in_bytes)
+            on_demand.add_metric([*key, "out"], s.counts.on_demand_out_bytes)
+            on_demand.add_metric([*key, "in"], s.counts.on_demand_in_bytes)
             stall.add_metric(key, s.counts.swap_stall_ns / 1e9)
-        yield from (lease, used, peak, footprint, bound, ratio, events, misses, swapped, stall)
+        yield from (lease, used, peak, footprint, bound, ratio, events, misses, swapped)
+        yield from (on_demand, stall)
 
     def _planner(self) -> Iterator[Metric]:
         plans = CounterMetricFamily(
             "tidalpool_plans",
             "Plans computed, by outcome: solved (a placement search), cached (from the plan"
-            " cache) or failed.",
+            " cache), unfit (a swap plan whose placement did not fit the limit: not sent) or"
+            " failed.",
             labels=["outcome"],
         )
         p = self.planner
         plans.add_metric(["solved"], p.plans_made)
         plans.add_metric(["cached"], p.plans_cached)
+        plans.add_metric(["unfit"], p.plans_unfit)
         plans.add_metric(["failed"], p.plans_failed)
         yield plans
 

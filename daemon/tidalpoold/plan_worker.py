@@ -1,16 +1,23 @@
-"""The daemon's planning worker: trace → steady iteration → placement → validated plan → stream.
+"""The daemon's planning worker: trace → steady iteration → plan → checked PlanUpdate → stream.
 
 Runs on one worker thread of the daemon, never on a request thread: a session
-that marks `plan_after_iterations` iterations is queued once; the worker
-extracts its steady iteration, looks its signature up in the plan cache,
-solves and validates the placement when it is not there, and puts the plan on
-the session's stream. The client switches to it at its next step().
+that marks `plan_after_iterations` iterations is queued once. The worker
+extracts its steady iteration and plans it as `tidalpool simulate` does
+(`tidalplan.combined`): under the session's swap limit, the swap schedule of
+tidalpool's search, swaps only (its executor does not rebuild blocks), split
+into the device pieces it leaves and placed, made for lower limits until the
+footprint fits (`combined.fit`); without one, every block placed whole
+(`combined.unlimited`). The plan is written as a PlanUpdate (`tidalplan.wire`),
+then that update as a whole is checked again by `wire.check` (schedule
+simulated and validated, placement validated over its pieces) before it is
+cached and sent:
 
-A session that swaps (AttachRequest.swap_limit_bytes) also gets the swap
-schedule of tidalpool's search, swaps only (its executor does not rebuild
-blocks), for its limit, as columns of the PlanUpdate against the iteration's
-structure (allocation index, op index); the cache keeps placements only, since
-the schedule depends on the session's limit.
+    iteration ──▶ cache (signature, limit, bandwidth, version) ──▶ wire.check ──┬──▶ stream
+        │            none there, or its check refuses it                        │
+        └──▶ fit / unlimited ──▶ wire.encode ──▶ wire.check ──▶ cache ──────────┘
+
+A plan that does not fit the limit is not sent: the session keeps swapping by
+its LRU cache. A cached plan is checked the same way before it is used.
 """
 
 from __future__ import annotations
@@ -19,20 +26,23 @@ import logging
 import math
 import threading
 import time
-from bisect import bisect_left
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tidalcore.units import ALIGNMENT, Bytes, Offset
+from tidalcore.units import ALIGNMENT
 from tidalcore.v1 import pool_pb2
-from tidalplan.model import Iteration, Placement, Problem, SwapPlan
+from tidalplan.model import Iteration, SwapPlan
 
+from tidalpoold import plan_cache
 from tidalpoold.plan_cache import PlanCache
 from tidalpoold.sessions import PlanFootprint, Session
 from tidalpoold.settings import Settings
 
 if TYPE_CHECKING:
+    from tidalplan.combined import Combined
+
     from tidalpoold.backends import Backend
 
 log = logging.getLogger("tidalpoold.planning")
@@ -54,23 +64,24 @@ def copy_gbps_of(backend: Backend) -> float:
     return slowest if math.isfinite(slowest) and slowest > 0 else DEFAULT_COPY_GBPS
 
 
-def add_swaps(plan: pool_pb2.PlanUpdate, it: Iteration, swaps: SwapPlan) -> None:
-    """Append `swaps` to `plan` as the client executes them: ticks become op indices (in_at: the
-    first op at or after it), blocks allocation indices or, when persistent, trace block ids."""
-    ticks = [op.tick for op in it.ops]
-    index = {tick: k for k, tick in enumerate(ticks)}
-    for s in swaps.swaps:
-        in_before = index[s.in_before]
-        if s.in_at is not None:
-            in_at = min(bisect_left(ticks, s.in_at), in_before)
-        else:  # the planner's default: the op before in_before, not before out_after's next
-            earliest = 0 if s.in_before <= s.out_after else index[s.out_after] + 1
-            in_at = max(in_before - 1, earliest)
-        plan.swap_blocks.append(it.persistent[s.block][0] if s.persistent else s.block)
-        plan.swap_persistent.append(s.persistent)
-        plan.swap_out_after.append(index[s.out_after])
-        plan.swap_in_at.append(in_at)
-        plan.swap_in_before.append(in_before)
+@dataclass(frozen=True, slots=True)
+class Planned:
+    """A plan ready to send: the update, what `wire.check` found in it, and where it came
+    from ("cache", or the solver that placed it)."""
+
+    update: pool_pb2.PlanUpdate
+    checked: Combined
+    source: str
+
+
+@dataclass(frozen=True, slots=True)
+class Unfit:
+    """No schedule tried left a placement within the limit: nothing to send."""
+
+    footprint: int | None  # of the schedule made for the limit itself; None: infeasible
+    limit: int
+    planned_for: int  # the lowest limit a schedule was made for
+    rounds: int
 
 
 class PlanWorker:
@@ -95,6 +106,7 @@ class PlanWorker:
         self.plans_made = 0
         self.plans_cached = 0
         self.plans_failed = 0
+        self.plans_unfit = 0  # swap plans whose placement did not fit the limit: not sent
 
     def on_step(self, session: Session) -> None:
         """Called after each step mark; queues the session once it has enough iterations."""
@@ -124,67 +136,66 @@ class PlanWorker:
                 "plan.failed", extra={"session": session.id, "why": f"{type(e).__name__}: {e}"}
             )
 
-    def _cached(
-        self, key: bytes, problem: Problem, mapping: list[int], sizes: list[int]
-    ) -> Placement | None:
-        """The cached plan of this signature as a placement, if it fits this iteration."""
-        from tidalplan.validate import InvalidPlacement, validate
+    def make(self, iteration: Iteration, swap_limit: int, gbps: float) -> Planned | Unfit:
+        """The checked plan of `iteration` for `swap_limit` (0: none) with copies at `gbps`:
+        from the cache when a plan made for the same is there and passes `wire.check`, else
+        planned, encoded, checked and cached. Unfit when a swap plan does not fit."""
+        from tidalplan import combined, wire
+        from tidalplan.learn import signature
 
-        plan = self.cache.get(key)
-        if plan is None or list(plan.sizes) != sizes:
-            return None
-        placement = Placement(
-            offsets=tuple(Offset(plan.offsets[block]) for block in mapping),
-            height=Bytes(plan.height_bytes),
-            solver="cache",
-        )
-        try:
-            validate(problem, placement)
-        except InvalidPlacement as e:
-            log.warning("plan.cache_invalid", extra={"signature": key.hex(), "why": str(e)})
-            return None
-        return placement
+        name = plan_cache.key(signature(iteration), swap_limit, gbps, wire.VERSION)
+        cached = self.cache.get(name)
+        if cached is not None:
+            try:
+                return Planned(cached, wire.check(iteration, cached), "cache")
+            except ValueError as e:  # InvalidPlacement and InvalidSwapPlan too
+                log.warning("plan.cache_invalid", extra={"key": name, "why": str(e)})
+        time_limit_s = self.settings.plan_time_limit_s
+        if swap_limit:
+            plan = combined.fit(
+                iteration, _swaps_on_ops, swap_limit, gbps, gbps, time_limit_s=time_limit_s
+            )
+            if not plan.fits:
+                return Unfit(plan.footprint, swap_limit, int(plan.planned_for), plan.rounds)
+        else:
+            plan = combined.unlimited(iteration, gbps, gbps, time_limit_s=time_limit_s)
+        update = wire.encode(iteration, plan, gbps)
+        checked = wire.check(iteration, update)  # the whole plan, as it will be sent
+        self.cache.put(name, update)
+        assert plan.combined is not None  # it fits
+        return Planned(update, checked, plan.combined.placement.solver)
 
-    def plan(self, session: Session) -> pool_pb2.PlanUpdate:
+    def plan(self, session: Session) -> pool_pb2.PlanUpdate | None:
+        """Plan `session`'s steady iteration and put the plan on its stream; None (and the
+        session keeps learning) when its swap plan does not fit its limit."""
         from tidalcore.events import Events
-        from tidalplan.learn import extract, signature, to_problem
-        from tidalplan.placement import lower_bound, solve
-        from tidalplan.validate import validate
+        from tidalplan.learn import extract, to_problem
+        from tidalplan.placement import lower_bound
 
         started = time.perf_counter()
         trace = session.trace
         events = Events.concat(list(trace.chunks), dict(trace.names))
         iteration = extract(events, events.marks())
-        key = signature(iteration)
-        problem, mapping = to_problem(iteration, alignment=ALIGNMENT)
-        sizes = [int(b.size) for b in iteration.blocks]
-        placement = self._cached(key, problem, mapping, sizes)
-        source = "cache"
-        if placement is None:
-            placement = solve(problem, time_limit_s=self.settings.plan_time_limit_s)
-            source = placement.solver
-        validate(problem, placement)  # every plan, cached or new, before it is used
-        offsets = [0] * len(sizes)
-        for buffer_index, block_index in enumerate(mapping):
-            offsets[block_index] = placement.offsets[buffer_index]
-        plan = pool_pb2.PlanUpdate(
-            signature=key, sizes=sizes, offsets=offsets, height_bytes=placement.height
-        )
-        if source == "cache":
+        made = self.make(iteration, session.swap_limit, self.swap_gbps(session))
+        if isinstance(made, Unfit):
+            self.plans_unfit += 1
+            log.warning(
+                "plan.unfit",
+                extra={
+                    "session": session.id,
+                    "footprint": made.footprint,
+                    "limit": made.limit,
+                    "planned_for": made.planned_for,
+                    "rounds": made.rounds,
+                },
+            )
+            return None
+        plan = made.update
+        if made.source == "cache":
             self.plans_cached += 1
         else:
-            self.cache.put(plan)
             self.plans_made += 1
-        if session.swap_limit:
-            from tidalplan import policies
-
-            gbps = self.swap_gbps(session)
-            add_swaps(
-                plan,
-                iteration,
-                policies.swaps_only(iteration, session.swap_limit, gbps, gbps),
-            )
-        bound = lower_bound(problem)
+        bound = lower_bound(to_problem(made.checked.pieces, ALIGNMENT)[0])
         with self._lock:
             plan.plan_id = self._next_plan_id
             self._next_plan_id += 1
@@ -192,18 +203,29 @@ class PlanWorker:
         session.plan = PlanFootprint(plan.height_bytes, bound)
         session.outbox.put(pool_pb2.ServerMessage(plan=plan))
         if self.on_planned is not None:
-            self.on_planned("cached" if source == "cache" else "solved", seconds)
+            self.on_planned("cached" if made.source == "cache" else "solved", seconds)
         log.info(
             "plan.sent",
             extra={
                 "session": session.id,
                 "plan": plan.plan_id,
-                "source": source,
+                "source": made.source,
                 "allocations": len(plan.sizes),
                 "height": plan.height_bytes,
+                "footprint": plan.prediction.footprint_bytes,
                 "lower_bound": bound,
+                "limit": plan.limit_bytes,
                 "swaps": len(plan.swap_blocks),
+                "predicted_step_ns": plan.prediction.step_ns,
                 "seconds": round(seconds, 3),
             },
         )
         return plan
+
+
+def _swaps_on_ops(it: Iteration, limit: int, out_gbps: float, in_gbps: float) -> SwapPlan:
+    """`policies.swaps_only` (the session's executor moves blocks but cannot rebuild them), its
+    swap-ins issued at op starts as the client issues them (`wire.on_ops`)."""
+    from tidalplan import policies, wire
+
+    return wire.on_ops(it, policies.swaps_only(it, limit, out_gbps, in_gbps))

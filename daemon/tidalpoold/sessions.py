@@ -44,6 +44,10 @@ class Counts:
     swapped_out_bytes: int = 0
     swapped_in_bytes: int = 0
     swap_stall_ns: int = 0
+    # Of the bytes swapped: those no plan scheduled (the LRU cache's, before a plan and after
+    # a miss).
+    on_demand_out_bytes: int = 0
+    on_demand_in_bytes: int = 0
 
     def advance(self, beat: pool_pb2.Heartbeat, totals: Counts) -> None:
         """Take the heartbeat's counts, adding what each grew by to `totals` (a count that
@@ -60,7 +64,9 @@ _COUNTS = tuple(f.name for f in fields(Counts))
 
 @dataclass(frozen=True, slots=True)
 class PlanFootprint:
-    """The bytes of a session's latest placement plan and the lower bound of its problem."""
+    """The height of a session's latest plan (its arena: blocks and the pieces of swapped
+    blocks; persistent blocks that never swap are outside) and the lower bound of its
+    placement problem."""
 
     height_bytes: int
     lower_bound_bytes: int

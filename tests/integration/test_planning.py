@@ -65,3 +65,27 @@ def test_a_corrupted_cached_plan_is_refused_and_solved_again(start_daemon: Start
     log = d.log_path.read_text()
     assert "plan.cache_invalid" in log
     assert "source=cache" not in log
+
+
+def test_a_plan_is_cached_for_the_copy_bandwidth_it_was_made_at(start_daemon: StartDaemon) -> None:
+    from tidalcore.v1 import pool_pb2
+
+    d = start_daemon()
+    for gbps in (None, 3.0, 3.0):
+        with tidalpool.attach(d.socket_dir, device_limit="8MiB", copy_gbps=gbps) as s:
+            run_until_planned(s)
+    sources = [line for line in d.log_path.read_text().splitlines() if "plan.sent" in line]
+    assert ["source=cache" in line.split() for line in sources] == [False, False, True]
+    plans = [
+        pool_pb2.PlanUpdate.FromString(path.read_bytes())
+        for path in (d.socket_dir / "plans").glob("*.plan")
+    ]
+    # No swap limit: every block placed whole, as version 2 with the simulator's prediction.
+    assert sorted(p.prediction.copy_gbps for p in plans) == [3.0, 12.0]
+    for p in plans:
+        assert (p.version, p.limit_bytes, len(p.swap_blocks)) == (2, 0, 0)
+        # The peak, placed without a gap: the 64, 32 and 96 KiB activations with the gradients
+        # of the 16 and the 96. No ops: no time.
+        assert p.prediction.footprint_bytes == p.prediction.peak_bytes == p.height_bytes
+        assert p.height_bytes == 304 * KiB
+        assert (p.prediction.step_ns, p.prediction.stall_ns) == (0, 0)

@@ -86,11 +86,14 @@ def test_pool_sessions_and_counts_have_the_registrys_exact_values(
             swapped_out_bytes=4096,
             swapped_in_bytes=1024,
             swap_stall_ns=250_000_000,
+            on_demand_out_bytes=3072,
+            on_demand_in_bytes=512,
         ),
     )
     registry.touch(a, beat(device_used_bytes=4_000_000, device_peak_bytes=5_000_000, plan_misses=5))
     a.plan = PlanFootprint(height_bytes=3_000_000, lower_bound_bytes=2_000_000)
     planner.plans_made, planner.plans_cached, planner.plans_failed = 2, 1, 4
+    planner.plans_unfit = 3
     reg = scrape(DaemonCollector(registry, planner, registry.backend.facts, started=1000.0))
 
     for pool, size, leased, used in (
@@ -121,11 +124,18 @@ def test_pool_sessions_and_counts_have_the_registrys_exact_values(
     assert value(reg, "tidalpool_session_swapped_bytes_total", direction="out", **ka) == 4096
     assert value(reg, "tidalpool_session_swapped_bytes_total", direction="in", **ka) == 1024
     assert value(reg, "tidalpool_session_swap_stall_seconds_total", **ka) == 0.25
+    on_demand = "tidalpool_session_swapped_on_demand_bytes_total"
+    assert value(reg, on_demand, direction="out", **ka) == 3072
+    assert value(reg, on_demand, direction="in", **ka) == 512
+    assert value(reg, on_demand, direction="out", **kb) == 0  # attached or not, from 0
 
     assert value(reg, "tidalpool_plan_misses_total") == 5
     assert value(reg, "tidalpool_swapped_bytes_total", direction="out") == 4096
     assert value(reg, "tidalpool_swap_stall_seconds_total") == 0.25
+    assert value(reg, "tidalpool_swapped_on_demand_bytes_total", direction="out") == 3072
+    assert value(reg, "tidalpool_swapped_on_demand_bytes_total", direction="in") == 512
     assert value(reg, "tidalpool_plans_total", outcome="solved") == 2
+    assert value(reg, "tidalpool_plans_total", outcome="unfit") == 3
     assert value(reg, "tidalpool_plans_total", outcome="cached") == 1
     assert value(reg, "tidalpool_plans_total", outcome="failed") == 4
     assert value(reg, "tidalpool_start_time_seconds") == 1000.0
@@ -152,8 +162,9 @@ def test_an_ended_sessions_series_vanish_and_the_totals_keep_its_counts(
     for s in (a, b):
         registry.attach(s)
     registry.touch(a, beat(swapped_out_bytes=100, swap_stall_ns=1_000_000_000, plan_misses=2))
-    registry.touch(b, beat(swapped_out_bytes=50))
-    registry.touch(b, beat(swapped_out_bytes=40))  # a count going down is ignored
+    registry.touch(a, beat(swapped_out_bytes=100, on_demand_in_bytes=60))
+    registry.touch(b, beat(swapped_out_bytes=50, on_demand_in_bytes=30))
+    registry.touch(b, beat(swapped_out_bytes=40, on_demand_in_bytes=20))  # going down: ignored
     a.trace.events_received = 70  # as if 70 events had arrived
     b.trace.events_received = 30
     collector = DaemonCollector(registry, planner, dict)
@@ -170,6 +181,7 @@ def test_an_ended_sessions_series_vanish_and_the_totals_keep_its_counts(
     assert value(after, "tidalpool_sessions_ended_total", reason="detached") == 0
     assert value(after, "tidalpool_sessions_ended_total", reason="shutdown") == 0
     assert value(after, "tidalpool_swapped_bytes_total", direction="out") == 150
+    assert value(after, "tidalpool_swapped_on_demand_bytes_total", direction="in") == 90
     assert value(after, "tidalpool_swap_stall_seconds_total") == 1.0
     assert value(after, "tidalpool_plan_misses_total") == 2
     assert value(after, "tidalpool_trace_events_received_total") == 100  # never goes down

@@ -1,5 +1,5 @@
-"""A swap plan in ticks becomes PlanUpdate columns in op and allocation indices, and the client
-turns those columns back into the schedule its executor runs."""
+"""A swap plan's swap-ins are issued at ops, as a client can issue them, and sessions' copies
+are planned at the bandwidth they will have."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 from tidalclient.plans import ScheduledSwap
 from tidalcore.units import Tick
-from tidalcore.v1 import pool_pb2
 from tidalplan.model import Swap, SwapPlan
-from tidalpoold.plan_worker import DEFAULT_COPY_GBPS, PlanWorker, add_swaps, copy_gbps_of
+from tidalplan.wire import on_ops
+from tidalpoold.plan_worker import DEFAULT_COPY_GBPS, PlanWorker, copy_gbps_of
 from tidalpoold.settings import Settings
 
 from .iterations import build
@@ -22,21 +22,7 @@ IT = build(
 )
 
 
-def columns(plan: pool_pb2.PlanUpdate) -> list[tuple[int, bool, int, int, int]]:
-    return list(
-        zip(
-            plan.swap_blocks,
-            plan.swap_persistent,
-            plan.swap_out_after,
-            plan.swap_in_at,
-            plan.swap_in_before,
-            strict=True,
-        )
-    )
-
-
-def test_ticks_become_op_indices_and_blocks_allocation_indices() -> None:
-    plan = pool_pb2.PlanUpdate()
+def test_swap_ins_are_issued_at_the_op_the_client_can_issue_them_at() -> None:
     swaps = SwapPlan(
         (
             Swap(block=0, out_after=Tick(1), in_before=Tick(7)),  # default: issued at op3
@@ -44,17 +30,17 @@ def test_ticks_become_op_indices_and_blocks_allocation_indices() -> None:
             Swap(block=1, out_after=Tick(7), in_before=Tick(1), persistent=True),  # W, crossing
         )
     )
-    add_swaps(plan, IT, swaps)
-    # A is allocation 0; W is persistent block 1, trace id 2 (V is 1)
-    assert columns(plan) == [(0, False, 0, 3, 4), (0, False, 0, 3, 4), (2, True, 4, 0, 0)]
-    for block, persistent, out_after, in_at, in_before in columns(plan):  # the client accepts them
-        ScheduledSwap(block, out_after, in_before, in_at, persistent).check()
+    ticks = [op.tick for op in IT.ops]
+    rounded = on_ops(IT, swaps)
+    assert [ticks.index(s.in_at) for s in rounded.swaps] == [3, 3, 0]
+    for s in rounded.swaps:  # the client accepts them, in op indices
+        out_after, in_before = ticks.index(s.out_after), ticks.index(s.in_before)
+        ScheduledSwap(s.block, out_after, in_before, ticks.index(s.in_at), s.persistent).check()
 
 
 def test_default_issue_is_never_before_the_op_after_the_swap_out() -> None:
-    plan = pool_pb2.PlanUpdate()
-    add_swaps(plan, IT, SwapPlan((Swap(block=1, out_after=Tick(3), in_before=Tick(4)),)))
-    assert columns(plan) == [(1, False, 1, 2, 2)]
+    (swap,) = on_ops(IT, SwapPlan((Swap(block=1, out_after=Tick(3), in_before=Tick(4)),))).swaps
+    assert swap.in_at == 4  # op2, the op it is needed by: op1 (tick 3) is the swap-out's
 
 
 class FactsBackend:

@@ -283,7 +283,9 @@ def test_plan_and_simulate_read_the_file(
     # output, the output, the loss, its gradient, d output, d hidden and d W2: 7 KiB.
     assert out[1] == "lower bound: 7168 B (7 KiB)"
     assert "optimal: yes" in out
-    argv = ["simulate", str(path), "--limit", "0.8", "--policy", "tidalpool", "--json"]
+    # At 0.85: a swapped weight stays in one piece across the iteration's boundary, and the
+    # placement of pieces live across every cut of this small iteration costs more room.
+    argv = ["simulate", str(path), "--limit", "0.85", "--policy", "tidalpool", "--json"]
     assert main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     (row,) = report["policies"]

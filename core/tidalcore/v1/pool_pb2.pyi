@@ -127,7 +127,7 @@ class ServerMessage(_message.Message):
     def __init__(self, plan: _Optional[_Union[PlanUpdate, _Mapping]] = ..., quota: _Optional[_Union[QuotaChange, _Mapping]] = ..., error: _Optional[_Union[SessionError, _Mapping]] = ..., goodbye: _Optional[_Union[Goodbye, _Mapping]] = ...) -> None: ...
 
 class PlanUpdate(_message.Message):
-    __slots__ = ("plan_id", "signature", "sizes", "offsets", "height_bytes", "swap_blocks", "swap_persistent", "swap_out_after", "swap_in_at", "swap_in_before", "version", "swap_in_offsets", "recompute_blocks", "recompute_drop_after", "recompute_before", "limit_bytes", "resident_persistent_bytes", "prediction")
+    __slots__ = ("plan_id", "signature", "sizes", "offsets", "height_bytes", "swap_blocks", "swap_persistent", "swap_out_after", "swap_in_at", "swap_in_before", "version", "swap_in_offsets", "recompute_blocks", "recompute_drop_after", "recompute_before", "limit_bytes", "resident_persistent_bytes", "prediction", "swap_in_ticks")
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +146,7 @@ class PlanUpdate(_message.Message):
     LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_PERSISTENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     PREDICTION_FIELD_NUMBER: _ClassVar[int]
+    SWAP_IN_TICKS_FIELD_NUMBER: _ClassVar[int]
     plan_id: int
     signature: bytes
     sizes: _containers.RepeatedScalarFieldContainer[int]
@@ -164,7 +165,8 @@ class PlanUpdate(_message.Message):
     limit_bytes: int
     resident_persistent_bytes: int
     prediction: PlanPrediction
-    def __init__(self, plan_id: _Optional[int] = ..., signature: _Optional[bytes] = ..., sizes: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., height_bytes: _Optional[int] = ..., swap_blocks: _Optional[_Iterable[int]] = ..., swap_persistent: _Optional[_Iterable[bool]] = ..., swap_out_after: _Optional[_Iterable[int]] = ..., swap_in_at: _Optional[_Iterable[int]] = ..., swap_in_before: _Optional[_Iterable[int]] = ..., version: _Optional[int] = ..., swap_in_offsets: _Optional[_Iterable[int]] = ..., recompute_blocks: _Optional[_Iterable[int]] = ..., recompute_drop_after: _Optional[_Iterable[int]] = ..., recompute_before: _Optional[_Iterable[int]] = ..., limit_bytes: _Optional[int] = ..., resident_persistent_bytes: _Optional[int] = ..., prediction: _Optional[_Union[PlanPrediction, _Mapping]] = ...) -> None: ...
+    swap_in_ticks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, plan_id: _Optional[int] = ..., signature: _Optional[bytes] = ..., sizes: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., height_bytes: _Optional[int] = ..., swap_blocks: _Optional[_Iterable[int]] = ..., swap_persistent: _Optional[_Iterable[bool]] = ..., swap_out_after: _Optional[_Iterable[int]] = ..., swap_in_at: _Optional[_Iterable[int]] = ..., swap_in_before: _Optional[_Iterable[int]] = ..., version: _Optional[int] = ..., swap_in_offsets: _Optional[_Iterable[int]] = ..., recompute_blocks: _Optional[_Iterable[int]] = ..., recompute_drop_after: _Optional[_Iterable[int]] = ..., recompute_before: _Optional[_Iterable[int]] = ..., limit_bytes: _Optional[int] = ..., resident_persistent_bytes: _Optional[int] = ..., prediction: _Optional[_Union[PlanPrediction, _Mapping]] = ..., swap_in_ticks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PlanPrediction(_message.Message):
     __slots__ = ("step_ns", "baseline_ns", "out_bytes", "in_bytes", "stall_ns", "peak_bytes", "footprint_bytes", "copy_gbps")

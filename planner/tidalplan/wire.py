@@ -1,0 +1,328 @@
+"""A plan on the wire: a `combined.Plan` as the `PlanUpdate` a session executes, and back.
+
+    combined.Plan ──encode──▶ PlanUpdate (version 2) ──▶ plan cache, session stream
+                                  │
+                                  └─check─▶ decode ─▶ simulate ─▶ validate_swaps ─▶ split
+                                                                   ─▶ validate (the offsets)
+
+The schedule travels against the iteration's structure: ops by their index in the iteration,
+transient blocks by their allocation index, persistent blocks by their trace id. The placement
+travels as arena offsets of the plan's pieces (`combined.split`): `offsets[i]` is where
+allocation i's first piece lies (so the version-1 fields alone still place the allocations
+consistently), `swap_in_offsets[j]` where the piece that swap j's swap-in starts lies.
+
+A client issues a swap-in when an op begins; `on_ops` makes a schedule say exactly that, and
+only such a schedule is encoded, so that what `check` simulates is what the client runs.
+Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import re
+from bisect import bisect_left
+from dataclasses import dataclass, replace
+
+from tidalcore.units import ALIGNMENT, Bytes, Offset, Tick
+from tidalcore.v1 import pool_pb2
+
+from tidalplan.combined import PERSISTENT, SCRATCH, Combined, Plan, split
+from tidalplan.learn import signature, to_problem
+from tidalplan.model import Iteration, Placement, Problem, Recompute, Swap, SwapPlan
+from tidalplan.simulate import simulate
+from tidalplan.validate import InvalidPlacement, validate, validate_swaps
+
+VERSION = 2
+"""The PlanUpdate version `encode` writes and `decode` reads (pool.proto's version rule)."""
+
+
+def on_ops(it: Iteration, schedule: SwapPlan) -> SwapPlan:
+    """`schedule` as a client runs it: every swap-in's `in_at` the tick of the op whose start
+    issues it. With an `in_at`, the first op at or after it (at most `in_before`); without,
+    the op before `in_before`, but not before the op after `out_after` (op 0 for a swap across
+    the boundary). Recomputations are kept as they are."""
+    ticks = [op.tick for op in it.ops]
+    index = {tick: k for k, tick in enumerate(ticks)}
+    swaps = []
+    for s in schedule.swaps:
+        in_before = index[s.in_before]
+        if s.in_at is not None:
+            at = min(bisect_left(ticks, s.in_at), in_before)
+        else:
+            earliest = 0 if s.in_before <= s.out_after else index[s.out_after] + 1
+            at = max(in_before - 1, earliest)
+        swaps.append(replace(s, in_at=ticks[at]))
+    return SwapPlan(tuple(swaps), schedule.recomputes)
+
+
+def encode(it: Iteration, plan: Plan, copy_gbps: float) -> pool_pb2.PlanUpdate:
+    """`plan` (made for `it`, simulated at `copy_gbps` each way) as a version-2 PlanUpdate:
+
+    - `sizes[i]`, `offsets[i]`: allocation i's size and the arena offset of its first piece;
+      `height_bytes`: the placement's height;
+    - swap j: `swap_blocks` (allocation index, or with `swap_persistent` the trace id),
+      `swap_out_after`, `swap_in_at`, `swap_in_before` (op indices), `swap_in_offsets` (the
+      arena offset of the piece its swap-in starts) and `swap_in_ticks` (the tick that piece
+      starts at: the simulated copy starts after it);
+    - recomputation k: `recompute_blocks` (allocation index), `recompute_drop_after`,
+      `recompute_before` (op indices);
+    - `limit_bytes` (0: no limit), `resident_persistent_bytes`, and the simulator's
+      `prediction` with the footprint and `copy_gbps`.
+
+    Zero-size pieces are not placed: their offset is 0. ValueError for a plan that does not
+    fit, or whose schedule a client would not run as it says (`on_ops` rounds it)."""
+    placed = plan.combined
+    if placed is None or not plan.fits:
+        raise ValueError(
+            f"the plan does not fit its limit {plan.limit} (footprint {plan.footprint}):"
+            " nothing to send"
+        )
+    if on_ops(it, plan.schedule) != plan.schedule:
+        raise ValueError("the schedule issues swap-ins between ops: round it with on_ops")
+    index = {op.tick: k for k, op in enumerate(it.ops)}
+    _, mapping = to_problem(placed.pieces)
+    offset_of = {
+        placed.pieces.blocks[b].id: int(offset)
+        for offset, b in zip(placed.placement.offsets, mapping, strict=True)
+    }
+    update = pool_pb2.PlanUpdate(
+        version=VERSION,
+        signature=signature(it),
+        sizes=[int(b.size) for b in it.blocks],
+        offsets=[offset_of.get(placed.first_pieces[i], 0) for i in range(len(it.blocks))],
+        height_bytes=int(placed.placement.height),
+        limit_bytes=int(plan.limit),
+        resident_persistent_bytes=int(placed.resident_persistent),
+    )
+    start_of = {b.id: int(b.start) for b in placed.pieces.blocks}
+    for s, piece in zip(plan.schedule.swaps, placed.in_pieces, strict=True):
+        assert s.in_at is not None  # on_ops sets every one
+        update.swap_blocks.append(it.persistent[s.block][0] if s.persistent else s.block)
+        update.swap_persistent.append(s.persistent)
+        update.swap_out_after.append(index[s.out_after])
+        update.swap_in_at.append(index[s.in_at])
+        update.swap_in_before.append(index[s.in_before])
+        update.swap_in_offsets.append(offset_of.get(piece, 0))
+        update.swap_in_ticks.append(start_of[piece])
+    for c in plan.schedule.recomputes:
+        update.recompute_blocks.append(c.block)
+        update.recompute_drop_after.append(index[c.drop_after])
+        update.recompute_before.append(index[c.before])
+    r = plan.result
+    update.prediction.CopyFrom(
+        pool_pb2.PlanPrediction(
+            step_ns=r.iteration_ns,
+            baseline_ns=r.baseline_ns,
+            out_bytes=int(r.out_bytes),
+            in_bytes=int(r.in_bytes),
+            stall_ns=r.stall_ns,
+            peak_bytes=int(r.peak_bytes),
+            footprint_bytes=int(placed.footprint),
+            copy_gbps=copy_gbps,
+        )
+    )
+    return update
+
+
+@dataclass(frozen=True, slots=True)
+class Decoded:
+    """A PlanUpdate back on its iteration's ticks and indices."""
+
+    schedule: SwapPlan  # every swap with its `in_at`
+    offsets: tuple[Offset, ...]  # per allocation: its first piece's arena offset
+    swap_in_offsets: tuple[Offset, ...]  # per swap: the arena offset of its in-piece
+    height: Bytes
+    limit: Bytes | None  # None: no limit
+    resident_persistent: Bytes
+    copy_gbps: float
+
+
+def decode(it: Iteration, update: pool_pb2.PlanUpdate) -> Decoded:
+    """The schedule and offsets `update` carries, on `it`'s ticks (op index → op tick,
+    persistent trace id → index in `it.persistent`). ValueError names the first column that
+    does not fit `it` or the others."""
+    if update.version != VERSION:
+        raise ValueError(f"plan version {update.version}, not {VERSION}")
+    sizes = [int(b.size) for b in it.blocks]
+    if list(update.sizes) != sizes:
+        raise ValueError(f"sizes {list(update.sizes)[:8]}... are not the iteration's allocations")
+    if len(update.offsets) != len(sizes):
+        raise ValueError(f"{len(update.offsets)} offsets for {len(sizes)} allocations")
+    ticks = [op.tick for op in it.ops]
+    persistent = {pid: k for k, (pid, _) in enumerate(it.persistent)}
+
+    def op(column: str, k: int) -> Tick:
+        value = int(getattr(update, column)[k])
+        if not 0 <= value < len(ticks):
+            raise ValueError(f"{column}[{k}] = {value}: the iteration has {len(ticks)} ops")
+        return ticks[value]
+
+    def block(column: str, k: int, is_persistent: bool) -> int:
+        value = int(getattr(update, column)[k])
+        if is_persistent:
+            if value not in persistent:
+                raise ValueError(f"{column}[{k}] = {value}: no persistent block has that id")
+            return persistent[value]
+        if not 0 <= value < len(sizes):
+            raise ValueError(f"{column}[{k}] = {value}: the iteration has {len(sizes)} allocations")
+        return value
+
+    swap_columns = ("swap_blocks", "swap_persistent", "swap_out_after", "swap_in_at")
+    n = len(update.swap_in_before)
+    if {len(getattr(update, c)) for c in (*swap_columns, "swap_in_offsets")} != {n}:
+        raise ValueError("the swap columns (swap_in_offsets included) differ in length")
+    swaps = tuple(
+        Swap(
+            block=block("swap_blocks", k, update.swap_persistent[k]),
+            out_after=op("swap_out_after", k),
+            in_before=op("swap_in_before", k),
+            in_at=op("swap_in_at", k),
+            persistent=update.swap_persistent[k],
+        )
+        for k in range(n)
+    )
+    m = len(update.recompute_blocks)
+    if {len(update.recompute_drop_after), len(update.recompute_before)} != {m}:
+        raise ValueError("the recompute columns differ in length")
+    recomputes = tuple(
+        Recompute(
+            block=block("recompute_blocks", k, False),
+            drop_after=op("recompute_drop_after", k),
+            before=op("recompute_before", k),
+        )
+        for k in range(m)
+    )
+    return Decoded(
+        schedule=SwapPlan(swaps, recomputes),
+        offsets=tuple(Offset(int(o)) for o in update.offsets),
+        swap_in_offsets=tuple(Offset(int(o)) for o in update.swap_in_offsets),
+        height=Bytes(update.height_bytes),
+        limit=Bytes(update.limit_bytes) if update.limit_bytes else None,
+        resident_persistent=Bytes(update.resident_persistent_bytes),
+        copy_gbps=update.prediction.copy_gbps,
+    )
+
+
+def check(it: Iteration, update: pool_pb2.PlanUpdate, compute_scale: float = 1.0) -> Combined:
+    """Check `update` as a whole against `it`, sharing no state with the plan that made it:
+
+    decode it; simulate its schedule at `prediction.copy_gbps` (under `prediction.peak_bytes`:
+    the timeline of the limit the schedule was made for, since the simulator only ever waits
+    when the bytes it would reach exceed its limit) and require the prediction to be that
+    simulation; `validate_swaps` under `limit_bytes`; split the iteration into its pieces;
+    `validate` the offsets (allocation i's first piece at `offsets[i]`, swap j's in-piece at
+    `swap_in_offsets[j]`) as a placement of those pieces within `limit_bytes` less the resident
+    persistent bytes. A piece the update cannot place (a rebuilt block's, a rebuild's scratch)
+    is refused. Returns the checked plan's pieces and placement; ValueError (InvalidPlacement,
+    InvalidSwapPlan) names the problem."""
+    d = decode(it, update)
+    if update.signature != signature(it):
+        raise ValueError("the plan's signature is not the iteration's")
+    if not update.HasField("prediction") or not d.copy_gbps > 0:
+        raise ValueError("the plan has no prediction, or no copy bandwidth to simulate it at")
+    p = update.prediction
+    if d.limit is not None and p.peak_bytes > d.limit:
+        raise ValueError(f"the predicted peak {p.peak_bytes} is over the limit {d.limit}")
+    schedule = d.schedule
+    result = simulate(
+        it,
+        schedule,
+        None if d.limit is None else p.peak_bytes,
+        d.copy_gbps,
+        d.copy_gbps,
+        compute_scale,
+    )
+    simulated = (
+        result.iteration_ns,
+        result.baseline_ns,
+        result.out_bytes,
+        result.in_bytes,
+        result.stall_ns,
+        result.peak_bytes,
+    )
+    predicted = (p.step_ns, p.baseline_ns, p.out_bytes, p.in_bytes, p.stall_ns, p.peak_bytes)
+    if not result.feasible or simulated != predicted:
+        raise ValueError(
+            f"the schedule simulates to (step, baseline, out, in, stall, peak) {simulated}"
+            f"{'' if result.feasible else ', infeasibly'}, not the predicted {predicted}"
+        )
+    validate_swaps(it, schedule, result, d.limit, d.copy_gbps, compute_scale)
+    parts = split(it, schedule, result)
+    problem, mapping = to_problem(parts.pieces, ALIGNMENT)
+    offset_of = {parts.first_pieces[i]: o for i, o in enumerate(d.offsets)}
+    offset_of.update(zip(parts.in_pieces, d.swap_in_offsets, strict=True))
+    starts = [int(parts.pieces.blocks[k].start) for k in _indices(parts.pieces, parts.in_pieces)]
+    if list(update.swap_in_ticks) != starts:
+        raise ValueError(
+            f"the swap-ins start after ticks {list(update.swap_in_ticks)}; their pieces start"
+            f" at {starts}"
+        )
+    names = _names(it, parts.origin, parts.first_pieces, parts.in_pieces)
+    offsets = []
+    for b in mapping:
+        piece = parts.pieces.blocks[b].id
+        if piece not in offset_of:
+            raise ValueError(f"{names[piece]}: the plan carries no offset for it")
+        offsets.append(offset_of[piece])
+    # Buffers named by piece id, so that the validator's message can say which piece is which.
+    named = Problem(
+        tuple(
+            replace(buf, id=parts.pieces.blocks[b].id)
+            for buf, b in zip(problem.buffers, mapping, strict=True)
+        ),
+        problem.alignment,
+    )
+    placement = Placement(tuple(offsets), d.height, "wire")
+    resident = Bytes(sum(size for _, size in parts.pieces.persistent))
+    try:
+        validate(named, placement, None if d.limit is None else d.limit - resident)
+    except InvalidPlacement as e:
+        pieces = sorted({int(k) for k in re.findall(r"\b(?:buffers?|and) (\d+)", str(e))})
+        life = {b.id: (b.start, b.end) for b in parts.pieces.blocks}
+        legend = "; ".join(
+            f"{names[k]} over ticks [{life[k][0]}, {life[k][1]})" for k in pieces if k in names
+        )
+        raise InvalidPlacement(
+            f"{e}; the buffers are pieces, in the iteration's ticks: {legend}"
+        ) from e
+    if d.resident_persistent != resident or p.footprint_bytes != resident + d.height:
+        raise ValueError(
+            f"resident persistent bytes {d.resident_persistent} and footprint"
+            f" {p.footprint_bytes}: the plan's pieces leave {resident} and {resident + d.height}"
+        )
+    return Combined(
+        parts.pieces,
+        placement,
+        resident,
+        Bytes(resident + d.height),
+        parts.origin,
+        parts.in_pieces,
+        parts.first_pieces,
+    )
+
+
+def _indices(pieces: Iteration, ids: tuple[int, ...]) -> list[int]:
+    """The indices in `pieces.blocks` of the pieces with these ids."""
+    where = {b.id: k for k, b in enumerate(pieces.blocks)}
+    return [where[i] for i in ids]
+
+
+def _names(
+    it: Iteration,
+    origin: dict[int, tuple[str, int]],
+    first: dict[int, int],
+    in_pieces: tuple[int, ...],
+) -> dict[int, str]:
+    """Piece id -> what it is, in the wire's terms."""
+    names: dict[int, str] = {}
+    for piece, (kind, k) in origin.items():
+        if kind == SCRATCH:
+            names[piece] = f"piece {piece} (the scratch of the rebuild before the op at tick {k})"
+        elif kind == PERSISTENT:
+            names[piece] = f"piece {piece} (of persistent block {it.persistent[k][0]})"
+        else:
+            names[piece] = f"piece {piece} (of allocation {k}, rebuilt)"
+    for i, piece in first.items():
+        names[piece] = f"piece {piece} (allocation {i}'s first)"
+    for j, piece in enumerate(in_pieces):
+        names[piece] = f"piece {piece} (swap {j}'s swap-in)"
+    return names

@@ -1,0 +1,244 @@
+"""The daemon's planning of a session from its trace: the plan `tidalpool simulate` makes for
+its swap limit, checked as a whole before it is sent, cached by what it was made for and checked
+again when taken from the cache; a plan that does not fit is not sent."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from tidalcore.events import ALLOC, FREE, ITER, OP, READ, WRITE, Events
+from tidalcore.units import Bytes
+from tidalcore.v1 import pool_pb2
+from tidalplan import wire
+from tidalplan.learn import extract, signature
+from tidalpoold import plan_cache
+from tidalpoold.backends import SimBackend
+from tidalpoold.plan_worker import PlanWorker
+from tidalpoold.sessions import PlanFootprint, Reason, Registry, Session
+from tidalpoold.settings import Settings
+from tidalpoold.trace import decode_chunk
+
+C = 2 * 1024 * 1024
+
+# As in test_swap_policies: A (1000 B) is idle from op1 to op7, B needs its room between.
+#   t0 a A   t1 op 100 A   t2 op 2000   t3 a B   t4 op 3000 B   t5 f B   t6 op 1500
+#   t7 op 500 A   t8 f A
+HIDE = ["a A 1000", "o 100 A", "o 2000", "a B 1000", "o 3000 B", "f B", "o 1500", "o 500 A", "f A"]
+
+
+def chunk(steps: list[str], persistent: dict[str, int], iterations: int = 3) -> pool_pb2.TraceChunk:
+    """The events of `iterations` steps of `steps` (`tests/unit/iterations.py`'s syntax), each
+    after a step mark, then a last mark; persistent blocks allocated first."""
+    msg = pool_pb2.TraceChunk(first_event=0)
+
+    def event(kind: int, block: int, size: int = 0, ns: int = 0, name: int = 0) -> None:
+        for column, value in zip(
+            ("kinds", "block_ids", "sizes", "durations_ns", "name_ids"),
+            (kind, block, size, ns, name),
+            strict=True,
+        ):
+            getattr(msg, column).append(value)
+
+    ids = {name: k + 1 for k, name in enumerate(persistent)}
+    for name, size in persistent.items():
+        event(ALLOC, ids[name], size)
+    names: dict[str, int] = {}
+    for n in range(iterations):
+        event(ITER, n)
+        live = dict(ids)
+        for tick, step in enumerate(steps):
+            kind, *args = step.split()
+            if kind == "a":
+                live[args[0]] = len(ids) + 1 + n * len(steps) + tick
+                event(ALLOC, live[args[0]], int(args[1]))
+            elif kind == "f":
+                event(FREE, live.pop(args[0]))
+            else:
+                op = f"op{tick}"
+                names.setdefault(op, len(names) + 1)
+                for block in args[1:]:
+                    event(WRITE if block.startswith(">") else READ, live[block.lstrip(">")])
+                event(OP, tick, ns=int(args[0]), name=names[op])
+    event(ITER, iterations)
+    for op, name_id in names.items():
+        msg.new_names[name_id] = op
+    return msg
+
+
+@pytest.fixture
+def registry(tmp_path: Path) -> Iterator[Registry]:
+    settings = Settings(
+        device_pool=Bytes(4 * C),
+        host_pool=Bytes(4 * C),
+        default_device_lease=Bytes(C),
+        default_host_lease=Bytes(C),
+        chunk_size=Bytes(C),
+        socket_dir=tmp_path,
+        plan_cache_dir=tmp_path / "plans",
+        metrics_address="",
+        plan_time_limit_s=1.0,
+    )
+    backend = SimBackend(4 * C, 4 * C, C)
+    yield Registry(settings, backend)
+    backend.close()
+
+
+@pytest.fixture
+def planner(registry: Registry) -> Iterator[PlanWorker]:
+    p = PlanWorker(registry.settings)
+    yield p
+    p.close()
+
+
+def session(
+    registry: Registry,
+    swap_limit: int,
+    copy_gbps: float = 1.0,
+    steps: list[str] = HIDE,
+    persistent: dict[str, int] | None = None,
+) -> Session:
+    s = registry.open(C, C, "job", 1, 0)
+    registry.attach(s, swap_limit, copy_gbps)
+    s.trace.add(chunk(steps, persistent or {}))
+    return s
+
+
+def sent(s: Session) -> pool_pb2.PlanUpdate | None:
+    """The plan on the session's stream, if any."""
+    if s.outbox.empty():
+        return None
+    message = s.outbox.get_nowait()
+    assert message is not None
+    return message.plan
+
+
+def end(registry: Registry, *sessions: Session) -> None:
+    for s in sessions:
+        registry.end(s.id, Reason.REASON_DETACHED, "test")
+
+
+def test_a_swapping_session_gets_the_checked_plan_of_its_limit(
+    registry: Registry, planner: PlanWorker, caplog: pytest.LogCaptureFixture
+) -> None:
+    a = session(registry, swap_limit=1500)
+    with caplog.at_level(logging.INFO, "tidalpoold.planning"):
+        plan = planner.plan(a)
+    assert plan is not None and sent(a) == plan
+    # A out after op1 (op 0), issued back at op6 (op 3) for op7 (op 4); B between, in A's
+    # bytes: one 1024-byte slot, A's pieces and B all at 0.
+    assert (plan.version, plan.plan_id, list(plan.sizes), list(plan.offsets)) == (
+        2,
+        1,
+        [1000, 1000],
+        [0, 0],
+    )
+    assert list(plan.swap_blocks) == [0]
+    assert (list(plan.swap_out_after), list(plan.swap_in_at), list(plan.swap_in_before)) == (
+        [0],
+        [3],
+        [4],
+    )
+    assert list(plan.swap_in_offsets) == [0]
+    assert (plan.height_bytes, plan.limit_bytes, plan.prediction.footprint_bytes) == (
+        1024,
+        1500,
+        1024,
+    )
+    assert (plan.prediction.step_ns, plan.prediction.stall_ns) == (7100, 0)  # hidden
+    assert a.plan == PlanFootprint(1024, 1024)
+    assert (planner.plans_made, planner.plans_cached, planner.plans_unfit) == (1, 0, 0)
+    (line,) = [r for r in caplog.records if r.getMessage() == "plan.sent"]
+    assert (line.footprint, line.swaps, line.predicted_step_ns, line.limit) == (1024, 1, 7100, 1500)  # type: ignore[attr-defined]
+    # The next session of the same job, limit and bandwidth: the same plan, from the cache.
+    b = session(registry, swap_limit=1500)
+    again = planner.plan(b)
+    assert again is not None and again.plan_id == 2
+    again.plan_id = 1
+    assert again == plan
+    assert (planner.plans_made, planner.plans_cached) == (1, 1)
+    end(registry, a, b)
+
+
+def test_a_plan_that_does_not_fit_the_limit_is_not_sent(
+    registry: Registry, planner: PlanWorker, caplog: pytest.LogCaptureFixture
+) -> None:
+    # 1000 live bytes fit a limit of 1000, but each block takes 1024 once aligned; below it
+    # op1 cannot run at all.
+    s = session(registry, swap_limit=1000)
+    with caplog.at_level(logging.INFO, "tidalpoold.planning"):
+        assert planner.plan(s) is None
+    assert sent(s) is None and s.plan is None
+    assert (planner.plans_made, planner.plans_unfit, planner.plans_failed) == (0, 1, 0)
+    (line,) = [r for r in caplog.records if r.getMessage() == "plan.unfit"]
+    assert (line.footprint, line.limit) == (1024, 1000)  # type: ignore[attr-defined]
+    assert not (registry.settings.plan_cache_dir).exists()  # nothing cached
+    end(registry, s)
+
+
+def test_plans_are_cached_by_signature_limit_bandwidth_and_version(
+    registry: Registry, planner: PlanWorker
+) -> None:
+    sessions = [
+        session(registry, swap_limit=1500),
+        session(registry, swap_limit=2000),
+        session(registry, swap_limit=1500, copy_gbps=2.0),
+        session(registry, swap_limit=0),
+    ]
+    for s in sessions:
+        assert planner.plan(s) is not None
+    assert (planner.plans_made, planner.plans_cached) == (4, 0)
+    events_chunk = chunk(HIDE, {})
+    events = Events.concat([decode_chunk(events_chunk)], dict(events_chunk.new_names))
+    key = signature(extract(events, events.marks()))
+    names = sorted(p.name for p in registry.settings.plan_cache_dir.glob("*.plan"))
+    assert names == sorted(
+        f"{plan_cache.key(key, limit, gbps, wire.VERSION)}.plan"
+        for limit, gbps in ((1500, 1.0), (2000, 1.0), (1500, 2.0), (0, 1.0))
+    )
+    assert all(name.startswith(key.hex() + "-") for name in names)
+    end(registry, *sessions)
+
+
+def test_a_plan_without_a_swap_limit_places_every_block_whole(
+    registry: Registry, planner: PlanWorker
+) -> None:
+    s = session(registry, swap_limit=0, persistent={"W": 300})
+    plan = planner.plan(s)
+    assert plan is not None
+    assert (plan.version, plan.limit_bytes, len(plan.swap_blocks)) == (2, 0, 0)
+    assert (list(plan.offsets), plan.height_bytes, plan.resident_persistent_bytes) == (
+        [0, 1024],
+        2048,
+        300,
+    )
+    assert (plan.prediction.step_ns, plan.prediction.footprint_bytes) == (7100, 2348)
+    assert s.plan == PlanFootprint(2048, 2048)
+    end(registry, s)
+
+
+def test_a_cached_plan_that_fails_its_check_is_made_again(
+    registry: Registry, planner: PlanWorker, caplog: pytest.LogCaptureFixture
+) -> None:
+    first = session(registry, swap_limit=1500)
+    assert planner.plan(first) is not None
+    (path,) = registry.settings.plan_cache_dir.glob("*.plan")
+    cached = pool_pb2.PlanUpdate.FromString(path.read_bytes())
+    cached.swap_in_before[0] = 2  # A back for op4 (t4), but issued at op6 (t6), after it
+    path.write_bytes(cached.SerializeToString())
+    second = session(registry, swap_limit=1500)
+    with caplog.at_level(logging.INFO, "tidalpoold.planning"):
+        plan = planner.plan(second)
+    assert plan is not None and list(plan.swap_in_before) == [4]
+    assert [r.getMessage() for r in caplog.records][:2] == ["plan.cache_invalid", "plan.sent"]
+    assert "in_at must lie in [2, in_before]" in caplog.records[0].why  # type: ignore[attr-defined]
+    assert (planner.plans_made, planner.plans_cached) == (2, 0)
+    fixed = pool_pb2.PlanUpdate.FromString(path.read_bytes())
+    assert list(fixed.swap_in_before) == [4]  # the cache holds the new plan
+    path.write_bytes(b"\xff not a plan")
+    third = session(registry, swap_limit=1500)
+    assert planner.plan(third) is not None
+    assert (planner.plans_made, planner.plans_cached) == (3, 0)
+    end(registry, first, second, third)
