@@ -177,6 +177,9 @@ class Plan:
     table: PlanTable
     swaps: tuple[ScheduledSwap, ...] = ()
     swap_in_offsets: tuple[int, ...] = ()  # per swap: the arena offset its swap-in fills
+    # Per swap: the event of the iteration (allocs, frees and ops from 0) after which its
+    # swap-in starts and its piece is held; empty: when op `in_at` begins.
+    swap_in_ticks: tuple[int, ...] = ()
     recomputes: tuple[Recompute, ...] = ()
     version: int = 1
     limit: int = 0  # the device bytes the plan was made to fit (0: no swap limit)
@@ -215,6 +218,9 @@ def decode(update: pool_pb2.PlanUpdate, alignment: int = ALIGNMENT) -> Plan:
             len(swaps),
         )
         offsets = ()
+    ticks: tuple[int, ...] = tuple(update.swap_in_ticks)
+    if len(ticks) != len(offsets):
+        ticks = ()
     prediction = None
     if update.HasField("prediction"):
         p = update.prediction
@@ -236,6 +242,7 @@ def decode(update: pool_pb2.PlanUpdate, alignment: int = ALIGNMENT) -> Plan:
         table,
         swaps,
         offsets,
+        ticks,
         recomputes,
         update.version or 1,
         update.limit_bytes,

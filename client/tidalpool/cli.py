@@ -1,5 +1,5 @@
 """`tidalpool`: the command line: demo, status, top and health (the client's views of a
-daemon) and plan and simulate (the offline tools)."""
+daemon) and plan, simulate and replay (the offline tools)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from tidalclient.demo.run import run as run_demo
 from tidalclient.health import check
 from tidalclient.session import socket_dir_from_env
 from tidalcore import __version__
-from tidaloffline import plan_command, simulate_command
+from tidaloffline import plan_command, replay, simulate_command
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,11 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     plan_command.add_parser(commands)
     simulate_command.add_parser(commands)
+    replay.add_parser(commands)
     args = parser.parse_args(argv)
     if args.command == "plan":
         return plan_command.run(args)
     if args.command == "simulate":
         return simulate_command.run(args)
+    if args.command == "replay":
+        return replay.run(args)
     socket_dir = socket_dir_from_env(args.socket_dir)
     console = Console()
 

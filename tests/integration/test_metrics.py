@@ -47,23 +47,31 @@ def test_live_sessions_report_their_counts_in_heartbeats(start_daemon: StartDaem
         work.wait_trained()
         out, into, stall_ns = swap_counts(work.stats["swapper"])
         assert out > 0 and into > 0 and stall_ns > 0
-        swapper = {"job_name": "swapper"}
-        deadline = time.monotonic() + 10
-        while True:  # the next heartbeat carries the counts
-            samples = scrape(address)
+        swap = work.stats["swapper"].swap
+        assert swap is not None
+        on_demand = (swap.on_demand_out_bytes, swap.on_demand_in_bytes)
+        assert 0 < on_demand[0] <= out and 0 < on_demand[1] <= into  # the LRU cache's, first
+
+        def session(samples: Samples, job: str) -> dict[str, str]:
             (session_id,) = {
                 dict(labels)["session_id"]
                 for name, labels in samples
-                if name == "tidalpool_session_peak_bytes" and ("job_name", "swapper") in labels
+                if name == "tidalpool_session_peak_bytes" and ("job_name", job) in labels
             }
-            swapper["session_id"] = session_id
+            return {"job_name": job, "session_id": session_id}
+
+        deadline = time.monotonic() + 10
+        while True:  # the next heartbeats carry the counts: the swapper's and the planned job's
+            samples = scrape(address)
+            swapper, planned = session(samples, "swapper"), session(samples, "planned")
             name = "tidalpool_session_swapped_bytes_total"
             counts = (
                 value(samples, name, direction="out", **swapper),
                 value(samples, name, direction="in", **swapper),
                 value(samples, "tidalpool_session_swap_stall_seconds_total", **swapper),
+                value(samples, "tidalpool_session_plan_misses_total", **planned),
             )
-            if counts == (out, into, stall_ns / 1e9):  # a heartbeat sent after the last swap
+            if counts == (out, into, stall_ns / 1e9, 1):  # heartbeats sent after the last counts
                 break
             if time.monotonic() > deadline:
                 break
@@ -74,12 +82,13 @@ def test_live_sessions_report_their_counts_in_heartbeats(start_daemon: StartDaem
         stall = value(samples, "tidalpool_session_swap_stall_seconds_total", **swapper)
         assert stall == stall_ns / 1e9
         assert value(samples, "tidalpool_swapped_bytes_total", direction="out") == out
-        (planned_id,) = {
-            dict(labels)["session_id"]
-            for name, labels in samples
-            if name == "tidalpool_session_peak_bytes" and ("job_name", "planned") in labels
-        }
-        planned = {"job_name": "planned", "session_id": planned_id}
+        name = "tidalpool_session_swapped_on_demand_bytes_total"
+        assert value(samples, name, direction="out", **swapper) == on_demand[0]
+        assert value(samples, name, direction="in", **swapper) == on_demand[1]
+        name = "tidalpool_swapped_on_demand_bytes_total"
+        assert (value(samples, name, direction="out"), value(samples, name, direction="in")) == (
+            on_demand
+        )
         assert value(samples, "tidalpool_session_plan_misses_total", **planned) == 1
         assert value(samples, "tidalpool_plan_misses_total") == 1
         ratio = value(samples, "tidalpool_session_plan_fragmentation_ratio", **planned)

@@ -247,3 +247,37 @@ def test_a_piece_freed_while_its_swap_in_runs_is_free_at_once_in_stream_order(
     compute.synchronize()
     ex.synchronize()
     compute.close()
+
+
+def test_a_swap_in_starts_after_the_event_the_plan_says_not_at_its_issue_op(
+    rigs: list[Rig],
+) -> None:
+    # a leaves after op 0 and is needed at op 3; its swap-in is issued at op 1, but its piece
+    # (at 1 KiB) is c's slot until c is freed (event 5): it starts then, and c is a plan hit.
+    rig = Rig(limit=2 * KiB, device=8 * KiB, host=8 * KiB)
+    rigs.append(rig)
+    ex = rig.ex
+
+    def one(n: int) -> tuple[int, int]:
+        ex.step()
+        a = rig.filled(KiB, n)  # events 0 (malloc), 1 (op 0)
+        rig.op()  # event 2: op 1, where a's swap-in is issued
+        c = ex.malloc(KiB)  # event 3
+        rig.op(c, write=bytes([7]) * KiB)  # event 4: op 2
+        where_c = ex.offset(c)
+        ex.free(c)  # event 5: a's swap-in starts after it
+        (seen,) = rig.op(a)  # event 6: op 3
+        assert seen == bytes([n]) * KiB
+        where_a = ex.offset(a)
+        ex.free(a)
+        return where_c, where_a
+
+    one(1)
+    table = PlanTable.build(5, [KiB, KiB], [0, KiB], 2 * KiB, 256)
+    swap = ScheduledSwap(block=0, out_after=0, in_before=3, in_at=1)
+    ex.install_plan(Plan(table, (swap,), (KiB,), (5,), version=2, limit=2 * KiB))
+    one(2)
+    misses = ex.stats().plan_misses
+    base = ex.inner._arena.base if ex.inner._arena is not None else -1
+    assert one(3) == (base + KiB, base + KiB)  # c on its slot, then a on the same bytes
+    assert ex.stats().plan_misses == misses and ex.swap_stats().piece_misses == 0

@@ -35,7 +35,9 @@ swap-ins instead of blocking this thread.
 
 Planned: the daemon's plan (`plans.Plan`) is executed whole. Its `ScheduledSwap` list, against
 the iteration's structure (allocation i, op k), swaps a block out right after op `out_after`,
-issues its swap-in when op `in_at` begins, and holds op `in_before` until it is back. Its
+issues its swap-in when op `in_at` begins (with the plan's start ticks: once the event the
+simulated copy started after has happened, counting the iteration's mallocs, frees and ops
+from 0 as the trace does), and holds op `in_before` until it is back. Its
 placement puts every *piece* of device memory at its planned offset in the plan's arena: a
 block's allocation slot from its malloc to its first swap-out, then, from each swap-in on, the
 piece that swap-in fills (`PlanTable.pieces`: slot len(sizes) + j for swap j).
@@ -170,6 +172,7 @@ class Swapping:
         self._fences: dict[int, Completion] = {}  # slot -> copy out still reading its bytes
         self._pending_ins: dict[int, _Entry] = {}  # swap -> block waiting for its piece
         self._op_index = 0
+        self._tick = 0  # events (mallocs, frees, ops) of this iteration so far
         self._iter_ids: list[int] = []  # block ids by allocation index in this iteration
         self.peak_resident_bytes = 0
         self.swapped_out_bytes = 0
@@ -213,6 +216,9 @@ class Swapping:
             self._fenced(slot)  # its first writer runs after copies out of these bytes
         self._entries[block.id] = entry
         self._iter_ids.append(block.id)
+        self._tick += 1
+        if self._pending_ins:
+            self._retry_ins()
         return block
 
     def try_malloc(self, nbytes: int) -> Block | None:
@@ -243,6 +249,7 @@ class Swapping:
             else:
                 e.flight.device = e.release
             e.flight.entry = None
+        self._tick += 1
         if self._pending_ins:
             self._retry_ins()  # a piece this block held may be free now
 
@@ -294,6 +301,7 @@ class Swapping:
         not; their current offsets. Issues the schedule's swap-ins for this op too."""
         entries = [self._entry(b) for b in blocks]
         self._reap()  # bytes of finished copies go back as soon as the training thread looks
+        self._tick += 1
         schedule = self._schedule
         if schedule is None:
             self._acquire(entries)
@@ -308,8 +316,10 @@ class Swapping:
                 e = self._resolve(schedule.refs[j])
                 if e is None:
                     self.schedule_skips += 1
-                elif not self._piece_in(e, schedule.slots[j]):
-                    self._pending_ins[j] = e  # lands once its piece is free
+                else:
+                    self._pending_ins[j] = e  # lands once it is time and its piece is free
+            if self._pending_ins:
+                self._retry_ins()
             needed = []
             for j in schedule.needed_before.get(k, ()):
                 e = self._pending_ins.pop(j, None) or self._resolve(schedule.refs[j])
@@ -326,9 +336,13 @@ class Swapping:
         """Unlock the op's blocks (now the most recently used) and run the swap-outs after it."""
         self._unlock([e for b in blocks if (e := self._entries.get(b.id)) is not None])
         schedule = self._schedule
-        if schedule is not None:
-            for j in schedule.outs_after.get(self._op_index, ()):
+        if schedule is not None and (outs := schedule.outs_after.get(self._op_index, ())):
+            self._reap()
+            for j in outs:
                 e = self._resolve(schedule.refs[j])
+                if e is not None and e.where == ARRIVING and e.flight is not None:
+                    self._wait(e.flight.event)  # still landing (moved in at the switch)
+                    self._reap()
                 if e is not None and e.where == DEVICE and not e.locks and not e.pinned:
                     self._evict(e, planned=True)
                 else:
@@ -380,6 +394,7 @@ class Swapping:
         self.piece_misses += len(self._pending_ins)  # never landed in their iteration
         self._pending_ins.clear()
         self._op_index = 0
+        self._tick = 0
         self._iter_ids = []
         return iteration
 
@@ -394,7 +409,11 @@ class Swapping:
             except PlanRejected as e:
                 log.warning("tidalpool: plan %d: its pieces are unusable: %s", plan.plan_id, e)
             else:
-                schedule = _Schedule.build(plan.swaps, len(table.sizes)) if plan.swaps else None
+                schedule = (
+                    _Schedule.build(plan.swaps, len(table.sizes), plan.swap_in_ticks)
+                    if plan.swaps
+                    else None
+                )
                 self.inner.install_plan(dataclasses.replace(plan, table=table))
                 self._staged = (plan.plan_id, schedule, table.height)
                 return
@@ -749,6 +768,8 @@ class Swapping:
         for j, e in list(self._pending_ins.items()):
             if self._entries.get(e.block.id) is not e or schedule is None:
                 del self._pending_ins[j]  # freed meanwhile
+            elif schedule.starts and schedule.starts[j] >= self._tick:
+                continue  # the event its copy starts after has not happened yet
             elif self._piece_in(e, schedule.slots[j]):
                 del self._pending_ins[j]
 
@@ -814,6 +835,7 @@ class _Schedule:
     slots: tuple[int, ...]  # per swap: its piece's slot; empty: swap-ins placed online
     out_after: tuple[int, ...]  # per swap
     in_before: tuple[int, ...]
+    starts: tuple[int, ...]  # per swap: the event its swap-in starts after; empty: at in_at
     outs_after: dict[int, tuple[int, ...]]
     ins_at: dict[int, tuple[int, ...]]
     needed_before: dict[int, tuple[int, ...]]
@@ -823,8 +845,14 @@ class _Schedule:
         return len(self.refs)
 
     @classmethod
-    def build(cls, swaps: Sequence[ScheduledSwap], first_slot: int | None = None) -> _Schedule:
-        """`first_slot`: the slot of swap 0's piece (the plan's allocations come before)."""
+    def build(
+        cls,
+        swaps: Sequence[ScheduledSwap],
+        first_slot: int | None = None,
+        starts: Sequence[int] = (),
+    ) -> _Schedule:
+        """`first_slot`: the slot of swap 0's piece (the plan's allocations come before);
+        `starts`: per swap, the event its swap-in starts after."""
         by_op: tuple[dict[int, list[int]], ...] = ({}, {}, {})
         for j, s in enumerate(swaps):
             s.check()
@@ -835,4 +863,4 @@ class _Schedule:
         slots = () if first_slot is None else tuple(range(first_slot, first_slot + len(swaps)))
         after = tuple(s.out_after for s in swaps)
         before = tuple(s.in_before for s in swaps)
-        return cls(refs, slots, after, before, outs, ins, needed)
+        return cls(refs, slots, after, before, tuple(starts), outs, ins, needed)

@@ -1,0 +1,325 @@
+"""`tidalpool replay TRACE --limit L`: the command, its options, and the rule of its iterations.
+
+The first three iterations learn (the daemon plans after three step marks); before the
+fourth, the command waits for the plan (`--plan-timeout`). The first iteration run by the plan
+is the switch (blocks placed while learning move to their places); the ones after it are the
+steady iterations that are averaged. Exit status: 0 compared, 1 the checks found wrong bytes or
+an access off the device, or the plan could not run; 2 bad input, no daemon, or no plan
+executed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tidalcore.units import align_up, format_size
+
+from tidaloffline.replay.compute import Compute, CudaCompute, SimCompute, need_cupy
+from tidaloffline.replay.errors import ReplayError
+from tidaloffline.replay.replayer import Replayer
+from tidaloffline.replay.report import Report, plan_of, render, show_ms, show_size
+from tidaloffline.simulate_command import InputError, load, parse_limit
+
+if TYPE_CHECKING:
+    from tidalclient.session import Session
+    from tidalplan.model import Iteration
+
+LEARNING_ITERATIONS = 3
+"""Iterations the daemon needs before it plans (its `plan_after_iterations`, 3 by default and
+for the daemon this command starts); the command waits for the plan after them."""
+DEFAULT_ITERATIONS = 8
+MIN_ITERATIONS = LEARNING_ITERATIONS + 2  # the learning ones, the switch, one steady
+EXTRA_ITERATIONS = 3  # run beyond N while the session has not switched to the plan
+DEFAULT_PLAN_TIMEOUT_S = 60.0
+CHUNK = 2 << 20  # chunk size of the daemon this command starts
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `replay` on an argparse subparsers object; the handler is `run`."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "replay",
+        help="run a trace's steady iteration against a daemon and compare with the prediction",
+        description="Run the steady iteration of TRACE (a trace CSV v1) in a session under a"
+        " device memory limit, as a training job would, with each op a timed wait on the"
+        " compute stream, and print what happened beside the simulator's prediction for the"
+        " daemon's plan.",
+    )
+    parser.add_argument("trace", type=Path, metavar="TRACE", help="trace CSV v1")
+    parser.add_argument(
+        "--limit",
+        required=True,
+        metavar="BYTES|FRACTION",
+        help="the session's swap limit: bytes ('6GiB') or a fraction of the unconstrained"
+        " peak (0.6 = 60%%; numbers up to 1 are fractions)",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=("sim", "cuda"),
+        default="sim",
+        help="the daemon to start when no --socket-dir is given (default sim)",
+    )
+    parser.add_argument(
+        "--compute-scale", type=float, default=1.0, help="multiply op times (default 1)"
+    )
+    parser.add_argument(
+        "--iterations",
+        type=int,
+        default=DEFAULT_ITERATIONS,
+        metavar="N",
+        help=f"iterations in all, the {LEARNING_ITERATIONS} learning ones and the switch to the"
+        f" plan included (default {DEFAULT_ITERATIONS}, at least {MIN_ITERATIONS})",
+    )
+    parser.add_argument(
+        "--copy-gbps",
+        type=float,
+        default=None,
+        metavar="GBPS",
+        help="throttle swap copies to this bandwidth, GB/s (sim; default: memmove speed)",
+    )
+    parser.add_argument(
+        "--plan-timeout",
+        type=float,
+        default=DEFAULT_PLAN_TIMEOUT_S,
+        metavar="S",
+        help="seconds to wait for the plan after the learning iterations"
+        f" (default {DEFAULT_PLAN_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--socket-dir",
+        dest="replay_socket_dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="use the daemon of DIR (default: start a private one for the run)",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(handler=run)
+    return parser
+
+
+def _say(started: float) -> Callable[[str], None]:
+    def say(text: str) -> None:
+        print(f"[{time.monotonic() - started:6.1f} s] {text}", file=sys.stderr, flush=True)
+
+    return say
+
+
+def _check_options(args: argparse.Namespace) -> None:
+    if not (math.isfinite(args.compute_scale) and args.compute_scale > 0):
+        raise InputError("--compute-scale must be positive")
+    if args.iterations < MIN_ITERATIONS:
+        raise InputError(
+            f"--iterations must be at least {MIN_ITERATIONS}: {LEARNING_ITERATIONS} learning,"
+            " the switch to the plan and one steady iteration"
+        )
+    if args.copy_gbps is not None and not (math.isfinite(args.copy_gbps) and args.copy_gbps > 0):
+        raise InputError("--copy-gbps must be positive")
+    if not (math.isfinite(args.plan_timeout) and args.plan_timeout > 0):
+        raise InputError("--plan-timeout must be a positive number of seconds")
+
+
+def lease_bytes(peak: int) -> int:
+    """Device (and host) lease for a replay whose unconstrained peak is `peak`: the peak and a
+    quarter more (alignment and best-fit's fragmentation while learning), whole chunks."""
+    return align_up(peak + peak // 4 + CHUNK, CHUNK)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from tidalplan.autoswap import load as load_curve
+    from tidalplan.autoswap import op_bound
+
+    socket_dir = args.replay_socket_dir or getattr(args, "socket_dir", None)
+    try:
+        _check_options(args)
+        it = load(args.trace)
+        peak = int(load_curve(it).max(initial=0))
+        limit = parse_limit(args.limit, peak)
+        bound = op_bound(it)
+        if limit < bound:
+            raise InputError(
+                f"--limit {args.limit} ({format_size(limit)}) is below {format_size(bound)}, the"
+                " bytes one op of the iteration accesses at once: no plan fits it"
+            )
+        if args.backend == "cuda" and socket_dir is None:
+            need_cupy()
+    except (InputError, ReplayError) as e:
+        print(f"tidalpool replay: {e}", file=sys.stderr)
+        return 2
+    report = Report(
+        trace=str(args.trace),
+        backend=args.backend,
+        daemon=str(socket_dir) if socket_dir is not None else "started",
+        limit_bytes=limit,
+        peak_bytes=peak,
+        op_bound_bytes=bound,
+        compute_scale=args.compute_scale,
+        copy_gbps=args.copy_gbps,
+    )
+    say = _say(time.monotonic())
+    try:
+        with contextlib.ExitStack() as stack:
+            directory = socket_dir
+            if directory is None:
+                directory = stack.enter_context(_private_daemon(args.backend, peak, say))
+            _replay(args, it, report, Path(directory), say)
+    except ReplayError as e:
+        print(f"tidalpool replay: {e}", file=sys.stderr)
+        return e.status
+    if args.json:
+        print(json.dumps(report.as_json()))
+    else:
+        render(report, Console(width=max(Console().width, 132)))
+    if report.outcome != "compared":
+        print(f"tidalpool replay: {report.outcome}", file=sys.stderr)
+        return 2
+    checks = report.checks()
+    return 1 if checks["mismatches"] or checks["not_resident"] else 0
+
+
+@contextlib.contextmanager
+def _private_daemon(backend: str, peak: int, say: Callable[[str], None]) -> Iterator[Path]:
+    """A daemon of `backend` for this run only, with pools for one lease of each kind."""
+    from tidalclient.local import LocalDaemon
+
+    directory = Path(tempfile.mkdtemp(prefix="tp-replay-", dir="/tmp"))
+    pool = str(lease_bytes(peak))
+    say(f"starting a {backend} daemon in {directory}")
+    try:
+        try:
+            daemon = LocalDaemon.start(
+                directory,
+                device_pool=pool,
+                host_pool=pool,
+                default_lease=pool,
+                extra=("--plan-after-iterations", str(LEARNING_ITERATIONS)),
+                backend=backend,
+                chunk_size=str(CHUNK),
+            )
+        except RuntimeError as e:
+            raise ReplayError(f"could not start a {backend} daemon: {e}") from None
+        try:
+            yield directory
+        finally:
+            daemon.stop()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _replay(
+    args: argparse.Namespace,
+    it: Iteration,
+    report: Report,
+    directory: Path,
+    say: Callable[[str], None],
+) -> None:
+    from tidalclient.errors import AttachError, LeaseExceeded, SessionClosed
+    from tidalclient.local import is_serving
+    from tidalclient.session import attach
+
+    if not is_serving(directory):
+        raise ReplayError(f"no daemon answers at {directory}")
+    lease = lease_bytes(report.peak_bytes)
+    try:
+        session = attach(
+            directory,
+            device_limit=lease,
+            host_limit=lease,
+            job_name="tidalpool-replay",
+            swap_limit=report.limit_bytes,
+            copy_gbps=args.copy_gbps,
+            async_compute=True,
+        )
+    except AttachError as e:
+        raise ReplayError(f"the daemon at {directory} refused the session: {e}") from None
+    say(
+        f"session {session.id}: leases of {format_size(lease)}, swap limit"
+        f" {format_size(report.limit_bytes)}"
+    )
+    with session:
+        report.backend = "sim" if session.cuda is None else "cuda"
+        compute: Compute
+        if session.cuda is None:
+            compute = SimCompute(session.compute)
+        else:
+            compute = CudaCompute(session.compute, session.cuda.ordinal)
+        replayer = Replayer(session, it, compute, args.compute_scale)
+        report.unresolved_accesses = replayer.script.unresolved
+        try:
+            _iterate(args, session, replayer, report, say)
+        except LeaseExceeded as e:
+            n = len(replayer.records)
+            if not session.plans_received:
+                raise ReplayError(
+                    f"iteration {n} does not fit under the limit of"
+                    f" {format_size(report.limit_bytes)} while learning: {e}"
+                ) from None
+            raise ReplayError(
+                f"iteration {n} failed under plan {session.plan.plan_id if session.plan else '?'}:"
+                f" {e}",
+                status=1,
+            ) from None
+        except SessionClosed as e:
+            raise ReplayError(f"the daemon ended the session: {e}") from None
+        finally:
+            report.missing_accesses = replayer.missing
+        swap = session.executor.stats().swap
+        report.peak_resident_bytes = swap.peak_resident_bytes if swap is not None else 0
+        report.plan, report.predicted = plan_of(session)
+
+
+def _iterate(
+    args: argparse.Namespace,
+    session: Session,
+    replayer: Replayer,
+    report: Report,
+    say: Callable[[str], None],
+) -> None:
+    """The rule: learn for LEARNING_ITERATIONS iterations; then, until the plan has arrived,
+    wait for it (at most --plan-timeout); run the rest of the N iterations (the first of them
+    under the plan is the switch). The session switches once the plan's arena fits under the
+    limit, which may take iterations: while none has been steady at the N-th, up to
+    EXTRA_ITERATIONS more run."""
+    replayer.setup()
+    n = 0
+    while n < args.iterations or (
+        not report.steady() and n < args.iterations + EXTRA_ITERATIONS and not replayer.fell_back
+    ):
+        if n == LEARNING_ITERATIONS and not session.plans_received:
+            say(f"waiting up to {args.plan_timeout:g} s for the daemon's plan")
+            deadline = time.monotonic() + args.plan_timeout
+            while not session.plans_received and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if not session.plans_received:
+                report.records = replayer.records
+                report.outcome = (
+                    f"no plan arrived within {args.plan_timeout:g} s after"
+                    f" {LEARNING_ITERATIONS} iterations (a limit too low for any plan, or a"
+                    " daemon that plans later or not at all)"
+                )
+                return
+        r = replayer.iteration()
+        report.records = replayer.records
+        n += 1
+        say(
+            f"iteration {r.index} ({r.phase}): {show_ms(r.step_ns)}, out"
+            f" {show_size(r.planned_out_bytes)} planned"
+            f" + {show_size(r.on_demand_out_bytes)} on demand,"
+            f" in {show_size(r.planned_in_bytes)} + {show_size(r.on_demand_in_bytes)}"
+        )
+    if not report.steady():
+        report.outcome = (
+            "a plan arrived but no steady iteration ran under it"
+            if session.plans_received
+            else "no plan arrived"
+        )

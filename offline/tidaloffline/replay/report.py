@@ -1,0 +1,206 @@
+"""What a replay measured beside the simulator's prediction for the daemon's plan: `Report`
+(also the --json object) and `render`, its tables."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from tidalcore.units import format_size
+
+from tidaloffline.replay.replayer import COUNTERS, Record
+
+if TYPE_CHECKING:
+    from tidalclient.session import Session
+
+
+@dataclass(slots=True)
+class Report:
+    """What ran and how it compares with the prediction (`as_json` for --json)."""
+
+    trace: str
+    backend: str
+    daemon: str  # "started" or the socket directory used
+    limit_bytes: int
+    peak_bytes: int
+    op_bound_bytes: int
+    compute_scale: float
+    copy_gbps: float | None
+    records: list[Record] = field(default_factory=list)
+    plan: dict[str, Any] | None = None
+    predicted: dict[str, Any] | None = None
+    peak_resident_bytes: int = 0
+    unresolved_accesses: int = 0
+    missing_accesses: int = 0
+    outcome: str = "compared"
+
+    def steady(self) -> list[Record]:
+        return [r for r in self.records if r.phase == "steady"]
+
+    def measured(self) -> dict[str, float] | None:
+        """Means over the steady iterations (None without one)."""
+        rows = self.steady()
+        if not rows:
+            return None
+        names = ["step_ns", *COUNTERS, "footprint_bytes", "mismatches", "not_resident"]
+        means: dict[str, float] = {n: sum(getattr(r, n) for r in rows) / len(rows) for n in names}
+        means["out_bytes"] = means["planned_out_bytes"] + means["on_demand_out_bytes"]
+        means["in_bytes"] = means["planned_in_bytes"] + means["on_demand_in_bytes"]
+        return means
+
+    def step_ratio(self) -> float | None:
+        m, p = self.measured(), self.predicted
+        if m is None or p is None or not p["step_ns"]:
+            return None
+        return float(m["step_ns"] / p["step_ns"])
+
+    def checks(self) -> dict[str, int]:
+        return {
+            "mismatches": sum(r.mismatches for r in self.records),
+            "stamps_checked": sum(r.stamps_checked for r in self.records),
+            "not_resident": sum(r.not_resident for r in self.records),
+            "unresolved_accesses": self.unresolved_accesses,
+            "missing_accesses": self.missing_accesses,
+        }
+
+    def as_json(self) -> dict[str, Any]:
+        phases = [r.phase for r in self.records]
+        return {
+            "trace": self.trace,
+            "backend": self.backend,
+            "daemon": self.daemon,
+            "limit_bytes": self.limit_bytes,
+            "unconstrained_peak_bytes": self.peak_bytes,
+            "op_bound_bytes": self.op_bound_bytes,
+            "compute_scale": self.compute_scale,
+            "copy_gbps": self.copy_gbps,
+            "outcome": self.outcome,
+            "iterations": len(self.records),
+            "learning_iterations": phases.count("learning"),
+            "steady_iterations": phases.count("steady"),
+            "fell_back_iterations": phases.count("fell back"),
+            "plan": self.plan,
+            "measured": self.measured(),
+            "predicted": self.predicted,
+            "step_ratio": self.step_ratio(),
+            "peak_resident_bytes": self.peak_resident_bytes,
+            "checks": self.checks(),
+            "per_iteration": [asdict(r) for r in self.records],
+        }
+
+
+def plan_of(session: Session) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """The plan in use (id, version, limit, swaps) and its prediction, as JSON values."""
+    plan = session.plan
+    if plan is None:
+        return None, None
+    about = {
+        "id": plan.plan_id,
+        "version": plan.version,
+        "limit_bytes": plan.limit,
+        "swaps": len(plan.swaps),
+    }
+    p = plan.prediction
+    if p is None:
+        return about, None
+    predicted = {
+        "step_ns": p.step_ns,
+        "baseline_ns": p.baseline_ns,
+        "out_bytes": p.out_bytes,
+        "in_bytes": p.in_bytes,
+        "stall_ns": p.stall_ns,
+        "peak_bytes": p.peak_bytes,
+        "footprint_bytes": p.footprint_bytes,
+        "copy_gbps": p.copy_gbps,
+    }
+    return about, predicted
+
+
+def show_ms(ns: float | None) -> str:
+    """Nanoseconds as milliseconds for a table ("—" for none)."""
+    return "—" if ns is None else f"{ns / 1e6:.2f} ms"
+
+
+def show_size(n: float | None) -> str:
+    """Bytes as a size for a table ("—" for none)."""
+    return "—" if n is None else format_size(round(n))
+
+
+def render(report: Report, console: Any) -> None:
+    """The per-iteration table and the comparison with the prediction."""
+    from rich.table import Table
+
+    plan = report.plan
+    console.print(
+        f"{report.trace}: {report.backend}, limit {format_size(report.limit_bytes)}"
+        f" ({report.limit_bytes / report.peak_bytes:.0%} of the peak"
+        f" {format_size(report.peak_bytes)}), compute ×{report.compute_scale:g},"
+        f" copies {'unthrottled' if report.copy_gbps is None else f'{report.copy_gbps:g} GB/s'};"
+        + (
+            f" plan {plan['id']} (version {plan['version']}, {plan['swaps']} swaps)"
+            if plan is not None
+            else " no plan"
+        )
+    )
+    table = Table(title="iterations")
+    for col in (
+        "#",
+        "phase",
+        "step",
+        "out planned",
+        "in planned",
+        "out on demand",
+        "in on demand",
+        "stall",
+        "piece misses",
+        "high water",
+        "mismatches",
+    ):
+        table.add_column(col, justify="left" if col == "phase" else "right")
+    for r in report.records:
+        table.add_row(
+            str(r.index),
+            r.phase,
+            show_ms(r.step_ns),
+            show_size(r.planned_out_bytes),
+            show_size(r.planned_in_bytes),
+            show_size(r.on_demand_out_bytes),
+            show_size(r.on_demand_in_bytes),
+            show_ms(r.stall_ns),
+            str(r.piece_misses),
+            show_size(r.footprint_bytes),
+            str(r.mismatches),
+        )
+    console.print(table)
+    m, p = report.measured(), report.predicted or {}
+    if m is None:
+        console.print(f"no steady iteration to compare: {report.outcome}")
+        return
+    cmp = Table(title=f"steady iterations (mean of {len(report.steady())}) against the prediction")
+    for col in ("", "measured", "predicted", "measured / predicted"):
+        cmp.add_column(col, justify="left" if not col else "right")
+
+    def row(
+        name: str, got: float, want: float | None, size: bool = True, alike: bool = True
+    ) -> None:
+        """`alike`: the two measure the same thing, so their ratio means something."""
+        fmt = show_size if size else show_ms
+        cmp.add_row(name, fmt(got), fmt(want), f"{got / want:.3f}" if want and alike else "—")
+
+    row("step", m["step_ns"], p.get("step_ns"), size=False)
+    row("out", m["out_bytes"], p.get("out_bytes"))
+    row("in", m["in_bytes"], p.get("in_bytes"))
+    # The session's stall is the training thread's waits; the prediction's, the compute stream's.
+    row("stall (thread / compute)", m["stall_ns"], p.get("stall_ns"), size=False, alike=False)
+    # The lease's high water is an address: it includes what learning placed below the arena.
+    row("high water / footprint", m["footprint_bytes"], p.get("footprint_bytes"), alike=False)
+    # The session's peak is over the whole run, learning included.
+    row("peak resident", report.peak_resident_bytes, p.get("peak_bytes"), alike=False)
+    console.print(cmp)
+    c = report.checks()
+    console.print(
+        f"out on demand {show_size(m['on_demand_out_bytes'])}, in on demand"
+        f" {show_size(m['on_demand_in_bytes'])}, piece misses {m['piece_misses']:g};"
+        f" {c['stamps_checked']} stamps checked, {c['mismatches']} wrong,"
+        f" {c['not_resident']} accesses off the device"
+    )
