@@ -4,24 +4,16 @@ only as the fallback, its traffic counted apart."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import pytest
 from tidalclient.devices.streams import Stream
 from tidalclient.executors.base import HOST
 from tidalclient.plans import Plan, PlanTable, ScheduledSwap
 
 from tests.unit.test_swap_engine import Rig
+from tests.unit.test_swap_engine import rigs as rigs_fixture
+
+rigs = rigs_fixture  # the engine tests' fixture: rigs closed, their streams stopped
 
 KiB = 1024
-
-
-@pytest.fixture
-def rigs() -> Iterator[list[Rig]]:
-    made: list[Rig] = []
-    yield made
-    for rig in made:
-        rig.ex.close()
 
 
 def plan(
@@ -57,6 +49,19 @@ def iteration(rig: Rig, n: int) -> dict[str, int]:
     return seen
 
 
+def switched(rigs: list[Rig], compute: Stream | None = None, limit: int = 2 * KiB) -> Rig:
+    """A rig that learned one iteration and has switched to the plan swapping a out (its
+    piece at 1 KiB), made for `limit`."""
+    kw = {} if compute is None else {"compute": lambda: compute}
+    rig = Rig(limit=limit, device=8 * KiB, host=8 * KiB, **kw)
+    rigs.append(rig)
+    iteration(rig, 1)
+    rig.ex.install_plan(plan((A_OUT,), (KiB,), limit=limit))
+    rig.ex.step()
+    assert rig.ex.stats().mode == "planned"
+    return rig
+
+
 def test_the_session_executes_the_plan_whole_and_the_lru_moves_nothing(rigs: list[Rig]) -> None:
     rig = Rig(limit=2 * KiB, device=8 * KiB, host=8 * KiB)
     rigs.append(rig)
@@ -88,13 +93,8 @@ def test_a_slot_reused_while_its_copy_out_runs_orders_the_compute_stream(
     rigs: list[Rig],
 ) -> None:
     compute = Stream("compute")
-    rig = Rig(limit=2 * KiB, device=8 * KiB, host=8 * KiB, compute=lambda: compute)
-    rigs.append(rig)
-    iteration(rig, 1)
-    rig.ex.install_plan(plan((A_OUT,), (KiB,)))
+    rig = switched(rigs, compute)
     ex = rig.ex
-    ex.step()
-    assert ex.stats().mode == "planned"
     a = ex.malloc(KiB)
     gate = rig.gate("out")  # a's copy out, scheduled after op 0, cannot finish yet
     try:
@@ -118,12 +118,8 @@ def test_a_slot_reused_while_its_copy_out_runs_orders_the_compute_stream(
 
 def test_a_swap_in_waits_for_its_piece_to_be_freed(rigs: list[Rig]) -> None:
     # a's swap-in is issued at op 2, but its piece is b's slot, free only after op 2.
-    rig = Rig(limit=2 * KiB, device=8 * KiB, host=8 * KiB)
-    rigs.append(rig)
-    iteration(rig, 1)
-    rig.ex.install_plan(plan((A_OUT,), (KiB,)))
+    rig = switched(rigs)
     ex = rig.ex
-    ex.step()
     a = rig.filled(KiB, 5)
     b = rig.filled(KiB, 6)
     c = ex.malloc(KiB)
@@ -138,12 +134,8 @@ def test_a_swap_in_waits_for_its_piece_to_be_freed(rigs: list[Rig]) -> None:
 
 
 def test_a_piece_still_held_when_needed_comes_in_online(rigs: list[Rig]) -> None:
-    rig = Rig(limit=3 * KiB, device=8 * KiB, host=8 * KiB)
-    rigs.append(rig)
-    iteration(rig, 1)
-    rig.ex.install_plan(plan((A_OUT,), (KiB,), limit=3 * KiB))
+    rig = switched(rigs, limit=3 * KiB)
     ex = rig.ex
-    ex.step()
     a = rig.filled(KiB, 5)
     b = rig.filled(KiB, 6)
     c = ex.malloc(KiB)
@@ -223,12 +215,8 @@ def test_a_piece_freed_while_its_swap_in_runs_is_free_at_once_in_stream_order(
     rigs: list[Rig],
 ) -> None:
     compute = Stream("compute")
-    rig = Rig(limit=2 * KiB, device=8 * KiB, host=8 * KiB, compute=lambda: compute)
-    rigs.append(rig)
-    iteration(rig, 1)
-    rig.ex.install_plan(plan((A_OUT,), (KiB,)))
+    rig = switched(rigs, compute)
     ex = rig.ex
-    ex.step()
     a = rig.filled(KiB, 5)
     b = rig.filled(KiB, 6)
     c = ex.malloc(KiB)

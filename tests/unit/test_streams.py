@@ -124,3 +124,18 @@ def test_close_runs_pending_work_then_stops(streams: list[Stream]) -> None:
     assert not s._thread.is_alive()
     with pytest.raises(RuntimeError, match="stream t is closed"):
         s.record()
+
+
+def test_a_stream_knows_when_the_events_it_waited_for_completed(streams: list[Stream]) -> None:
+    out, inward = Stream("out"), Stream("in")
+    streams += [out, inward]
+    gate = threading.Event()
+    out.launch(gate.wait)
+    copied = out.record()
+    inward.wait_event(copied)
+    seen: list[int] = []
+    inward.launch(lambda: seen.append(inward.ready_ns))
+    before = time.perf_counter_ns()
+    gate.set()
+    inward.synchronize()
+    assert seen == [copied.done_ns] and copied.done_ns >= before

@@ -173,7 +173,9 @@ def run(
             f"{format_size(peak)}): at most {format_size(swap.peak_resident_bytes)} on the device; "
             f"{format_size(swap.swapped_out_bytes)} out in {swap.swap_outs:,} copies, "
             f"{format_size(swap.swapped_in_bytes)} in in {swap.swap_ins:,}; "
-            f"ops waited {_ms(swap.stall_ns)} for copies"
+            f"ops waited {_ms(swap.stall_ns)} for copies; on demand (the LRU cache, no plan): "
+            f"{format_size(swap.on_demand_out_bytes)} out, "
+            f"{format_size(swap.on_demand_in_bytes)} in"
         )
     if planned:
         console.print(
@@ -184,9 +186,14 @@ def run(
         )
     elif rows[-1].plans_received and swap is not None:
         console.print(
-            "under a swap limit the daemon's placement plan is not used: the session kept "
-            f"learning; its swap schedule has {swap.scheduled_swaps} swaps, the LRU cache "
-            "swaps the rest"
+            "the daemon's plan was not made for this swap limit: the session kept learning; "
+            f"its swap schedule has {swap.scheduled_swaps} swaps, the LRU cache swaps the rest"
+        )
+    elif swap is not None:
+        console.print(
+            f"no plan arrived in {len(rows)} iterations: the session kept learning, on the LRU "
+            "cache (a plan is sent only when its placement fits the limit: the daemon logs "
+            "plan.unfit otherwise)"
         )
     else:
         console.print(f"no plan arrived in {len(rows)} iterations: the session kept learning")

@@ -54,11 +54,12 @@ class StreamError(RuntimeError):
 class Event:
     """Completes when its stream has run everything enqueued before `Stream.record()`."""
 
-    __slots__ = ("_done", "_error")
+    __slots__ = ("_done", "_error", "done_ns")
 
     def __init__(self) -> None:
         self._done = threading.Event()
         self._error: BaseException | None = None
+        self.done_ns = 0
 
     def query(self) -> bool:
         """True once the event has completed (cudaEventQuery); never blocks."""
@@ -74,6 +75,7 @@ class Event:
         return True
 
     def _complete(self, error: BaseException | None = None) -> None:
+        self.done_ns = time.perf_counter_ns()  # when it completed (perf_counter_ns)
         self._error = error
         self._done.set()
 
@@ -91,6 +93,7 @@ class Stream:
         self._error: BaseException | None = None  # the first failure since the last record
         self._closed = False
         self.bytes_copied = 0
+        self.ready_ns = 0  # when the last event this stream waited for completed
         self._thread = threading.Thread(target=self._run, name=f"tidalpool-{name}", daemon=True)
         self._thread.start()
 
@@ -114,7 +117,7 @@ class Stream:
     def wait_event(self, event: Event) -> None:
         """Work enqueued after this call starts only once `event` has completed
         (cudaStreamWaitEvent); the calling thread does not block."""
-        self._put(event._done.wait)
+        self._put(lambda: self._waited(event))
 
     def synchronize(self) -> None:
         """Block until everything enqueued so far has run (cudaStreamSynchronize)."""
@@ -141,6 +144,10 @@ class Stream:
             except BaseException as e:  # reported by the next event, never lost
                 if self._error is None:
                     self._error = e
+
+    def _waited(self, event: Event) -> None:
+        event._done.wait()
+        self.ready_ns = max(self.ready_ns, event.done_ns)
 
     def _mark(self, event: Event) -> None:
         error, self._error = self._error, None

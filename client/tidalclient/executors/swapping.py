@@ -444,7 +444,8 @@ class Swapping:
     def _make_room(self, height: int, schedule: _Schedule | None) -> None:
         """Before the switch: blocks leave until the arena fits under the limit, and their
         copies complete (on demand, and once). First the persistent blocks the plan swaps
-        (they go to their pieces at the switch), then the least recently used."""
+        (they go to their pieces at the switch), then the least recently used; every one that
+        can when no range of the lease is long enough for the arena."""
         inner = self.inner
         if self._limit >= inner.capacity:
             return
@@ -464,6 +465,15 @@ class Swapping:
                 self._reap()
             else:
                 break  # what stays is locked or pinned: the switch waits for a later step
+        if inner.arena_bytes == 0 and inner.largest_free < align_up(height, inner.alignment):
+            # Room enough, but no range of the lease for the arena: what is evictable leaves.
+            self._in.synchronize()
+            self._reap()
+            for e in [*moving, *self._lru.values()]:
+                if e.where == DEVICE and e.slot < 0 and not (e.locks or e.pinned):
+                    self._evict(e)
+            self._out.synchronize()
+            self._reap()
 
     def _swapped_persistent(self, schedule: _Schedule) -> list[_Entry]:
         """The live persistent blocks a schedule swaps, once each."""
