@@ -84,6 +84,14 @@ class Unfit:
     rounds: int
 
 
+def _import_planner() -> None:
+    """Import the planner's modules (a few tenths of a second) on the worker thread, so that
+    a session's first plan does not wait for them."""
+    from tidalplan import combined, wire
+
+    del combined, wire
+
+
 class PlanWorker:
     """Queues sessions for planning and runs the pure planner on one worker thread."""
 
@@ -100,6 +108,7 @@ class PlanWorker:
         self.on_planned = on_planned
         self.cache = PlanCache(settings.plan_cache_dir)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planner")
+        self._worker.submit(_import_planner)  # off the start, before the first plan needs it
         self._queued: set[str] = set()
         self._lock = threading.Lock()
         self._next_plan_id = 1
