@@ -46,39 +46,36 @@ class Arena:
         """The lease offset for this allocation from the plan, or None (a miss)."""
         if not self.active:
             return None
+        fits = self.would_take(nbytes)
         i = self.cursor
         self.cursor = i + 1
-        table, occupant = self.table, self.occupant
-        fits = i < len(table.sizes) and table.sizes[i] == nbytes and not occupant[i]
-        if not fits or any(occupant[j] for j in table.overlaps[i]):
+        if not fits:
             self.misses += 1
             self.iteration_misses += 1
             return None
-        occupant[i] = block_id
+        self.occupant[i] = block_id
         self.slot_of[block_id] = i
         self.hits += 1
-        return self.base + table.offsets[i]
+        return self.base + self.table.offsets[i]
 
     def would_take(self, nbytes: int) -> bool:
         """Whether `take(nbytes, ...)` would give a slot now (no side effect)."""
-        i, table, occupant = self.cursor, self.table, self.occupant
-        return (
-            self.active
-            and i < len(table.sizes)
-            and table.sizes[i] == nbytes
-            and not occupant[i]
-            and not any(occupant[j] for j in table.overlaps[i])
-        )
+        i, table = self.cursor, self.table
+        return self.active and i < len(table.sizes) and table.sizes[i] == nbytes and self._free(i)
 
     def take_slot(self, slot: int, block_id: int) -> int | None:
         """The lease offset of a piece's slot (after the allocations') for `block_id`, or None
         while it or a slot sharing its bytes is held. Counts no hit or miss."""
-        occupant = self.occupant
-        if not self.active or occupant[slot] or any(occupant[j] for j in self.table.overlaps[slot]):
+        if not (self.active and self._free(slot)):
             return None
-        occupant[slot] = block_id
+        self.occupant[slot] = block_id
         self.slot_of[block_id] = slot
         return self.base + self.table.pieces[slot - len(self.table.sizes)][1]
+
+    def _free(self, slot: int) -> bool:
+        """Neither the slot nor any slot sharing its bytes is held."""
+        occupant = self.occupant
+        return not occupant[slot] and not any(occupant[j] for j in self.table.overlaps[slot])
 
     def release(self, block_id: int) -> bool:
         """Free a block's slot; False if the block is not one of this arena's."""

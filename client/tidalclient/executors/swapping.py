@@ -123,10 +123,14 @@ class _Entry:
     host: int = -1  # host offset while LEAVING, HOST or ARRIVING
     locks: int = 0
     pinned: bool = False  # never moves (an ndarray holds its address)
-    planned: bool = False  # in a plan's arena: its bytes are the arena's, the LRU leaves it
     slot: int = -1  # the plan slot it holds (allocation or piece), -1: none
     flight: _Flight | None = None
     release: Callable[[], None] | None = None  # gives back its device bytes once they are ours
+
+    @property
+    def planned(self) -> bool:
+        """In a plan's arena: its bytes are the arena's, the LRU leaves it."""
+        return self.slot >= 0
 
 
 class Swapping:
@@ -200,18 +204,16 @@ class Swapping:
         nbytes = check_size(nbytes)
         inner = self.inner
 
-        def take() -> tuple[Block, bool] | None:
-            # A block that took none of the inner's bytes (a slot of a plan's arena, whose bytes
-            # are held for the plan as a whole) would give none back if evicted.
-            held = inner.used_bytes
-            block = inner.try_malloc(nbytes)
-            return None if block is None else (block, inner.used_bytes == held)
-
-        block, in_arena = self._under_limit(nbytes, take, inner.plan_fits(nbytes))
-        entry = _Entry(block, block.offset, planned=in_arena)  # the LRU leaves planned blocks
-        if not entry.planned:
+        block = self._under_limit(
+            nbytes, functools.partial(inner.try_malloc, nbytes), inner.plan_fits(nbytes)
+        )
+        entry = _Entry(block, block.offset)
+        # A block in a slot of a plan's arena holds bytes the arena keeps as a whole: evicting
+        # it would give none back, so the LRU leaves it.
+        slot = inner.slot(block.id)
+        if slot is None:
             self._lru[block.id] = entry
-        elif (slot := inner.slot(block.id)) is not None:
+        else:
             entry.slot = slot
             self._fenced(slot)  # its first writer runs after copies out of these bytes
         self._entries[block.id] = entry
@@ -700,7 +702,6 @@ class Swapping:
             flight = _Flight(event, e, block.id, size, device=release)
             self._leaving += size
         e.where, e.host, e.flight, e.release = LEAVING, host, flight, None
-        e.planned = False  # it comes back on bytes of its own, or in a piece
         self._outs.append(flight)
         self.swapped_out_bytes += block.size
         self.swap_outs += 1
@@ -763,7 +764,7 @@ class Swapping:
         size = align_up(block.size, inner.alignment)
         flight = _Flight(self._in.record(), e, block.id, size, host=e.host)
         e.where, e.offset, e.host, e.flight = ARRIVING, offset, -1, flight
-        e.slot, e.planned = slot, True
+        e.slot = slot
         e.release = functools.partial(inner.release_piece, block.id)
         self._ins.append(flight)
         self.swapped_in_bytes += block.size

@@ -91,7 +91,7 @@ class SimCompute:
         queued = time.perf_counter_ns()
 
         def work() -> None:
-            start = max(queued, self._end, getattr(self._stream, "ready_ns", 0))
+            start = max(queued, self._end, self._stream.ready_ns)
             self._end = end = start + ns
             while (left := end - time.perf_counter_ns()) > 0:
                 time.sleep(left / 1e9)

@@ -101,19 +101,7 @@ def plan_of(session: Session) -> tuple[dict[str, Any] | None, dict[str, Any] | N
         "swaps": len(plan.swaps),
     }
     p = plan.prediction
-    if p is None:
-        return about, None
-    predicted = {
-        "step_ns": p.step_ns,
-        "baseline_ns": p.baseline_ns,
-        "out_bytes": p.out_bytes,
-        "in_bytes": p.in_bytes,
-        "stall_ns": p.stall_ns,
-        "peak_bytes": p.peak_bytes,
-        "footprint_bytes": p.footprint_bytes,
-        "copy_gbps": p.copy_gbps,
-    }
-    return about, predicted
+    return about, None if p is None else asdict(p)
 
 
 def show_ms(ns: float | None) -> str:
