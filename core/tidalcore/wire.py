@@ -6,6 +6,10 @@ GRPC_SOCKET = "tidalpool.sock"
 """The daemon's gRPC socket, in its socket directory."""
 HANDLES_SOCKET = "handles.sock"
 """The handles socket (leases and their fds), in the same directory."""
+ADMIN_SOCKET = "admin.sock"
+"""The Admin service's gRPC socket (mode 0600 by default: the daemon's uid), same directory."""
+LOCK_FILE = "tidalpoold.lock"
+"""Held (flock) by the one daemon serving the directory."""
 
 HANDLES_VERSION = 2
 """Version of the handles protocol (proto/tidalpool/v1/handles.proto)."""

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from tidalcore.units import Bytes, format_size, parse_size
-from tidalcore.wire import GRPC_SOCKET, HANDLES_SOCKET
+from tidalcore.wire import ADMIN_SOCKET, GRPC_SOCKET, HANDLES_SOCKET
 
 ENV_PREFIX = "TIDALPOOLD_"
 CONFIG_ENV = "TIDALPOOLD_CONFIG"
@@ -222,6 +222,14 @@ class Settings:
     socket_mode: int = field(
         default=0o660, metadata=_about(_MODE, "permission mode of both sockets, in octal")
     )
+    admin_socket_mode: int = field(
+        default=0o600,
+        metadata=_about(
+            _MODE,
+            "permission mode of admin.sock (ListSessions, EvictSession, PoolStatus), in octal:"
+            " 0600 lets only the daemon's uid (and root) list and evict sessions",
+        ),
+    )
     allowed_gids: tuple[int, ...] = field(
         default=(),
         metadata=_about(
@@ -231,6 +239,26 @@ class Settings:
         ),
     )
     max_sessions: int = field(default=64, metadata=_about(_INT, "most sessions attached at once"))
+    max_pending_per_uid: int = field(
+        default=8,
+        metadata=_about(
+            _INT, "most leases one uid may hold handed out on the handles socket but not attached"
+        ),
+    )
+    handles_timeout_s: float = field(
+        default=2.0,
+        metadata=_about(
+            _SECONDS,
+            "a handles-socket peer must send its whole request within this; slower ones are"
+            " dropped (each connection is served apart: none delays another)",
+        ),
+    )
+    max_handles_connections: int = field(
+        default=64,
+        metadata=_about(
+            _INT, "handles-socket connections served at once; more wait to be accepted"
+        ),
+    )
     lease_alignment: Bytes = field(
         default=Bytes(2 * _MiB), metadata=_about(_SIZE, "alignment of every lease (a power of two)")
     )
@@ -263,6 +291,13 @@ class Settings:
     max_trace_events: int = field(
         default=4_000_000,
         metadata=_about(_INT, "trace events kept per session; older ones are dropped beyond it"),
+    )
+    max_trace_name_bytes: Bytes = field(
+        default=Bytes(4 * _MiB),
+        metadata=_about(
+            _SIZE,
+            "bytes of op names kept per session; a trace chunk whose names pass it is refused",
+        ),
     )
     shutdown_grace_s: float = field(
         default=2.0, metadata=_about(_SECONDS, "time sessions get to finish when the daemon stops")
@@ -335,6 +370,11 @@ class Settings:
         """The Unix socket that checks the peer and passes lease fds."""
         return self.socket_dir / HANDLES_SOCKET
 
+    @property
+    def admin_socket(self) -> Path:
+        """The gRPC socket of the Admin service (and health), for operators."""
+        return self.socket_dir / ADMIN_SOCKET
+
 
 _FIELDS = dataclasses.fields(Settings)
 _NAMES = tuple(f.name for f in _FIELDS)
@@ -396,8 +436,17 @@ def _problems(s: Settings) -> Iterator[tuple[str, str, str | None]]:
         yield "allowed_gids", "gids must not be negative", None
     if s.max_sessions < 1:
         yield "max_sessions", "must be at least 1", None
+    if not 0 <= s.admin_socket_mode <= 0o777:
+        yield "admin_socket_mode", 'must be a mode from 0000 to 0777 (as a string: "0600")', None
     if s.lease_alignment <= 0 or s.lease_alignment & (s.lease_alignment - 1):
         yield "lease_alignment", "must be a power of two", None
+    for name in ("max_pending_per_uid", "max_handles_connections"):
+        if getattr(s, name) < 1:
+            yield name, "must be at least 1", None
+    if not (math.isfinite(s.handles_timeout_s) and s.handles_timeout_s > 0):
+        yield "handles_timeout_s", "must be a finite number of seconds greater than 0", None
+    if s.max_trace_name_bytes < 0:
+        yield "max_trace_name_bytes", "must not be negative", None
     for name in ("attach_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s"):
         if not (math.isfinite(getattr(s, name)) and getattr(s, name) > 0):
             yield name, "must be a finite number of seconds greater than 0", None
@@ -536,4 +585,5 @@ def describe(settings: Settings) -> dict[str, object]:
     out = {f.name: _kind(f).show(getattr(settings, f.name)) for f in _FIELDS}
     out["grpc_socket"] = str(settings.grpc_socket)
     out["handles_socket"] = str(settings.handles_socket)
+    out["admin_socket"] = str(settings.admin_socket)
     return out

@@ -80,8 +80,12 @@ def test_describe_is_json_friendly() -> None:
         "default_host_lease": 2 * GiB,
         "socket_dir": "/tmp/tp",
         "socket_mode": "0660",
+        "admin_socket_mode": "0600",
         "allowed_gids": [0, 5],
         "max_sessions": 64,
+        "max_pending_per_uid": 8,
+        "handles_timeout_s": 2.0,
+        "max_handles_connections": 64,
         "lease_alignment": 2 * MiB,
         "chunk_size": 64 * MiB,
         "attach_timeout_s": 5.0,
@@ -89,6 +93,7 @@ def test_describe_is_json_friendly() -> None:
         "heartbeat_timeout_s": 15.0,
         "trace_chunk_events": 4096,
         "max_trace_events": 4_000_000,
+        "max_trace_name_bytes": 4 * MiB,
         "shutdown_grace_s": 2.0,
         "log_format": "text",
         "log_level": "info",
@@ -100,6 +105,7 @@ def test_describe_is_json_friendly() -> None:
         "plan_cache_dir": "/var/cache/tidalpool",
         "grpc_socket": "/tmp/tp/tidalpool.sock",
         "handles_socket": "/tmp/tp/handles.sock",
+        "admin_socket": "/tmp/tp/admin.sock",
     }
     assert json.loads(json.dumps(d)) == d
 
@@ -563,7 +569,7 @@ def test_unknown_environment_variable() -> None:
     assert info.value.setting == "TIDALPOOLD_DEVICEPOOL"
     assert info.value.source == "environment"
     assert str(info.value).startswith(
-        "TIDALPOOLD_DEVICEPOOL: unknown setting; valid variables: TIDALPOOLD_ALLOWED_GIDS, "
+        "TIDALPOOLD_DEVICEPOOL: unknown setting; valid variables: TIDALPOOLD_ADMIN_SOCKET_MODE, "
     )
     assert "TIDALPOOLD_DEVICE_POOL, " in str(info.value)
 
