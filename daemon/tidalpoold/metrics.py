@@ -99,13 +99,21 @@ class DaemonCollector(Collector):
             " bytes the sessions report, part of leased).",
             labels=["pool", "state"],
         )
+        quarantined = GaugeMetricFamily(
+            "tidalpool_pool_quarantined_bytes",
+            "Bytes of the pool out of it because their scrub failed (neither free nor leased;"
+            " scrubbed again until they are free).",
+            labels=["pool"],
+        )
         for pool, usage in (("device", snap.device), ("host", snap.host)):
             size.add_metric([pool], usage.total_bytes)
             state.add_metric([pool, "free"], usage.free_bytes)
             state.add_metric([pool, "leased"], usage.leased_bytes)
             state.add_metric([pool, "used"], usage.used_bytes)
+            quarantined.add_metric([pool], usage.quarantined_bytes)
         yield size
         yield state
+        yield quarantined
 
     def _sessions(self, snap: Snapshot) -> Iterator[Metric]:
         live = GaugeMetricFamily("tidalpool_sessions", "Live sessions by state.", labels=["state"])

@@ -1,4 +1,10 @@
-"""The Pool and Admin services over the session registry."""
+"""The Pool and Admin services over the session registry.
+
+A client's refused stream message is answered on its stream (while fewer than
+MAX_QUEUED_ERRORS replies wait there: one that does not read gets no more), but logged only
+the first LOGGED_BAD_MESSAGES times per session, then at each power of two with the count:
+a client sending bad messages in a loop costs the log a line per doubling.
+"""
 
 from __future__ import annotations
 
@@ -17,9 +23,29 @@ from tidalcore.wire import STREAM_OPEN_KEY, TOKEN_KEY
 from tidalpoold import __version__
 from tidalpoold.plan_worker import PlanWorker
 from tidalpoold.rpc import bidi_stream, parse, service, unary
-from tidalpoold.sessions import Reason, Registry, Session, lease_message
+from tidalpoold.sessions import (
+    SESSION_ID_CHARS,
+    Reason,
+    Registry,
+    Session,
+    clip,
+    lease_message,
+)
 
 log = logging.getLogger("tidalpoold.services")
+
+LOGGED_BAD_MESSAGES = 5
+"""Refused stream messages of a session logged one by one; later ones at powers of two."""
+MAX_QUEUED_ERRORS = 256
+"""Replies waiting on a session's stream beyond which a refusal is not queued: a client that
+does not read its stream cannot make the daemon hold its refusals (about 1.6 kB each)."""
+REASON_CHARS = 256
+"""Characters of an operator's eviction reason kept (in the goodbye and the log)."""
+
+
+def worth_logging(count: int) -> bool:
+    """Whether the `count`-th refused message of a session is logged."""
+    return count <= LOGGED_BAD_MESSAGES or count & (count - 1) == 0
 
 
 class PoolService:
@@ -98,14 +124,23 @@ class PoolService:
                     self._handle(session, parse(pool_pb2.ClientMessage, raw))
                 except Failure as e:
                     code, message = status_of(e)
-                    log.warning(
-                        "session.bad_message", extra={"session": session.id, "why": message}
-                    )
-                    session.outbox.put(
-                        pool_pb2.ServerMessage(
-                            error=pool_pb2.SessionError(code=code.name, message=message)
+                    session.bad_messages += 1
+                    if worth_logging(session.bad_messages):
+                        log.warning(
+                            "session.bad_message",
+                            extra={
+                                "session": session.id,
+                                "why": message,
+                                "count": session.bad_messages,
+                                **_summary(session.bad_messages),
+                            },
                         )
-                    )
+                    if session.outbox.qsize() < MAX_QUEUED_ERRORS:  # else it does not read
+                        session.outbox.put(
+                            pool_pb2.ServerMessage(
+                                error=pool_pb2.SessionError(code=code.name, message=message)
+                            )
+                        )
         except grpc.RpcError:
             why = "session stream broken"
         except Exception as e:  # keep the daemon alive whatever one client sends
@@ -114,6 +149,7 @@ class PoolService:
         self.registry.end_quietly(session.id, Reason.REASON_DETACHED, why)
 
     def _handle(self, session: Session, msg: pool_pb2.ClientMessage) -> None:
+        """Take one stream message, or raise a Failure saying why not (nothing is taken)."""
         body = msg.WhichOneof("body")
         if body == "heartbeat":
             self.registry.touch(session, msg.heartbeat)
@@ -132,9 +168,10 @@ class PoolService:
         self, request: pool_pb2.DetachRequest, context: grpc.ServicerContext
     ) -> pool_pb2.DetachResponse:
         session = self._session_of(context)
-        if request.HasField("last"):
-            self.registry.touch(session, request.last)
-        ended = self.registry.end(session.id, Reason.REASON_DETACHED, "detached by the client")
+        last = request.last if request.HasField("last") else None
+        ended = self.registry.end(
+            session.id, Reason.REASON_DETACHED, "detached by the client", last=last
+        )
         return pool_pb2.DetachResponse(session=ended.info(self.registry.backend))
 
     def stats(
@@ -178,7 +215,14 @@ class AdminService:
     ) -> admin_pb2.EvictSessionResponse:
         if not request.session_id:
             raise InvalidArgument("EvictSession needs a session_id")
+        if len(request.session_id) > SESSION_ID_CHARS:
+            raise InvalidArgument(
+                f"session_id {clip(request.session_id)} is longer than a session id"
+                f" ({SESSION_ID_CHARS} characters)"
+            )
         why = request.reason or "evicted by an operator"
+        if len(why) > REASON_CHARS:
+            why = why[:REASON_CHARS] + f"… ({len(why.encode())} bytes)"
         ended = self.registry.end(request.session_id, Reason.REASON_EVICTED, why)
         return admin_pb2.EvictSessionResponse(session=ended.info(self.registry.backend))
 
@@ -198,3 +242,13 @@ class AdminService:
             version=__version__,
             started_unix_ns=self.started_unix_ns,
         )
+
+
+def _summary(count: int) -> dict[str, str]:
+    """The note on a refused message's log line once they are no longer logged each."""
+    if count < LOGGED_BAD_MESSAGES:
+        return {}
+    return {
+        "note": f"{count} messages of this session refused so far: the first"
+        f" {LOGGED_BAD_MESSAGES} are logged, then one line at each power of two"
+    }

@@ -9,6 +9,12 @@ chunks to their pools and scrubs them, then tells its stream (if any) goodbye.
 
     handles socket ──open()──▶ pending ──attach()──▶ attached ──end()──▶ (gone)
                                   └──────── reap(): attach timeout ─────▲
+
+What a client reports is checked before it is taken: a heartbeat's bytes lie within the
+session's leases, its counts within int64 and never below the last ones (`check_heartbeat`);
+a heartbeat that breaks a rule is refused whole. A chunk whose scrub fails is *quarantined*:
+out of the pool, counted apart (`PoolUsage.quarantined_bytes`), and scrubbed again by every
+`reap()` until it succeeds and the chunk is free again.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from typing import TypeAlias
 
-from tidalcore.errors import FailedPrecondition, NotFound, ResourceExhausted
+from tidalcore.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from tidalcore.v1 import common_pb2, pool_pb2
 
 from tidalpoold.backends.base import Backend
@@ -34,6 +40,22 @@ from tidalpoold.trace import TraceStore
 log = logging.getLogger("tidalpoold.sessions")
 
 Reason: TypeAlias = pool_pb2.Goodbye.Reason
+
+SESSION_ID_PREFIX = "s-"
+SESSION_ID_CHARS = len(SESSION_ID_PREFIX) + 12
+"""A session id is "s-" and 12 hex digits; a longer one names no session."""
+CLIP_CHARS = 64
+"""Characters of a client's string kept where an error or a log line repeats it."""
+INT64_MAX = 2**63 - 1
+"""The most a heartbeat count may say (the counts are summed as int64 downstream)."""
+
+
+def clip(text: str, limit: int = CLIP_CHARS) -> str:
+    """`text` for an error message or a log line: whole if short, else its first `limit`
+    characters and its length, so that no client makes the daemon repeat a long string."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}… ({len(text.encode())} bytes)"
 
 
 @dataclass
@@ -49,14 +71,27 @@ class Counts:
     on_demand_out_bytes: int = 0
     on_demand_in_bytes: int = 0
 
-    def advance(self, beat: pool_pb2.Heartbeat, totals: Counts) -> None:
-        """Take the heartbeat's counts, adding what each grew by to `totals` (a count that
-        went down, which a client never sends, is ignored)."""
+    def check(self, beat: pool_pb2.Heartbeat) -> None:
+        """InvalidArgument naming the first count of `beat` past int64 or below this one."""
         for name in _COUNTS:
             new, old = getattr(beat, name), getattr(self, name)
-            if new > old:
-                setattr(totals, name, getattr(totals, name) + new - old)
-                setattr(self, name, new)
+            if new > INT64_MAX:
+                raise InvalidArgument(
+                    f"heartbeat {name} {new} exceeds the bound of a count ({INT64_MAX})"
+                )
+            if new < old:
+                raise InvalidArgument(
+                    f"heartbeat {name} {new} is below the {old} reported before: a count since"
+                    " attach never decreases"
+                )
+
+    def advance(self, beat: pool_pb2.Heartbeat, totals: Counts) -> None:
+        """Take the heartbeat's counts (checked by `check`), adding what each grew by to
+        `totals`."""
+        for name in _COUNTS:
+            new, old = getattr(beat, name), getattr(self, name)
+            setattr(totals, name, getattr(totals, name) + new - old)
+            setattr(self, name, new)
 
 
 _COUNTS = tuple(f.name for f in fields(Counts))
@@ -96,6 +131,8 @@ class Session:
     copy_gbps: float = 0.0  # the client's swap copy bandwidth; 0: not throttled
     counts: Counts = field(default_factory=Counts)
     plan: PlanFootprint | None = None  # set by the planner's thread, as one value
+    ended: bool = False  # end() took it out of the registry: what it reports now is ignored
+    bad_messages: int = 0  # stream messages refused (counted by the stream's reader)
     # What the Session stream sends to the client; None closes the stream.
     outbox: queue.SimpleQueue[pool_pb2.ServerMessage | None] = field(
         default_factory=queue.SimpleQueue
@@ -121,6 +158,22 @@ class Session:
             swap_stall_ns=self.counts.swap_stall_ns,
             plan_misses=self.counts.plan_misses,
         )
+
+
+def check_heartbeat(session: Session, beat: pool_pb2.Heartbeat) -> None:
+    """InvalidArgument naming the first number of `beat` the session cannot mean: bytes in
+    use or at peak beyond its lease of that pool, a count past int64 or below its last."""
+    for name, value, pool, lease in (
+        ("device_used_bytes", beat.device_used_bytes, "device", session.device),
+        ("device_peak_bytes", beat.device_peak_bytes, "device", session.device),
+        ("host_used_bytes", beat.host_used_bytes, "host", session.host),
+    ):
+        if value > lease.length:
+            raise InvalidArgument(
+                f"heartbeat {name} {value} exceeds the session's {pool} lease of"
+                f" {lease.length} bytes"
+            )
+    session.counts.check(beat)
 
 
 def lease_message(session: Session, backend: Backend) -> common_pb2.Lease:
@@ -156,6 +209,9 @@ class Registry:
         )
         self.host = PoolAccount("host", backend.host.chunk_bytes, len(backend.host.chunks))
         self._lock = threading.Lock()
+        # Chunks whose scrub failed, by pool: still leased in the account, held by no session.
+        self._quarantined: dict[str, list[int]] = {"device": [], "host": []}
+        self._rescrubbing = threading.Lock()  # one retry of the quarantine at a time
         self._by_id: dict[str, Session] = {}
         self._by_token: dict[str, Session] = {}
         self.attached_total = 0
@@ -174,6 +230,13 @@ class Registry:
         with self._lock:
             if len(self._by_id) >= s.max_sessions:
                 raise ResourceExhausted(f"the daemon already serves {s.max_sessions} sessions")
+            pending = sum(x.uid == uid and x.state == "pending" for x in self._by_id.values())
+            if pending >= s.max_pending_per_uid:
+                raise ResourceExhausted(
+                    f"uid {uid} already holds {pending} leases not attached, the most one uid"
+                    f" may (max_pending_per_uid {s.max_pending_per_uid}): attach them, or wait"
+                    f" {s.attach_timeout_s:g} s (attach_timeout_s) for them to be reclaimed"
+                )
             try:
                 device = self.device.lease(device_bytes)
             except PoolExhausted as e:
@@ -191,7 +254,7 @@ class Registry:
                 uid=uid,
                 device=device,
                 host=host,
-                trace=TraceStore(s.max_trace_events),
+                trace=TraceStore(s.max_trace_events, s.max_trace_name_bytes),
                 created=self.clock(),
             )
             self._by_id[session.id] = session
@@ -237,32 +300,55 @@ class Registry:
             session.last_seen = self.clock()
 
     def touch(self, session: Session, heartbeat: pool_pb2.Heartbeat | None = None) -> None:
+        """The session is alive; take its heartbeat's numbers, or refuse them all
+        (InvalidArgument, see `check_heartbeat`) and keep the previous ones. A heartbeat that
+        comes after the session ended (behind its Detach) is ignored."""
         with self._lock:
-            session.last_seen = self.clock()
+            if session.ended:
+                return
             if heartbeat is not None:
-                session.device_used = heartbeat.device_used_bytes
-                session.device_peak = max(session.device_peak, heartbeat.device_peak_bytes)
-                session.host_used = heartbeat.host_used_bytes
-                session.counts.advance(heartbeat, self.counts)
+                self._take(session, heartbeat)
+            session.last_seen = self.clock()
+
+    def _take(self, session: Session, beat: pool_pb2.Heartbeat) -> None:
+        """Check and take a heartbeat (under the lock)."""
+        check_heartbeat(session, beat)
+        session.device_used = beat.device_used_bytes
+        session.device_peak = max(session.device_peak, beat.device_peak_bytes)
+        session.host_used = beat.host_used_bytes
+        session.counts.advance(beat, self.counts)
 
     # -- death ------------------------------------------------------------------
-    def end(self, session_id: str, reason: Reason, message: str) -> Session:
-        """End a session (once): its chunks are scrubbed and return to the pools, its stream
+    def end(
+        self,
+        session_id: str,
+        reason: Reason,
+        message: str,
+        last: pool_pb2.Heartbeat | None = None,
+    ) -> Session:
+        """End a session (once), taking its `last` heartbeat first (a bad one is refused, and
+        the session goes on): its chunks are scrubbed and return to the pools, its stream
         says goodbye. Scrubbing runs outside the lock (other sessions' opens never wait on it)
         but before the chunks are free: a chunk is never leased while it holds old bytes."""
         with self._lock:
-            session = self._by_id.pop(session_id, None)
+            session = self._by_id.get(session_id)
             if session is None:
-                raise NotFound(f"no session {session_id!r}")
+                raise NotFound(f"no session {clip(session_id)}")
+            if last is not None:
+                self._take(session, last)
+            del self._by_id[session_id]
             del self._by_token[session.token]
+            session.ended = True
             name = Reason.Name(reason).removeprefix("REASON_").lower()
             self.ended_total[name] = self.ended_total.get(name, 0) + 1
             self.ended_events += session.trace.events_received
-        device = self._scrubbed("device", session.device)
-        host = self._scrubbed("host", session.host)
+        device, device_dirty = self._scrubbed("device", session.device.chunks)
+        host, host_dirty = self._scrubbed("host", session.host.chunks)
         with self._lock:
-            self.device.release(device)
-            self.host.release(host)
+            self.device.release(Lease(device, session.device.chunk_bytes))
+            self.host.release(Lease(host, session.host.chunk_bytes))
+            self._quarantined["device"].extend(device_dirty)
+            self._quarantined["host"].extend(host_dirty)
         session.outbox.put(
             pool_pb2.ServerMessage(goodbye=pool_pb2.Goodbye(reason=reason, message=message))
         )
@@ -278,20 +364,53 @@ class Registry:
         )
         return session
 
-    def _scrubbed(self, name: str, lease: Lease) -> Lease:
-        """The chunks of `lease` that were scrubbed; one that could not be stays out of the
-        pool for good (its bytes might reach the next holder), and the log says so. The pool
-        is read for every chunk: a backend may renew a chunk (a new fd) as it scrubs it."""
-        clean = []
-        for index in lease.chunks:
+    def _scrubbed(
+        self, name: str, chunks: tuple[int, ...], quiet: bool = False
+    ) -> tuple[tuple[int, ...], list[int]]:
+        """Scrub `chunks` of pool `name`: those scrubbed, and those that could not be (their
+        bytes might reach the next holder: they are to stay out of the pool), which the log
+        names unless `quiet`. The pool is read for every chunk: a backend may renew a chunk
+        (a new fd) as it scrubs it."""
+        clean, dirty = [], []
+        for index in chunks:
             pool = self.backend.device if name == "device" else self.backend.host
             try:
                 self.backend.scrub(pool, pool.chunks[index])
             except OSError as e:
-                log.error("chunk.quarantined", extra={"pool": name, "chunk": index, "why": str(e)})
+                dirty.append(index)
+                if not quiet:
+                    log.error(
+                        "chunk.quarantined",
+                        extra={
+                            "pool": name,
+                            "chunk": index,
+                            "why": str(e),
+                            "retry": "scrubbed again by the reaper until it succeeds",
+                        },
+                    )
             else:
                 clean.append(index)
-        return Lease(tuple(clean), lease.chunk_bytes)
+        return tuple(clean), dirty
+
+    def rescrub(self) -> int:
+        """Scrub the quarantined chunks again; those scrubbed now are free again. Returns how
+        many were freed."""
+        freed = 0
+        with self._rescrubbing:
+            for name, account in (("device", self.device), ("host", self.host)):
+                with self._lock:
+                    waiting = tuple(self._quarantined[name])
+                if not waiting:
+                    continue
+                clean, _ = self._scrubbed(name, waiting, quiet=True)
+                with self._lock:
+                    for index in clean:
+                        self._quarantined[name].remove(index)
+                    account.release(Lease(clean, account.chunk_bytes))
+                for index in clean:
+                    log.info("chunk.restored", extra={"pool": name, "chunk": index})
+                freed += len(clean)
+        return freed
 
     def end_quietly(self, session_id: str, reason: Reason, message: str) -> None:
         """end(), for callers racing others to it (stream callbacks, the reaper)."""
@@ -299,7 +418,8 @@ class Registry:
             self.end(session_id, reason, message)
 
     def reap(self) -> list[str]:
-        """End sessions that never attached or stopped sending heartbeats."""
+        """End sessions that never attached or stopped sending heartbeats, then scrub the
+        quarantined chunks again (`rescrub`). Returns the ids of the sessions ended."""
         now, s = self.clock(), self.settings
         doomed: list[tuple[str, str]] = []
         with self._lock:
@@ -320,6 +440,7 @@ class Registry:
                     doomed.append((session.id, f"no heartbeat for {s.heartbeat_timeout_s:g} s"))
         for session_id, why in doomed:
             self.end_quietly(session_id, Reason.REASON_EVICTED, why)
+        self.rescrub()
         return [session_id for session_id, _ in doomed]
 
     # -- views ------------------------------------------------------------------
@@ -331,7 +452,7 @@ class Registry:
         with self._lock:
             session = self._by_id.get(session_id)
         if session is None:
-            raise NotFound(f"no session {session_id!r}")
+            raise NotFound(f"no session {clip(session_id)}")
         return session
 
     def usage(self) -> tuple[common_pb2.PoolUsage, common_pb2.PoolUsage]:
@@ -339,9 +460,22 @@ class Registry:
             used_device = sum(s.device_used for s in self._by_id.values())
             used_host = sum(s.host_used for s in self._by_id.values())
             return (
-                _usage(self.device, used_device),
-                _usage(self.host, used_host),
+                self._usage(self.device, used_device),
+                self._usage(self.host, used_host),
             )
+
+    def _usage(self, account: PoolAccount, used: int) -> common_pb2.PoolUsage:
+        """A pool's bytes by state (under the lock): leased to sessions, quarantined, free;
+        the sessions' reported `used` is held within what they lease whatever it says."""
+        quarantined = len(self._quarantined[account.name]) * account.chunk_bytes
+        leased = account.leased_bytes - quarantined
+        return common_pb2.PoolUsage(
+            total_bytes=account.total,
+            leased_bytes=leased,
+            free_bytes=account.free_bytes,
+            used_bytes=min(max(used, 0), leased),
+            quarantined_bytes=quarantined,
+        )
 
     def snapshot(self) -> Snapshot:
         """A consistent copy of the registry's numbers, for metrics."""
@@ -364,8 +498,8 @@ class Registry:
                 for s in sessions
             )
             return Snapshot(
-                device=_usage(self.device, sum(s.device_used for s in sessions)),
-                host=_usage(self.host, sum(s.host_used for s in sessions)),
+                device=self._usage(self.device, sum(s.device_used for s in sessions)),
+                host=self._usage(self.host, sum(s.host_used for s in sessions)),
                 sessions=views,
                 attached_total=self.attached_total,
                 ended_total=dict(self.ended_total),
@@ -402,12 +536,3 @@ class Snapshot:
     ended_total: dict[str, int]  # by reason: detached, evicted, shutdown
     counts: Counts  # heartbeat counts of every session, ended ones included
     events_received: int  # trace events of every session, ended ones included
-
-
-def _usage(account: PoolAccount, used: int) -> common_pb2.PoolUsage:
-    return common_pb2.PoolUsage(
-        total_bytes=account.total,
-        leased_bytes=account.leased_bytes,
-        free_bytes=account.free_bytes,
-        used_bytes=used,
-    )

@@ -289,7 +289,7 @@ class Settings:
         default=4096, metadata=_about(_INT, "events per trace chunk on the session stream")
     )
     max_trace_events: int = field(
-        default=4_000_000,
+        default=1_000_000,
         metadata=_about(_INT, "trace events kept per session; older ones are dropped beyond it"),
     )
     max_trace_name_bytes: Bytes = field(

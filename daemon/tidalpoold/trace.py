@@ -1,14 +1,30 @@
-"""A session's trace as the daemon keeps it: validated columnar chunks.
+"""A session's trace as the daemon keeps it: validated columnar chunks and op names.
 
 Chunks arrive as protobuf `TraceChunk`s with packed columns; they are checked
-(equal column lengths, known kinds, contiguous event numbering) and stored as
-NumPy arrays. The store is bounded: past `max_events`, the oldest chunks go.
+(equal column lengths, known kinds, contiguous event numbering, no more events
+than the store keeps, op names within their bounds) and stored as NumPy arrays.
+A chunk that breaks a rule is refused whole: nothing of it is stored.
+
+What one session can make the daemon hold here is bounded:
+
+    events   ≤ max_events × EVENT_BYTES (29: kind u8, block id, size and duration u64,
+             name id u32); past max_events the oldest chunks go
+    chunks   ≤ 2 × max_events / COALESCE_EVENTS + 1 of them, at CHUNK_BYTES each: small
+             chunks are stored merged (a slow client flushes a few events every 10 ms)
+    names    ≤ max_name_bytes, each name counting its UTF-8 bytes plus NAME_ENTRY_BYTES
+             (its string, its id and its slot in the table); a name is at most MAX_NAME_BYTES
+
+so at most `bound_bytes(max_events, max_name_bytes)` per session (122 MB with the
+defaults), and max_sessions times that in all. The store is read by the planner's thread
+while its session's reader adds to it: both go through one lock, readers get copies.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 
 import numpy as np
 import numpy.typing as npt
@@ -29,6 +45,36 @@ class Chunk:
 
     def __len__(self) -> int:
         return len(self.kinds)
+
+
+_COLUMNS = tuple(f.name for f in fields(Chunk) if f.name != "first_event")
+_DTYPES = {
+    "kinds": np.uint8,
+    "block_ids": np.uint64,
+    "sizes": np.uint64,
+    "durations_ns": np.uint64,
+    "name_ids": np.uint32,
+}
+
+EVENT_BYTES = sum(np.dtype(t).itemsize for t in _DTYPES.values())
+"""Bytes one stored event takes: one element of every column (29)."""
+COALESCE_EVENTS = 4096
+"""A chunk is merged into the one stored before it while both hold this many events or fewer
+in all (at most max_events): any two stored neighbours hold more, which bounds their number."""
+CHUNK_BYTES = 1024
+"""Bookkeeping of one stored chunk beside its events: the object and its five array headers."""
+MAX_NAME_BYTES = 1024
+"""Longest op name (UTF-8 bytes) a chunk may define; a chunk with a longer one is refused."""
+NAME_ENTRY_BYTES = 128
+"""What an op name costs beside its bytes: its string object, its id and its table slot."""
+DEFAULT_NAME_BYTES = 4 << 20
+"""Op-name bytes a session may define, where no setting says otherwise."""
+
+
+def bound_bytes(max_events: int, max_name_bytes: int) -> int:
+    """The most memory one session's store holds: events, their chunks' bookkeeping, names."""
+    chunks = 2 * max_events // min(COALESCE_EVENTS, max_events) + 1
+    return max_events * EVENT_BYTES + chunks * CHUNK_BYTES + max_name_bytes
 
 
 def decode_chunk(msg: pool_pb2.TraceChunk) -> Chunk:
@@ -57,33 +103,99 @@ def decode_chunk(msg: pool_pb2.TraceChunk) -> Chunk:
     )
 
 
-class TraceStore:
-    """The events one session has sent, oldest dropped beyond `max_events`."""
+def _merged(a: Chunk, b: Chunk) -> Chunk:
+    """`a` followed by `b` as one chunk (new arrays: a reader's copy of `a` stays valid)."""
+    columns = {name: np.concatenate((getattr(a, name), getattr(b, name))) for name in _COLUMNS}
+    return Chunk(first_event=a.first_event, **columns)
 
-    def __init__(self, max_events: int) -> None:
+
+def name_cost(text: str) -> int:
+    """What one op name counts against the store's name bytes."""
+    return len(text.encode()) + NAME_ENTRY_BYTES
+
+
+class TraceStore:
+    """The events one session has sent, oldest dropped beyond `max_events`, and the op names
+    it defined, at most `max_name_bytes` of them (see `name_cost`)."""
+
+    def __init__(self, max_events: int, max_name_bytes: int = DEFAULT_NAME_BYTES) -> None:
         self.max_events = max_events
-        self.chunks: deque[Chunk] = deque()
-        self.names: dict[int, str] = {}
+        self.max_name_bytes = max_name_bytes
+        self._chunks: deque[Chunk] = deque()
+        self._names: dict[int, str] = {}
+        self.name_bytes = 0  # sum of name_cost over the names defined
         self.events_received = 0  # all events ever accepted, dropped ones included
         self.iterations_seen = 0
         self._held = 0
+        self._lock = threading.Lock()
+
+    @property
+    def chunks(self) -> tuple[Chunk, ...]:
+        """The chunks held now, oldest first (a copy)."""
+        with self._lock:
+            return tuple(self._chunks)
+
+    @property
+    def names(self) -> dict[int, str]:
+        """The op names defined so far, by id (a copy)."""
+        with self._lock:
+            return dict(self._names)
 
     def add(self, msg: pool_pb2.TraceChunk) -> Chunk:
+        """Store a chunk and its names, or refuse it whole (InvalidArgument naming why)."""
         if msg.first_event != self.events_received:
             raise InvalidArgument(
                 f"trace chunk starts at event {msg.first_event}, expected {self.events_received}"
             )
         chunk = decode_chunk(msg)
-        for name_id, text in msg.new_names.items():
+        if len(chunk) > self.max_events:
+            raise InvalidArgument(
+                f"trace chunk has {len(chunk)} events, more than the {self.max_events} a"
+                " session's trace keeps (max_trace_events)"
+            )
+        name_bytes = self._name_bytes_after(msg.new_names)
+        with self._lock:
+            self._names.update(msg.new_names)
+            self.name_bytes = name_bytes
+            if len(chunk):
+                self._append(chunk)
+            self.events_received += len(chunk)
+        return chunk
+
+    def _name_bytes_after(self, new: Mapping[int, str]) -> int:
+        """The store's name bytes once `new` is defined (an id defined again gives back its old
+        bytes), or InvalidArgument naming the name or the total that breaks a bound."""
+        total = self.name_bytes
+        for name_id, text in new.items():
             if name_id == 0:
                 raise InvalidArgument("trace chunk defines name id 0 (reserved for no name)")
-            self.names[name_id] = text
-        self.chunks.append(chunk)
-        self.events_received += len(chunk)
+            size = len(text.encode())
+            if size > MAX_NAME_BYTES:
+                raise InvalidArgument(
+                    f"trace chunk defines op name {name_id} of {size} bytes, longer than"
+                    f" {MAX_NAME_BYTES}"
+                )
+            old = self._names.get(name_id)
+            total += name_cost(text) - (name_cost(old) if old is not None else 0)
+        if total > self.max_name_bytes:
+            raise InvalidArgument(
+                f"trace chunk's op names would bring the session's to {total} bytes, more than"
+                f" max_trace_name_bytes ({self.max_name_bytes}; each name counts its UTF-8 bytes"
+                f" + {NAME_ENTRY_BYTES})"
+            )
+        return total
+
+    def _append(self, chunk: Chunk) -> None:
+        """Hold `chunk` (merged into the last one while both are small), then drop the oldest
+        chunks while more than max_events events are held. Under the lock."""
+        limit = min(COALESCE_EVENTS, self.max_events)
+        if self._chunks and len(self._chunks[-1]) + len(chunk) <= limit:
+            self._chunks[-1] = _merged(self._chunks[-1], chunk)
+        else:
+            self._chunks.append(chunk)
         self._held += len(chunk)
-        while self._held > self.max_events and len(self.chunks) > 1:
-            self._held -= len(self.chunks.popleft())
-        return chunk
+        while self._held > self.max_events and len(self._chunks) > 1:
+            self._held -= len(self._chunks.popleft())
 
     def step(self, mark: pool_pb2.StepMark) -> None:
         if mark.events_before > self.events_received:

@@ -90,7 +90,19 @@ def test_pool_sessions_and_counts_have_the_registrys_exact_values(
             on_demand_in_bytes=512,
         ),
     )
-    registry.touch(a, beat(device_used_bytes=4_000_000, device_peak_bytes=5_000_000, plan_misses=5))
+    registry.touch(  # every count again (a count never goes down), plan_misses up by 2
+        a,
+        beat(
+            device_used_bytes=4_000_000,
+            device_peak_bytes=5_000_000,
+            plan_misses=5,
+            swapped_out_bytes=4096,
+            swapped_in_bytes=1024,
+            swap_stall_ns=250_000_000,
+            on_demand_out_bytes=3072,
+            on_demand_in_bytes=512,
+        ),
+    )
     a.plan = PlanFootprint(height_bytes=3_000_000, lower_bound_bytes=2_000_000)
     planner.plans_made, planner.plans_cached, planner.plans_failed = 2, 1, 4
     planner.plans_unfit = 3
@@ -162,9 +174,18 @@ def test_an_ended_sessions_series_vanish_and_the_totals_keep_its_counts(
     for s in (a, b):
         registry.attach(s)
     registry.touch(a, beat(swapped_out_bytes=100, swap_stall_ns=1_000_000_000, plan_misses=2))
-    registry.touch(a, beat(swapped_out_bytes=100, on_demand_in_bytes=60))
+    registry.touch(
+        a,
+        beat(
+            swapped_out_bytes=100,
+            swap_stall_ns=1_000_000_000,
+            plan_misses=2,
+            on_demand_in_bytes=60,
+        ),
+    )
     registry.touch(b, beat(swapped_out_bytes=50, on_demand_in_bytes=30))
-    registry.touch(b, beat(swapped_out_bytes=40, on_demand_in_bytes=20))  # going down: ignored
+    with pytest.raises(InvalidArgument, match="swapped_out_bytes 40 is below the 50"):
+        registry.touch(b, beat(swapped_out_bytes=40, on_demand_in_bytes=20))  # going down
     a.trace.events_received = 70  # as if 70 events had arrived
     b.trace.events_received = 30
     collector = DaemonCollector(registry, planner, dict)

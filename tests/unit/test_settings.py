@@ -59,7 +59,7 @@ def test_defaults() -> None:
     assert s.heartbeat_interval_s == 1.0
     assert s.heartbeat_timeout_s == 15.0
     assert s.trace_chunk_events == 4096
-    assert s.max_trace_events == 4_000_000
+    assert s.max_trace_events == 1_000_000
     assert s.shutdown_grace_s == 2.0
     assert s.log_format == "text"
     assert s.log_level == "info"
@@ -92,7 +92,7 @@ def test_describe_is_json_friendly() -> None:
         "heartbeat_interval_s": 1.0,
         "heartbeat_timeout_s": 15.0,
         "trace_chunk_events": 4096,
-        "max_trace_events": 4_000_000,
+        "max_trace_events": 1_000_000,
         "max_trace_name_bytes": 4 * MiB,
         "shutdown_grace_s": 2.0,
         "log_format": "text",

@@ -146,13 +146,14 @@ def test_store_starts_empty() -> None:
     assert list(s.chunks) == []
 
 
-def test_add_keeps_chunks_in_order() -> None:
+def test_add_keeps_events_in_order_and_stores_small_chunks_as_one() -> None:
     s = TraceStore(max_events=100)
     a = s.add(chunk(0, 3))
     b = s.add(chunk(3, 2, base=3))
-    assert list(s.chunks) == [a, b]
-    assert [c.first_event for c in s.chunks] == [0, 3]
+    assert [len(a), len(b)] == [3, 2]
+    assert [(c.first_event, len(c)) for c in s.chunks] == [(0, 5)]  # 3 + 2 <= 100: merged
     assert np.concatenate([c.block_ids for c in s.chunks]).tolist() == [0, 1, 2, 3, 4]
+    assert s.chunks[0].sizes.tolist() == [256, 512, 768, 1024, 1280]
     assert b.sizes.tolist() == [1024, 1280]
     assert s.events_received == 5
     assert s.events_held == 5
@@ -225,15 +226,16 @@ def test_name_id_zero_is_refused() -> None:
 
 def test_bound_drops_oldest_chunks() -> None:
     s = TraceStore(max_events=10)
-    held = []
+    held, stored = [], []
     for i in range(4):
         s.add(chunk(4 * i, 4, base=4 * i))
         held.append(s.events_held)
-    # 4, 8, then 12 > 10 drops the first chunk (8), then 12 > 10 drops the second (8).
-    assert held == [4, 8, 8, 8]
+        stored.append([(c.first_event, len(c)) for c in s.chunks])
+    # 4; 4 + 4 <= 10 merged (8); 8 + 4 > 10 apart, 12 > 10 drops the first (4 held); the
+    # fourth merges into the third (8).
+    assert held == [4, 8, 4, 8]
+    assert stored == [[(0, 4)], [(0, 8)], [(8, 4)], [(8, 8)]]
     assert s.events_received == 16
-    assert s.events_held == 8
-    assert [c.first_event for c in s.chunks] == [8, 12]
     assert np.concatenate([c.block_ids for c in s.chunks]).tolist() == list(range(8, 16))
 
 
@@ -242,16 +244,21 @@ def test_bound_exactly_reached_drops_nothing() -> None:
     s.add(chunk(0, 4))
     s.add(chunk(4, 4))
     assert s.events_held == 8
-    assert [c.first_event for c in s.chunks] == [0, 4]
+    assert [(c.first_event, len(c)) for c in s.chunks] == [(0, 8)]
 
 
-def test_bound_keeps_the_newest_chunk_even_when_larger() -> None:
+def test_a_chunk_larger_than_the_bound_is_refused() -> None:
     s = TraceStore(max_events=10)
     s.add(chunk(0, 4))
-    s.add(chunk(4, 12, base=4))
-    assert s.events_received == 16
-    assert s.events_held == 12
-    assert [c.first_event for c in s.chunks] == [4]
+    with pytest.raises(InvalidArgument) as e:
+        s.add(chunk(4, 11, base=4))
+    assert str(e.value) == (
+        "trace chunk has 11 events, more than the 10 a session's trace keeps (max_trace_events)"
+    )
+    assert (s.events_received, s.events_held) == (4, 4)
+    s.add(chunk(4, 10, base=4))  # exactly the bound: taken, the older chunk goes
+    assert (s.events_received, s.events_held) == (14, 10)
+    assert [(c.first_event, len(c)) for c in s.chunks] == [(4, 10)]
 
 
 def test_step_counts_iterations() -> None:

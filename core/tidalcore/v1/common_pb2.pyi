@@ -31,16 +31,18 @@ class Lease(_message.Message):
     def __init__(self, device: _Optional[_Union[PoolLease, _Mapping]] = ..., host: _Optional[_Union[PoolLease, _Mapping]] = ..., backend: _Optional[str] = ..., mode: _Optional[str] = ..., pci_bus_id: _Optional[str] = ...) -> None: ...
 
 class PoolUsage(_message.Message):
-    __slots__ = ("total_bytes", "leased_bytes", "free_bytes", "used_bytes")
+    __slots__ = ("total_bytes", "leased_bytes", "free_bytes", "used_bytes", "quarantined_bytes")
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     LEASED_BYTES_FIELD_NUMBER: _ClassVar[int]
     FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_BYTES_FIELD_NUMBER: _ClassVar[int]
     total_bytes: int
     leased_bytes: int
     free_bytes: int
     used_bytes: int
-    def __init__(self, total_bytes: _Optional[int] = ..., leased_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ...) -> None: ...
+    quarantined_bytes: int
+    def __init__(self, total_bytes: _Optional[int] = ..., leased_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., quarantined_bytes: _Optional[int] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
     __slots__ = ("session_id", "job_name", "pid", "uid", "lease", "device_used_bytes", "device_peak_bytes", "host_used_bytes", "events_received", "iterations_seen", "attached_unix_ns", "state", "swap_limit_bytes", "swapped_out_bytes", "swapped_in_bytes", "swap_stall_ns", "plan_misses")
