@@ -48,7 +48,7 @@ class Job:
 
 def evict(socket_dir: Path, session_id: str, reason: str = "evicted by the workload") -> None:
     """End a session as an operator does (Admin.EvictSession)."""
-    with grpc.insecure_channel(f"unix:{socket_dir / 'tidalpool.sock'}") as channel:
+    with grpc.insecure_channel(f"unix:{socket_dir / 'admin.sock'}") as channel:
         admin_pb2_grpc.AdminStub(channel).EvictSession(
             admin_pb2.EvictSessionRequest(session_id=session_id, reason=reason), timeout=10
         )

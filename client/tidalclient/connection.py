@@ -2,10 +2,16 @@
 
     Attach (gRPC) ──▶ Session stream ──▶ out: heartbeats, trace chunks, step marks (send)
                                      ◀── in:  plans (on_plan), refusals (errors), goodbye
+                  ──▶ flush: the outbox handed to the stream, then Stats until the daemon has
+                             the whole trace ──▶ Detach
 
 The listener thread reads what the daemon sends; the heartbeat thread sends the session's
 counts every `heartbeat_interval_ms`. Nothing here knows of blocks or arrays: plans are handed
 on as they came, heartbeats are asked for when due.
+
+Detach is a call of its own, not a message on the stream: the daemon could end the session
+before its reader has taken in the trace chunks still in flight, so `flush` waits until the
+daemon's own count (Stats) says it has them all.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -30,12 +37,30 @@ log = logging.getLogger("tidalpool")
 class Connection:
     """The gRPC side of one session (its token in every call's metadata)."""
 
-    def __init__(self, socket_dir: Path, session_id: str, token: str) -> None:
+    def __init__(
+        self, socket_dir: Path, session_id: str, token: str, daemon_uid: int | None = None
+    ) -> None:
+        """`daemon_uid`: the uid the handles socket's peer ran as; the token goes only to a
+        gRPC socket that uid made (a socket someone else put there would receive it)."""
+        path = socket_dir / GRPC_SOCKET
+        if daemon_uid is not None:
+            try:
+                owner = os.stat(path).st_uid
+            except OSError as e:
+                raise AttachError(f"cannot reach tidalpoold at {path}: {e.strerror}") from e
+            if owner != daemon_uid:
+                raise AttachError(
+                    f"{path} belongs to uid {owner}, but the daemon that granted the lease runs"
+                    f" as uid {daemon_uid}: refusing to send it the session's token"
+                )
         self.session_id = session_id
         self._metadata = ((TOKEN_KEY, token),)
-        self._channel = grpc.insecure_channel(f"unix:{socket_dir / GRPC_SOCKET}")
+        self._channel = grpc.insecure_channel(f"unix:{path}")
         self._stub = pool_pb2_grpc.PoolStub(self._channel)
         self._outbox: queue.SimpleQueue[pool_pb2.ClientMessage | None] = queue.SimpleQueue()
+        self._flow = threading.Condition()  # guards the two counts below and `goodbye` changes
+        self._queued = 0  # messages put in the outbox
+        self._taken = 0  # of them, handed to the stream
         self._responses: Iterator[pool_pb2.ServerMessage] | None = None
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -91,6 +116,8 @@ class Connection:
 
     def send(self, message: pool_pb2.ClientMessage) -> None:
         """Queue a message on the stream (any thread)."""
+        with self._flow:
+            self._queued += 1
         self._outbox.put(message)
 
     @property
@@ -105,6 +132,52 @@ class Connection:
         except grpc.RpcError:
             return -1
         return int(reply.session.events_received)
+
+    def flush(self, events: int, steps: int, timeout_s: float) -> int:
+        """Wait until the outbox has been handed to the stream and the daemon has taken in
+        `events` trace events and `steps` step marks, for at most `timeout_s`; the events the
+        daemon has confirmed (-1: it did not answer). Short of them, one warning says how many
+        are missing, unless the daemon ended the session meanwhile (then nothing waits for
+        them)."""
+        deadline = time.monotonic() + timeout_s
+        with self._flow:
+            target = self._queued
+            self._flow.wait_for(
+                lambda: self._taken >= target or self.goodbye is not None, timeout=timeout_s
+            )
+        received, why = self._received(events, steps, deadline) if events or steps else (0, "")
+        if received < events and not self.ended:
+            log.warning(
+                "tidalpool: session %s detaches with %d of its %d trace events not delivered"
+                " to the daemon (%s)",
+                self.session_id,
+                events - max(received, 0),
+                events,
+                why or f"waited {timeout_s:g} s",
+            )
+        return received
+
+    def _received(self, events: int, steps: int, deadline: float) -> tuple[int, str]:
+        """Ask the daemon (Stats) until it has `events` and `steps`, the deadline passes, the
+        session ends or the daemon does not answer: the events it has (-1: no answer), and
+        why it did not answer."""
+        received, pause = -1, 0.001
+        while not self.ended:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                reply = self._stub.Stats(
+                    pool_pb2.StatsRequest(), metadata=self._metadata, timeout=left
+                )
+            except grpc.RpcError as e:  # gone, or the session ended under us
+                return received, f"it did not answer: {e.code().name}"
+            received = int(reply.session.events_received)
+            if received >= events and reply.session.iterations_seen >= steps:
+                break
+            time.sleep(min(pause, max(deadline - time.monotonic(), 0)))
+            pause = min(2 * pause, 0.05)
+        return received, ""
 
     def detach(self, last: pool_pb2.Heartbeat) -> None:
         """End the session with the daemon (nothing if it already ended it)."""
@@ -130,6 +203,10 @@ class Connection:
             msg = self._outbox.get()
             if msg is None:
                 return
+            with self._flow:
+                self._taken += 1
+                if self._taken >= self._queued:
+                    self._flow.notify_all()
             yield msg
 
     def _listen(
@@ -140,7 +217,7 @@ class Connection:
             for msg in self._responses:
                 body = msg.WhichOneof("body")
                 if body == "goodbye":
-                    self.goodbye = msg.goodbye
+                    self._end(msg.goodbye)
                     on_end()
                 elif body == "plan":
                     on_plan(msg.plan)
@@ -153,9 +230,15 @@ class Connection:
                     )
         except grpc.RpcError as e:
             if not self._stop.is_set() and self.goodbye is None:
-                self.goodbye = pool_pb2.Goodbye(message=f"session stream failed: {e.code().name}")
+                self._end(pool_pb2.Goodbye(message=f"session stream failed: {e.code().name}"))
                 on_end()
+
+    def _end(self, goodbye: pool_pb2.Goodbye) -> None:
+        """The session is over: nothing waits for the outbox any longer."""
+        with self._flow:
+            self.goodbye = goodbye
+            self._flow.notify_all()
 
     def _beat(self, heartbeat: Callable[[], pool_pb2.Heartbeat], interval_s: float) -> None:
         while not self._stop.wait(interval_s):
-            self._outbox.put(pool_pb2.ClientMessage(heartbeat=heartbeat()))
+            self.send(pool_pb2.ClientMessage(heartbeat=heartbeat()))

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tidalcore.wire import GRPC_SOCKET
+from tidalcore.wire import ADMIN_SOCKET, GRPC_SOCKET
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
+ADMIN_SERVICE = "tidalpool.v1.Admin"
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,8 +27,9 @@ class Health:
 
 def check(socket_dir: Path, service: str = "", timeout: float = 5.0) -> Health:
     """Ask the daemon in `socket_dir` whether `service` ("" for the daemon as a whole; or
-    tidalpool.v1.Pool, tidalpool.v1.Admin) is serving, waiting at most `timeout` seconds."""
-    path = socket_dir / GRPC_SOCKET
+    tidalpool.v1.Pool, tidalpool.v1.Admin) is serving, waiting at most `timeout` seconds.
+    Admin is asked on its own socket (admin.sock), the rest on the jobs' (tidalpool.sock)."""
+    path = socket_dir / (ADMIN_SOCKET if service == ADMIN_SERVICE else GRPC_SOCKET)
     what = "the daemon" if not service else f"service {service}"
     if not path.exists():
         return Health(False, f"no daemon at {socket_dir}: {path} does not exist")

@@ -43,7 +43,7 @@ class LocalDaemon:
     ) -> LocalDaemon:
         """Start `tidalpoold serve` and wait until it answers; `chunk_size` None keeps the
         daemon's default."""
-        socket_dir.mkdir(parents=True, exist_ok=True)
+        socket_dir.mkdir(mode=0o755, parents=True, exist_ok=True)  # the daemon's alone to write
         log_path = socket_dir / "tidalpoold.log"
         args = [
             sys.executable,

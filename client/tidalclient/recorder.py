@@ -49,6 +49,7 @@ class Recorder:
         self.source: Callable[[], object] | None = None  # called before each drain (native path)
         self.events_sent = 0
         self.chunks_sent = 0
+        self.steps_sent = 0
         self._thread = threading.Thread(target=self._run, name="tidalpool-recorder", daemon=True)
         self._thread.start()
 
@@ -86,6 +87,8 @@ class Recorder:
         self._drain()
 
     def close(self) -> None:
+        """Stop the drainer and hand everything still pending to `send` (the last chunk and
+        step marks): what is sent after this is what the session recorded."""
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=5)
@@ -118,6 +121,7 @@ class Recorder:
                 self._send(pool_pb2.ClientMessage(trace=self._pack([], new_names)))
             for mark in steps:
                 self._send(pool_pb2.ClientMessage(step=mark))
+                self.steps_sent += 1
 
     def _pack(self, events: list[Event], new_names: dict[int, str]) -> pool_pb2.TraceChunk:
         chunk = pool_pb2.TraceChunk(first_event=self.events_sent, new_names=new_names)

@@ -10,6 +10,10 @@
 The hot path (`malloc`, `free`, `op`) never leaves the process: the executor allocates inside
 the mapped lease and the recorder appends an event. The daemon's plans reach the executor,
 decoded once (plans.py), from the connection's listener.
+
+Once the session is over (closed here, or ended by the daemon: its lease is scrubbed and leased
+to others), everything that would touch the lease or the executor raises SessionClosed with the
+reason, and freeing is a no-op: the blocks went with the lease.
 """
 
 from __future__ import annotations
@@ -99,6 +103,7 @@ def attach(
     allocator: str = "python",
     native_device: int | None = None,
     async_compute: bool = False,
+    daemon_users: str | None = None,
 ) -> Session:
     """Open a session with the daemon of `socket_dir` and map its lease.
 
@@ -116,8 +121,11 @@ def attach(
     calling thread (sim: a worker thread's `Stream`; cuda: the compute stream, CuPy's current
     one), and the swap engine orders its copies against that stream instead of waiting on
     this thread; give each op its compute time with `op(..., duration_ns=)`.
-    Raises AttachError when there is no daemon or it refuses (wrong uid, pool
-    exhausted, its GPU not visible here).
+    `daemon_users`: the users the daemon may run as (comma-separated names or uids), checked
+    before anything is sent to it; None: $TIDALPOOL_DAEMON_USERS, else this process's uid and
+    the user "tidalpool" (see `handles.request_lease`).
+    Raises AttachError when there is no daemon, it runs as a user not accepted, or it
+    refuses (wrong uid, pool exhausted, its GPU not visible here).
     """
     directory = socket_dir_from_env(socket_dir)
     device_bytes = parse_size(device_limit) if device_limit is not None else 0
@@ -132,7 +140,9 @@ def attach(
     if allocator == "native" and async_compute:
         raise ValueError("async_compute orders Python ops: the native allocator has none")
     name = job_name or os.environ.get("TIDALPOOL_JOB_NAME") or Path(sys.argv[0] or "python").name
-    grant = request_lease(directory / HANDLES_SOCKET, device_bytes, host_bytes, name)
+    grant = request_lease(
+        directory / HANDLES_SOCKET, device_bytes, host_bytes, name, daemon_users=daemon_users
+    )
     try:
         mapped = map_lease(grant, driver)
     finally:
@@ -147,7 +157,9 @@ def attach(
                 HotPath(native_device), mapped.device.address, mapped.device.length
             )
             undo.append(native.close)
-        connection = Connection(directory, grant.response.session_id, grant.response.token)
+        connection = Connection(
+            directory, grant.response.session_id, grant.response.token, grant.daemon_uid
+        )
         undo.append(connection.close)
         reply = connection.attach(swap_bytes, copy_gbps)
         recorder = Recorder(connection.send, chunk_events=reply.trace_chunk_events or 4096)
@@ -270,24 +282,34 @@ class Session:
         """Messages of this session the daemon refused."""
         return self.connection.errors
 
+    def _check_open(self) -> None:
+        """SessionClosed, with the reason, once the session is over."""
+        if self._closed:
+            raise SessionClosed(self._why_closed())
+
     # -- allocation -------------------------------------------------------------------
     def malloc(self, nbytes: int) -> Block:
         """`nbytes` of device memory in the lease (ValueError if <= 0, LeaseExceeded if no room)."""
-        if self._closed:
-            raise SessionClosed(self._why_closed())
+        self._check_open()
         return self.executor.malloc(nbytes)
 
     def free(self, block: Block) -> None:
-        """Return a block (InvalidBlock if it is not live in this session)."""
+        """Return a block (InvalidBlock if it is not live in this session). Once the session is
+        over it does nothing: the whole lease has gone back, and cleanup code (a `finally`, an
+        array's finalizer) must not raise a second error over the one that ended the job."""
+        if self._closed:
+            return
         self.executor.free(block)
 
     def address(self, block: Block) -> int:
         """The block's address in this process now (sim: host memory). With swapping it holds
         until the block's next swap-out: use `op` to access a block that is not pinned."""
+        self._check_open()
         return self.device.address + self.executor.offset(block)
 
     def buffer(self, block: Block) -> memoryview:
         """The block's bytes (sim backend), where they are now (see `address`)."""
+        self._check_open()
         self.views.need_host_memory("buffer")
         return self.views.buffer(block, self.executor.offset(block))
 
@@ -297,6 +319,7 @@ class Session:
         """A NumPy array over lease memory, freed when it (and every view of it) is gone.
         It holds an address, so its block is pinned: never swapped out. Sim backend only
         (on cuda: CuPy arrays through `tidalpool.cupy`)."""
+        self._check_open()
         self.views.need_host_memory("array")
         return array(self, shape, dtype)
 
@@ -304,12 +327,14 @@ class Session:
         """An array whose bytes may be swapped out between ops: compute on the views `op`
         yields (NumPy arrays on sim, CuPy arrays on cuda). Freed by `release` or once it is
         garbage."""
+        self._check_open()
         if self._dead:
             self._free_dead()
         return Tensor(self, shape, dtype)
 
     def release(self, array: np.ndarray[Any, Any] | Tensor) -> None:
-        """Free an array's or tensor's block now instead of when it is garbage."""
+        """Free an array's or tensor's block now instead of when it is garbage (nothing to do
+        once the session is over, as `free`)."""
         release(self, array)
 
     def bury(self, block: Block) -> None:
@@ -344,11 +369,12 @@ class Session:
         must not be used after it. On cuda a tensor's view is a CuPy array over its device
         bytes, a block is yielded as its device address, and CuPy arrays of the session (see
         `tidalpool.cupy`) are yielded as they are. `duration_ns`: the op's compute time, recorded
-        instead of the time the `with` body took (work run asynchronously on `compute`)."""
+        instead of the time the `with` body took (work run asynchronously on `compute`).
+        SessionClosed once the session is over: on entry, and at the end of an op during which
+        the daemon ended it (what the op computed may be lost); an error of the body wins."""
         if duration_ns is not None and duration_ns < 0:
             raise ValueError(f"an op cannot take negative time ({duration_ns} ns)")
-        if self._released:
-            raise SessionClosed(self._why_closed())
+        self._check_open()
         if self._dead:
             self._free_dead()
         items = (*reads, *writes)
@@ -369,20 +395,21 @@ class Session:
             took = time.perf_counter_ns() - start if duration_ns is None else duration_ns
             record(OP, 0, 0, took, name_id)
             self.executor.end_op(blocks)
+        self._check_open()  # the daemon ended the session while the op ran
 
     def record_op(self, name: str, duration_ns: int) -> None:
         """Tell the daemon about an op it cannot see (compute outside the session's ops) that
         took `duration_ns`, at this point of the iteration; it touches no block."""
         if duration_ns < 0:
             raise ValueError(f"an op cannot take negative time ({duration_ns} ns)")
-        if self._released:
-            raise SessionClosed(self._why_closed())
+        self._check_open()
         self.executor.begin_op(())  # an op of the iteration: a swap schedule counts it
         self.recorder.record(OP, 0, 0, duration_ns, self.recorder.name_id(name))
         self.executor.end_op(())
 
     def step(self) -> None:
         """An iteration boundary: call it at the start of every training iteration."""
+        self._check_open()
         self.executor.step()
 
     # -- views ------------------------------------------------------------------------
@@ -419,12 +446,17 @@ class Session:
         return self._closed
 
     # -- the end --------------------------------------------------------------------------
-    def close(self) -> None:
-        """Send the rest of the trace, detach, and unmap the lease. Idempotent; also needed
-        after the daemon ended the session (eviction, shutdown) to release local resources."""
+    def close(self, flush_timeout_s: float = 5.0) -> None:
+        """Send the rest of the trace and wait until the daemon has it (at most
+        `flush_timeout_s`, then a warning says how many events it lacks), detach, and unmap the
+        lease. Idempotent; also needed after the daemon ended the session (eviction, shutdown)
+        to release local resources."""
         if self._released:
             return
         self.recorder.close()
+        if not self.connection.ended:
+            recorder = self.recorder
+            self.connection.flush(recorder.events_sent, recorder.steps_sent, flush_timeout_s)
         if not self.connection.ended:
             self.connection.detach(self._heartbeat())
         self._closed = True
@@ -450,7 +482,7 @@ class Session:
 
     # -- from the connection's threads --------------------------------------------------
     def _ended(self) -> None:
-        """The daemon ended the session: malloc refuses from now on."""
+        """The daemon ended the session: its lease is no longer this process's to use."""
         self._closed = True
 
     def _receive_plan(self, update: pool_pb2.PlanUpdate) -> None:

@@ -18,15 +18,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
-from rich.table import Table
 from rich.text import Text
 from tidalcore.units import format_size
 from tidalcore.v1 import admin_pb2, common_pb2
 
-from tidalclient.status import fetch
+from tidalclient.status import Fitted, Unreachable, fetch
 
 Fetch = Callable[[Path], tuple[admin_pb2.PoolStatusResponse, admin_pb2.ListSessionsResponse]]
 
@@ -82,18 +80,16 @@ def view(now: Sample, before: Sample | None, interval: float) -> RenderableType:
         style="bold",
     )
 
-    pools = Table(box=None, pad_edge=False)
-    for column in ("pool", "total", "leased", "used", "free", "leased %"):
-        pools.add_column(column, justify="left" if column == "pool" else "right")
+    pool_rows = []
     for name, u in (("device", pool.device), ("host", pool.host)):
         share = 100 * u.leased_bytes / u.total_bytes if u.total_bytes else 0.0
         sizes = (u.total_bytes, u.leased_bytes, u.used_bytes, u.free_bytes)
-        pools.add_row(name, *(format_size(x) for x in sizes), f"{share:.0f} %")
+        pool_rows.append((name, *(format_size(x) for x in sizes), f"{share:.0f} %"))
+    pools = Fitted(("pool", "total", "leased", "used", "free", "leased %"), pool_rows, plain=True)
 
     earlier = {s.session_id: s for s in before.sessions} if before is not None else {}
     seconds = now.at - before.at if before is not None else 0.0
-    sessions = Table(box=None, pad_edge=False)
-    for column in (
+    headers = (
         "session",
         "job",
         "pid",
@@ -107,10 +103,8 @@ def view(now: Sample, before: Sample | None, interval: float) -> RenderableType:
         "swapped in",
         "stalled",
         "iterations",
-    ):
-        sessions.add_column(
-            column, justify="left" if column in ("session", "job", "state") else "right"
-        )
+    )
+    rows: list[tuple[str, ...]] = []
     total_out = total_in = 0.0
     measured = False
     for s in now.sessions:
@@ -122,21 +116,24 @@ def view(now: Sample, before: Sample | None, interval: float) -> RenderableType:
             out += f" ({_per_second(r.out_bytes_per_s)})"
             into += f" ({_per_second(r.in_bytes_per_s)})"
             stalled = f"{100 * r.stalled:.0f} %"
-        sessions.add_row(
-            s.session_id,
-            s.job_name,
-            str(s.pid),
-            s.state,
-            format_size(s.device_used_bytes),
-            format_size(s.lease.device.length),
-            format_size(s.device_peak_bytes),
-            format_size(s.host_used_bytes),
-            format_size(s.swap_limit_bytes) if s.swap_limit_bytes else "–",
-            out,
-            into,
-            stalled,
-            str(s.iterations_seen),
+        rows.append(
+            (
+                s.session_id,
+                s.job_name,
+                str(s.pid),
+                s.state,
+                format_size(s.device_used_bytes),
+                format_size(s.lease.device.length),
+                format_size(s.device_peak_bytes),
+                format_size(s.host_used_bytes),
+                format_size(s.swap_limit_bytes) if s.swap_limit_bytes else "–",
+                out,
+                into,
+                stalled,
+                str(s.iterations_seen),
+            )
         )
+    sessions = Fitted(headers, rows, left=(0, 1, 3), plain=True)
     swap = (
         f"swap traffic: {_per_second(total_out)} out, {_per_second(total_in)} in"
         if measured
@@ -202,11 +199,11 @@ def run(
             while not pressed.is_set():
                 try:
                     pool, listed = fetch_status(socket_dir)
-                except grpc.RpcError as e:
+                except Unreachable as e:
                     problem = (
-                        f"no daemon answers at {socket_dir}: {e.details()}"
+                        f"no daemon answers at {socket_dir}: {e}"
                         if before is None
-                        else f"the daemon at {socket_dir} went away: {e.details()}"
+                        else f"the daemon at {socket_dir} went away: {e}"
                     )
                     break
                 now = Sample(time.monotonic(), pool, tuple(listed.sessions))

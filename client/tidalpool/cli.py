@@ -9,7 +9,6 @@ import math
 import sys
 from pathlib import Path
 
-import grpc
 import optuna
 from rich.console import Console
 from tidalclient import status as status_view
@@ -155,8 +154,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         pool, sessions = status_view.fetch(socket_dir)
-    except grpc.RpcError as e:
-        print(f"tidalpool: no daemon answers at {socket_dir}: {e.details()}", file=sys.stderr)
+    except status_view.Unreachable as e:
+        print(f"tidalpool: no daemon answers at {socket_dir}: {e}", file=sys.stderr)
         return 1
     if args.json:
         print(status_view.as_json(pool, sessions))

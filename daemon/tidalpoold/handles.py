@@ -1,35 +1,67 @@
 """The handles socket: checks who connects, opens their session, passes its memory.
 
-One short exchange per connection: the peer's credentials are read with
-SO_PEERCRED (a peer of another uid is admitted only if one of its groups is
-allowed), one HandlesRequest is read, a session is opened, and the reply
-carries the session token and its lease (chunk indices), followed by the fds of
-exactly those chunks (SCM_RIGHTS, in batches of at most 253): a client never
-holds a handle to another session's memory. The Attach RPC confirms the lease.
+One short exchange per connection, the peer judged before a byte of it is read:
+
+    accept ─▶ SO_PEERCRED, admit() ─▶ read one HandlesRequest ─▶ worker: open the session,
+      │            │ refused            (one deadline for it)       reply, then the fds
+      │            ▼
+      │     error reply, SHUT_WR, drain what it sent (bounded, same deadline), close
+      ▼
+    at max_connections: the rest wait in the listen backlog; while one waits, the connection
+    longest without a whole request (past a short grace) is dropped to make room
+
+A peer of another uid is admitted only if one of its groups is allowed. The reply carries the
+session token and its lease (chunk indices), followed by the fds of exactly those chunks
+(SCM_RIGHTS, in batches of at most 253): a client never holds a handle to another session's
+memory. The Attach RPC confirms the lease.
+
+One selector thread accepts, checks and reads every connection without blocking, so a slow or
+silent peer costs an fd and a few bytes, never another peer's time; a thread per connection
+would spend a thread per silent peer and need a way to interrupt each. A whole request goes to
+a pool of max_connections workers (registry.open and the sends are the only calls that may
+wait), so a connection being served never waits for a worker.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
+import selectors
 import socket
 import struct
 import threading
-from dataclasses import dataclass
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from google.protobuf.message import DecodeError
 from tidalcore import framing
-from tidalcore.errors import Failure, InvalidArgument, PermissionDenied, status_of
+from tidalcore.errors import (
+    Failure,
+    InvalidArgument,
+    PermissionDenied,
+    ResourceExhausted,
+    status_of,
+)
 from tidalcore.v1 import handles_pb2
 from tidalcore.wire import HANDLES_VERSION
 
 from tidalpoold.backends.base import Backend
-from tidalpoold.sessions import Registry, lease_message
+from tidalpoold.sessions import Reason, Registry, lease_message
 
 log = logging.getLogger("tidalpoold.handles")
 
 _PEERCRED = struct.Struct("3i")
+_LEN = struct.Struct("<I")  # the framing's length prefix (tidalcore.framing)
+# What a refused peer may still have in flight: one whole request. Reading it before closing
+# lets the peer finish its send and read the refusal; more than that is not waited for.
+_DRAIN_BYTES = _LEN.size + framing.MAX_MESSAGE
+_GRACE_S = 0.1  # a connection this young is never dropped to make room for another
+_BACKOFF_S = (0.01, 0.5)  # first and longest wait before accept is tried again after an error
+_SEND_FLOOR_S = 0.1  # the reply's sends get the rest of the deadline, but at least this
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,82 +100,417 @@ def admit(peer: Peer, own_uid: int, allowed_gids: tuple[int, ...]) -> None:
     )
 
 
+@dataclass(eq=False)
+class _Conn:
+    """A connection the selector thread holds: reading its request, or draining a refused one."""
+
+    sock: socket.socket
+    peer: Peer
+    accepted: float
+    deadline: float
+    data: bytearray = field(default_factory=bytearray)
+    refused: bool = False  # answered with an error: what it sends is read and dropped
+    drained: int = 0
+
+
 class HandlesServer:
-    """Accepts connections on the handles socket in a background thread."""
+    """Serves the handles socket from a background thread (see the module docstring).
+
+    `timeout_s` is the one deadline a peer has to send its whole request (the reply gets what
+    is left of it); `max_connections` bounds the connections held at once, read or served.
+    """
 
     def __init__(
-        self, path: Path, registry: Registry, mode: int, allowed_gids: tuple[int, ...]
+        self,
+        path: Path,
+        registry: Registry,
+        mode: int,
+        allowed_gids: tuple[int, ...],
+        *,
+        timeout_s: float = 2.0,
+        max_connections: int = 64,
     ) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be greater than 0, got {timeout_s}")
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1, got {max_connections}")
         self.path = path
         self.registry = registry
         self.allowed_gids = allowed_gids
         self.own_uid = os.getuid()
+        self.timeout_s = timeout_s
+        self.max_connections = max_connections
+        self._grace_s = min(_GRACE_S, timeout_s / 4)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.bind(str(path))
         os.chmod(path, mode)
-        self._sock.listen(64)
-        self._closing = False
-        self._thread = threading.Thread(target=self._accept_loop, name="handles", daemon=True)
+        self._sock.listen(max(64, max_connections))
+        self._sock.setblocking(False)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._listening = False
+        self._conns: dict[_Conn, None] = {}  # in order of acceptance: of deadline, too
+        self._serving: set[_Conn] = set()  # handed to a worker; guarded by _lock
+        self._lock = threading.Lock()
+        self._workers = ThreadPoolExecutor(max_connections, thread_name_prefix="handles")
+        self._closing = threading.Event()
+        self._retry_at = 0.0  # accept is not tried before this (after an error)
+        self._backoff_s = 0.0
+        self._failures = 0  # accept errors in the current burst
+        self._failing_since = 0.0
+        self._crowded = 0  # connections dropped for waiting peers in the current burst
+        self._crowded_since = 0.0
+        self._thread = threading.Thread(target=self._loop, name="handles", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
+    @property
+    def accept_failures(self) -> int:
+        """accept() errors in the current burst: 0 while accepting works."""
+        return self._failures
+
     def close(self) -> None:
-        self._closing = True
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
-        self._sock.close()
-        self._thread.join(timeout=2)
+        """Stop accepting, drop the connections being read, cut short the ones being served
+        (a lease not yet handed over goes back), wait for the workers, remove the socket."""
+        self._closing.set()
+        self._wake()
+        if self._thread.ident is not None:
+            self._thread.join(timeout=5)
+        else:
+            self._teardown()
+        with self._lock:
+            for conn in self._serving:
+                with contextlib.suppress(OSError):
+                    conn.sock.shutdown(socket.SHUT_RDWR)
+        self._workers.shutdown(wait=True)
+        self._wake_r.close()
+        self._wake_w.close()
         self.path.unlink(missing_ok=True)
 
-    def _accept_loop(self) -> None:
-        while not self._closing:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            with conn:
-                conn.settimeout(5.0)
-                try:
-                    self._serve(conn)
-                except (OSError, framing.FramingError) as e:
-                    log.warning("handles.bad_peer", extra={"why": str(e)})
-
-    def _serve(self, conn: socket.socket) -> None:
-        peer = peer_of(conn)
+    # -- the selector thread --------------------------------------------------------------------
+    def _loop(self) -> None:
+        """Until close(): nothing else ends it (an unexpected error is logged, then the loop
+        goes on after a pause)."""
         try:
-            # Read the request before judging the peer: closing on unread data would reset the
-            # connection and the peer would never read why it was refused.
-            request, fds = framing.receive(conn, handles_pb2.HandlesRequest)
-            for fd in fds:  # a client has no business sending fds
-                os.close(fd)
-            admit(peer, self.own_uid, self.allowed_gids)
-            if request.version != HANDLES_VERSION:
-                raise InvalidArgument(
-                    f"handles protocol version {request.version} is not supported"
-                    f" ({HANDLES_VERSION})"
-                )
-            session = self.registry.open(
-                request.device_bytes, request.host_bytes, request.job_name, peer.pid, peer.uid
+            while not self._closing.is_set():
+                try:
+                    self._step()
+                except Exception:
+                    log.exception("handles.loop_failed")
+                    self._closing.wait(0.1)
+        finally:
+            self._teardown()
+
+    def _step(self) -> None:
+        now = time.monotonic()
+        self._expire(now)
+        self._watch_listener(now)
+        for key, _ in self._selector.select(self._wait(now)):
+            if key.fileobj is self._sock:
+                self._accept()
+            elif key.data is None:
+                with contextlib.suppress(OSError):
+                    self._wake_r.recv(4096)
+            elif key.data in self._conns:  # not dropped by an earlier event of this round
+                self._readable(key.data)
+
+    def _held(self) -> int:
+        with self._lock:
+            return len(self._conns) + len(self._serving)
+
+    def _oldest_droppable(self, now: float) -> _Conn | None:
+        """The connection held longest, if past its grace (the first: they are in order)."""
+        oldest = next(iter(self._conns), None)
+        return oldest if oldest is not None and now - oldest.accepted >= self._grace_s else None
+
+    def _watch_listener(self, now: float) -> None:
+        """Listen while there is room, or a connection to drop for a waiting peer; not while
+        accept backs off after an error."""
+        want = now >= self._retry_at and (
+            self._held() < self.max_connections or self._oldest_droppable(now) is not None
+        )
+        if want != self._listening:
+            if want:
+                self._selector.register(self._sock, selectors.EVENT_READ, None)
+            else:
+                self._selector.unregister(self._sock)
+            self._listening = want
+
+    def _wait(self, now: float) -> float | None:
+        """Seconds until something is due: a deadline, the end of a backoff, or the oldest
+        connection's grace ending while there is no room (None: only an event is)."""
+        due: list[float] = []
+        oldest = next(iter(self._conns), None)
+        if oldest is not None:
+            due.append(oldest.deadline)
+            if not self._listening:
+                due.append(oldest.accepted + self._grace_s)
+        if now < self._retry_at:
+            due.append(self._retry_at)
+        return max(0.0, min(due) - now) if due else None
+
+    def _expire(self, now: float) -> None:
+        while self._conns:
+            conn = next(iter(self._conns))
+            if conn.deadline > now:
+                return
+            if not conn.refused:
+                self._drop(conn, f"no whole request within {self.timeout_s:g} s")
+            else:
+                self._forget(conn)
+
+    def _accept(self) -> None:
+        """Accept what waits, as room allows; an error backs off and never ends the loop."""
+        for _ in range(self.max_connections):
+            now = time.monotonic()
+            full = self._held() >= self.max_connections
+            if full and self._oldest_droppable(now) is None:
+                return
+            try:
+                sock, _ = self._sock.accept()
+            except BlockingIOError:
+                self._uncrowded(now)
+                return
+            except OSError as e:
+                self._accept_failed(e, now)
+                return
+            self._accept_recovered(now)
+            if full:
+                self._make_room(now)
+            self._admit(sock, now)
+
+    def _make_room(self, now: float) -> None:
+        """Drop the connection held longest (past its grace) for a peer that waits: a client
+        sends its request as soon as it connects, so that one is slow, silent or refused.
+        One log line when this starts (naming the first peer dropped), one when it ends."""
+        victim = self._oldest_droppable(now)
+        if victim is None:
+            return
+        why = (
+            f"no whole request after {now - victim.accepted:.2f} s while the handles socket"
+            f" holds its {self.max_connections} connections and another peer waits"
+        )
+        if self._crowded == 0:
+            self._crowded_since = now
+            log.warning(
+                "handles.crowded",
+                extra={"pid": victim.peer.pid, "uid": victim.peer.uid, "why": why},
             )
-        except Failure as e:
-            code, message = status_of(e)
-            log.warning("handles.refused", extra={"pid": peer.pid, "uid": peer.uid, "why": message})
-            framing.send(
-                conn, handles_pb2.HandlesResponse(error_code=code.name, error_message=message)
+        self._crowded += 1
+        if victim.refused:
+            self._forget(victim)
+        else:
+            self._drop(victim, why, level=logging.DEBUG)
+
+    def _uncrowded(self, now: float) -> None:
+        """No peer waits any more: the end of a burst of drops, if there was one."""
+        if self._crowded:
+            log.info(
+                "handles.uncrowded",
+                extra={"dropped": self._crowded, "seconds": round(now - self._crowded_since, 3)},
+            )
+            self._crowded = 0
+
+    def _accept_failed(self, e: OSError, now: float) -> None:
+        """One log line per burst of failures (EMFILE, ENOBUFS...), then a growing backoff:
+        connections still held finish meanwhile and give their fds back."""
+        if self._failures == 0:
+            self._failing_since = now
+            log.warning(
+                "handles.accept_failing",
+                extra={"why": f"{errno.errorcode.get(e.errno or 0, e.errno)}: {e.strerror or e}"},
+            )
+        self._failures += 1
+        self._backoff_s = min(max(self._backoff_s * 2, _BACKOFF_S[0]), _BACKOFF_S[1])
+        self._retry_at = now + self._backoff_s
+
+    def _accept_recovered(self, now: float) -> None:
+        if self._failures:
+            log.info(
+                "handles.accept_recovered",
+                extra={"failures": self._failures, "seconds": round(now - self._failing_since, 3)},
+            )
+        self._failures, self._backoff_s = 0, 0.0
+
+    def _admit(self, sock: socket.socket, now: float) -> None:
+        """Judge the peer before reading anything of it; a refused one is answered at once."""
+        try:
+            sock.setblocking(False)
+            peer = peer_of(sock)
+        except OSError as e:
+            log.warning("handles.bad_peer", extra={"why": str(e)})
+            sock.close()
+            return
+        conn = _Conn(sock, peer, now, now + self.timeout_s)
+        with self._lock:
+            self._conns[conn] = None
+        self._selector.register(sock, selectors.EVENT_READ, conn)
+        try:
+            admit(peer, self.own_uid, self.allowed_gids)
+        except PermissionDenied as e:
+            self._refuse(conn, e)
+            return
+        self._readable(conn)  # a client's request is usually there already: serve it now
+
+    def _readable(self, conn: _Conn) -> None:
+        if conn.refused:
+            self._drain(conn)
+            return
+        try:
+            size = _LEN.size
+            if len(conn.data) >= size:
+                size += _LEN.unpack_from(conn.data)[0]
+            got = conn.sock.recv(size - len(conn.data))  # fds sent along are dropped unread
+        except BlockingIOError:
+            return
+        except OSError as e:
+            self._drop(conn, str(e), reply=False)
+            return
+        if not got:
+            self._drop(conn, f"closed after {len(conn.data)} bytes of its request", reply=False)
+            return
+        conn.data += got
+        if len(conn.data) < _LEN.size:
+            return
+        (length,) = _LEN.unpack_from(conn.data)
+        if length > framing.MAX_MESSAGE:
+            self._refuse(
+                conn,
+                InvalidArgument(
+                    f"request of {length} bytes exceeds the limit of {framing.MAX_MESSAGE}"
+                ),
             )
             return
-        backend = self.registry.backend
-        fds = lease_fds(backend, session.device.chunks, session.host.chunks)
-        reply = handles_pb2.HandlesResponse(
-            session_id=session.id,
-            token=session.token,
-            lease=lease_message(session, backend),
-            fd_count=len(fds),
-            ipc_handle=backend.device.ipc_handle if backend.mode == "ipc" else b"",
+        if len(conn.data) < _LEN.size + length:
+            return
+        try:
+            request = handles_pb2.HandlesRequest.FromString(bytes(conn.data[_LEN.size :]))
+        except DecodeError as e:
+            self._refuse(conn, InvalidArgument(f"malformed tidalpool.v1.HandlesRequest: {e}"))
+            return
+        self._selector.unregister(conn.sock)
+        with self._lock:
+            del self._conns[conn]
+            self._serving.add(conn)
+        self._workers.submit(self._serve, conn, request)
+
+    def _drain(self, conn: _Conn) -> None:
+        """Read and drop what a refused peer sends; close at its end or after one request."""
+        try:
+            got = conn.sock.recv(min(65536, _DRAIN_BYTES - conn.drained))
+        except BlockingIOError:
+            return
+        except OSError:
+            got = b""
+        conn.drained += len(got)
+        if not got or conn.drained >= _DRAIN_BYTES:
+            self._forget(conn)
+
+    def _refuse(self, conn: _Conn, failure: Failure) -> None:
+        """Answer with the error, shut our side, and read what the peer still sends before
+        closing: closing on unread bytes, or before the peer's request has gone out, would
+        fail its send (EPIPE) and it would never read why it was refused. What it sends is
+        read under the same deadline and up to one whole request, then it is closed anyway."""
+        code, message = status_of(failure)
+        log.warning(
+            "handles.refused", extra={"pid": conn.peer.pid, "uid": conn.peer.uid, "why": message}
         )
-        framing.send(conn, reply)
-        framing.send_fds(conn, fds)
+        self._reply_quietly(conn, code.name, message)
+        with contextlib.suppress(OSError):
+            conn.sock.shutdown(socket.SHUT_WR)
+        conn.refused, conn.data = True, bytearray()
+
+    def _drop(self, conn: _Conn, why: str, reply: bool = True, level: int = logging.INFO) -> None:
+        """Close a connection that sent no whole request, telling it why if it still listens."""
+        log.log(
+            level, "handles.dropped", extra={"pid": conn.peer.pid, "uid": conn.peer.uid, "why": why}
+        )
+        if reply:
+            self._reply_quietly(conn, ResourceExhausted.code.name, why)
+        self._forget(conn)
+
+    @staticmethod
+    def _reply_quietly(conn: _Conn, code: str, message: str) -> None:
+        """An error reply, if it fits at once in the socket (it does in a fresh one)."""
+        reply = handles_pb2.HandlesResponse(error_code=code, error_message=message)
+        with contextlib.suppress(OSError):
+            framing.send(conn.sock, reply)
+
+    def _forget(self, conn: _Conn) -> None:
+        with self._lock:
+            self._conns.pop(conn, None)
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(conn.sock)
+        conn.sock.close()
+
+    def _teardown(self) -> None:
+        for conn in list(self._conns):
+            self._forget(conn)
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(self._sock)
+        self._listening = False
+        self._sock.close()
+        self._selector.close()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"\0")
+
+    # -- the workers ----------------------------------------------------------------------------
+    def _serve(self, conn: _Conn, request: handles_pb2.HandlesRequest) -> None:
+        """Open the session and hand it over, within what is left of the deadline."""
+        peer = conn.peer
+        try:
+            conn.sock.settimeout(max(conn.deadline - time.monotonic(), _SEND_FLOOR_S))
+            try:
+                if request.version != HANDLES_VERSION:
+                    raise InvalidArgument(
+                        f"handles protocol version {request.version} is not supported"
+                        f" ({HANDLES_VERSION})"
+                    )
+                session = self.registry.open(
+                    request.device_bytes, request.host_bytes, request.job_name, peer.pid, peer.uid
+                )
+            except Failure as e:
+                code, message = status_of(e)
+                log.warning(
+                    "handles.refused", extra={"pid": peer.pid, "uid": peer.uid, "why": message}
+                )
+                framing.send(
+                    conn.sock,
+                    handles_pb2.HandlesResponse(error_code=code.name, error_message=message),
+                )
+                return
+            backend = self.registry.backend
+            fds = lease_fds(backend, session.device.chunks, session.host.chunks)
+            reply = handles_pb2.HandlesResponse(
+                session_id=session.id,
+                token=session.token,
+                lease=lease_message(session, backend),
+                fd_count=len(fds),
+                ipc_handle=backend.device.ipc_handle if backend.mode == "ipc" else b"",
+            )
+            try:
+                framing.send(conn.sock, reply)
+                framing.send_fds(conn.sock, fds)
+            except OSError as e:  # its chunks go back to the pools now, not at attach_timeout_s
+                self.registry.end_quietly(
+                    session.id, Reason.REASON_DETACHED, f"its lease could not be handed over: {e}"
+                )
+                raise
+        except OSError as e:
+            log.warning("handles.bad_peer", extra={"pid": peer.pid, "uid": peer.uid, "why": str(e)})
+        except Exception:
+            log.exception("handles.failed", extra={"pid": peer.pid, "uid": peer.uid})
+        finally:
+            with self._lock:
+                self._serving.discard(conn)
+            conn.sock.close()
+            self._wake()  # a slot is free: the selector may listen again
 
 
 def lease_fds(backend: Backend, device: tuple[int, ...], host: tuple[int, ...]) -> list[int]:

@@ -47,6 +47,22 @@ def unary(
     return grpc.unary_unary_rpc_method_handler(handle, response_serializer=_serialize)
 
 
+def unary_stream(
+    method: str, kind: type[Req], fn: Callable[[Req, grpc.ServicerContext], Iterator[Message]]
+) -> grpc.RpcMethodHandler:
+    """A server-streaming method (a request, then the responses `fn` returns)."""
+
+    def handle(raw: bytes, context: grpc.ServicerContext) -> Iterator[Message]:
+        try:
+            request = parse(kind, raw)
+        except Exception as e:
+            _abort(context, e, method)
+            raise  # unreachable: abort raises
+        return fn(request, context)
+
+    return grpc.unary_stream_rpc_method_handler(handle, response_serializer=_serialize)
+
+
 def bidi_stream(
     method: str, fn: Callable[[Iterator[bytes], grpc.ServicerContext], Iterator[Message]]
 ) -> grpc.RpcMethodHandler:

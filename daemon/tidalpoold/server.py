@@ -14,16 +14,19 @@ import threading
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from wsgiref.simple_server import WSGIServer
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection
 
+from tidalpoold import directory
 from tidalpoold.backends import Backend, open_backend
 from tidalpoold.handles import HandlesServer
 from tidalpoold.metrics import DaemonCollector, Metrics
 from tidalpoold.plan_worker import PlanWorker, copy_gbps_of
+from tidalpoold.rpc import service, unary, unary_stream
 from tidalpoold.services import AdminService, PoolService
 from tidalpoold.sessions import Reason, Registry
 from tidalpoold.settings import Settings, describe
@@ -36,12 +39,16 @@ class Daemon:
     settings: Settings
     backend: Backend
     registry: Registry
-    grpc_server: grpc.Server
+    grpc_server: grpc.Server  # tidalpool.sock: Pool, health, reflection
+    admin_server: grpc.Server  # admin.sock: Admin, health, reflection
     handles: HandlesServer
-    health: health.HealthServicer
+    health: health.HealthServicer  # of tidalpool.sock: the daemon and Pool
+    admin_health: health.HealthServicer  # of admin.sock: the daemon and Admin
     planner: PlanWorker
     grpc_socket: Path
     handles_socket: Path
+    admin_socket: Path
+    claim: directory.Claim
     _stop: threading.Event
     _reaper: threading.Thread
     metrics_server: WSGIServer | None = None  # None: metrics_address ""
@@ -64,10 +71,12 @@ class Daemon:
             "daemon.stopping", extra={"why": reason, "sessions": len(self.registry.sessions())}
         )
         self.health.enter_graceful_shutdown()
+        self.admin_health.enter_graceful_shutdown()
         self.handles.close()
         for session in self.registry.sessions():
             self.registry.end_quietly(session.id, Reason.REASON_SHUTDOWN, reason)
         self.grpc_server.stop(self.settings.shutdown_grace_s).wait()
+        self.admin_server.stop(0).wait()
         self.planner.close()
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
@@ -75,31 +84,38 @@ class Daemon:
         self._stop.set()
         self._reaper.join(timeout=2)
         self.grpc_socket.unlink(missing_ok=True)
+        self.admin_socket.unlink(missing_ok=True)
         self.backend.close()
+        self.claim.release()  # last: the next daemon may start now
         log.info("daemon.stopped")
 
 
 def build_daemon(settings: Settings) -> Daemon:
-    """Allocate the pools and start listening on both sockets (and the metrics address)."""
-    socket_dir = settings.socket_dir
-    socket_dir.mkdir(parents=True, exist_ok=True)
-    for path in (settings.grpc_socket, settings.handles_socket):
-        _remove_stale_socket(path)
-
-    # Metrics first: an address that cannot be served stops the start before any pool is made.
-    metrics = Metrics(gpu=str(settings.gpu)) if settings.metrics_address else None
-    metrics_server = metrics.serve(settings.metrics_address) if metrics else None
+    """Check and claim the socket directory, allocate the pools and start listening on the
+    three sockets (and the metrics address)."""
+    directory.prepare(settings.socket_dir)
+    claim = directory.claim(settings.socket_dir)
+    metrics_server = None
     try:
-        return _build(settings, metrics, metrics_server)
+        for path in (settings.grpc_socket, settings.handles_socket, settings.admin_socket):
+            _remove_stale_socket(path)
+        # Metrics first: an address that cannot be served stops the start before any pool.
+        metrics = Metrics(gpu=str(settings.gpu)) if settings.metrics_address else None
+        metrics_server = metrics.serve(settings.metrics_address) if metrics else None
+        return _build(settings, claim, metrics, metrics_server)
     except BaseException:
         if metrics_server is not None:
             metrics_server.shutdown()
             metrics_server.server_close()
+        claim.release()
         raise
 
 
 def _build(
-    settings: Settings, metrics: Metrics | None, metrics_server: WSGIServer | None
+    settings: Settings,
+    claim: directory.Claim,
+    metrics: Metrics | None,
+    metrics_server: WSGIServer | None,
 ) -> Daemon:
     chunk = settings.chunk_size
     make_undumpable()
@@ -134,29 +150,47 @@ def _build(
         metrics.add(DaemonCollector(registry, planner, backend.facts))
     pool, admin = PoolService(registry, planner), AdminService(registry)
 
+    # Two gRPC servers, one per socket: who may connect to a Unix socket is its file mode, so
+    # Admin (which lists and evicts every session) has a socket of its own, by default the
+    # daemon's uid's alone, while jobs of the allowed groups reach the Pool service.
+    health_servicer, admin_health = health.HealthServicer(), health.HealthServicer()
+    for servicer in (health_servicer, admin_health):  # serving once every socket listens
+        servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    interceptors = [metrics.rpc] if metrics else []
     # A Session stream holds a worker for its lifetime: room for every session, and then some.
-    server = grpc.server(
-        futures.ThreadPoolExecutor(
-            max_workers=settings.max_sessions + 16, thread_name_prefix="grpc"
-        ),
-        options=[("grpc.so_reuseport", 0)],
-        interceptors=[metrics.rpc] if metrics else [],
-    )
-    server.add_generic_rpc_handlers((pool.handler(), admin.handler()))
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    server = _grpc_server(settings.max_sessions + 16, "grpc", interceptors)
+    server.add_generic_rpc_handlers((pool.handler(), health_handler(health_servicer)))
     reflection.enable_server_reflection(
-        (pool.name, admin.name, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        (pool.name, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    server.add_insecure_port(f"unix:{settings.grpc_socket}")
-    server.start()
-    os.chmod(settings.grpc_socket, settings.socket_mode)
+    admin_server = _grpc_server(4, "admin", interceptors)
+    admin_server.add_generic_rpc_handlers((admin.handler(), health_handler(admin_health)))
+    reflection.enable_server_reflection(
+        (admin.name, health.SERVICE_NAME, reflection.SERVICE_NAME), admin_server
+    )
+    for grpc_server, path, mode in (
+        (server, settings.grpc_socket, settings.socket_mode),
+        (admin_server, settings.admin_socket, settings.admin_socket_mode),
+    ):
+        grpc_server.add_insecure_port(f"unix:{path}")
+        grpc_server.start()
+        os.chmod(path, mode)
     handles = HandlesServer(
-        settings.handles_socket, registry, settings.socket_mode, settings.allowed_gids
+        settings.handles_socket,
+        registry,
+        settings.socket_mode,
+        settings.allowed_gids,
+        timeout_s=settings.handles_timeout_s,
+        max_connections=settings.max_handles_connections,
     )
     handles.start()
-    for name in ("", pool.name, admin.name):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    for servicer, name in (
+        (health_servicer, ""),
+        (health_servicer, pool.name),
+        (admin_health, ""),
+        (admin_health, admin.name),
+    ):
+        servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
     stop = threading.Event()
     reaper = threading.Thread(target=_reap, args=(registry, stop), name="reaper", daemon=True)
@@ -174,6 +208,7 @@ def _build(
             "open_files": open_files,
             "grpc": str(settings.grpc_socket),
             "handles": str(settings.handles_socket),
+            "admin": str(settings.admin_socket),
             "metrics": _address_of(metrics_server),  # the bound port, for port 0
             "settings": describe(settings),
         },
@@ -183,14 +218,38 @@ def _build(
         backend=backend,
         registry=registry,
         grpc_server=server,
+        admin_server=admin_server,
         handles=handles,
         health=health_servicer,
+        admin_health=admin_health,
         planner=planner,
         grpc_socket=settings.grpc_socket,
         handles_socket=settings.handles_socket,
+        admin_socket=settings.admin_socket,
+        claim=claim,
         _stop=stop,
         _reaper=reaper,
         metrics_server=metrics_server,
+    )
+
+
+def _grpc_server(workers: int, name: str, interceptors: list[Any]) -> grpc.Server:
+    return grpc.server(
+        futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name),
+        options=[("grpc.so_reuseport", 0)],
+        interceptors=interceptors,
+    )
+
+
+def health_handler(servicer: health.HealthServicer) -> Any:
+    """grpc.health.v1.Health with requests parsed by `rpc` (a malformed one is answered
+    INVALID_ARGUMENT, where the stock registration's deserializer says INTERNAL)."""
+    return service(
+        health.SERVICE_NAME,
+        {
+            "Check": unary("Check", health_pb2.HealthCheckRequest, servicer.Check),
+            "Watch": unary_stream("Watch", health_pb2.HealthCheckRequest, servicer.Watch),
+        },
     )
 
 

@@ -169,7 +169,7 @@ def test_a_second_daemon_on_the_same_directory_is_refused(daemon: LocalDaemon) -
         timeout=60,
     )
     assert out.returncode != 0
-    assert "another daemon is listening" in out.stderr
+    assert f"another daemon (pid {daemon.process.pid}) serves {daemon.socket_dir}" in out.stderr
     assert time.monotonic() - started < 30
     assert is_serving(Path(daemon.socket_dir))
 

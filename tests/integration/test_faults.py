@@ -28,6 +28,10 @@ def channel(d: LocalDaemon) -> grpc.Channel:
     return grpc.insecure_channel(f"unix:{d.socket_dir / 'tidalpool.sock'}")
 
 
+def admin_channel(d: LocalDaemon) -> grpc.Channel:
+    return grpc.insecure_channel(f"unix:{d.socket_dir / 'admin.sock'}")
+
+
 @pytest.fixture
 def bystander(daemon: LocalDaemon):  # type: ignore[no-untyped-def]
     """Another session with known bytes, checked untouched after each fault."""
@@ -76,12 +80,17 @@ def test_forged_token_cannot_open_a_stream(
 
 
 @pytest.mark.parametrize(
-    "method", ["/tidalpool.v1.Pool/Attach", "/tidalpool.v1.Admin/EvictSession"]
+    "method",
+    [
+        "/tidalpool.v1.Pool/Attach",
+        "/tidalpool.v1.Admin/EvictSession",
+        "/grpc.health.v1.Health/Check",
+    ],
 )
 def test_malformed_message_is_invalid_argument(
     daemon: LocalDaemon, bystander: tidalpool.Session, method: str
 ) -> None:
-    with channel(daemon) as ch:
+    with admin_channel(daemon) if "Admin" in method else channel(daemon) as ch:
         call = ch.unary_unary(method, request_serializer=None, response_deserializer=None)
         with pytest.raises(grpc.RpcError) as e:
             call(b"\xff\xff\xff\xff", timeout=5)
@@ -167,7 +176,7 @@ def test_unknown_handles_version_is_refused(daemon: LocalDaemon) -> None:
 
 def test_evict_ends_one_session_only(daemon: LocalDaemon, bystander: tidalpool.Session) -> None:
     s = tidalpool.attach(daemon.socket_dir, job_name="victim")
-    with channel(daemon) as ch:
+    with admin_channel(daemon) as ch:
         admin = admin_pb2_grpc.AdminStub(ch)
         with pytest.raises(grpc.RpcError) as e:
             admin.EvictSession(admin_pb2.EvictSessionRequest(session_id="s-nope"), timeout=5)
@@ -192,16 +201,16 @@ def test_an_evicted_client_that_keeps_writing_never_reaches_the_next_holder(
     """A client ignoring its goodbye still maps its old chunks: the daemon renewed them (new
     memfds) when it scrubbed them, so the stale mapping writes into orphans only."""
     s = tidalpool.attach(daemon.socket_dir, device_limit="4MiB", job_name="evicted")
-    stale = s.malloc(4 * MiB)
+    stale = s.buffer(s.malloc(4 * MiB))  # the session refuses its lease once it is evicted
     chunks = list(status.fetch(daemon.socket_dir)[1].sessions[0].lease.device.chunks)
-    with channel(daemon) as ch:
+    with admin_channel(daemon) as ch:
         admin_pb2_grpc.AdminStub(ch).EvictSession(
             admin_pb2.EvictSessionRequest(session_id=s.id, reason="test"), timeout=5
         )
     with tidalpool.attach(daemon.socket_dir, device_limit="4MiB", job_name="next") as nxt:
         assert list(status.fetch(daemon.socket_dir)[1].sessions[0].lease.device.chunks) == chunks
         assert not s.device.retired  # the evicted client has not let go of its mapping
-        s.buffer(stale)[:] = b"\xee" * (4 * MiB)
+        stale[:] = b"\xee" * (4 * MiB)
         fresh = nxt.malloc(4 * MiB)
         assert bytes(nxt.buffer(fresh)) == bytes(4 * MiB)
     s.close()
@@ -217,7 +226,8 @@ def test_peer_with_another_uid_is_refused(start_daemon: StartDaemon) -> None:
         "from tidalclient.errors import AttachError\n"
         "os.setgid(65534); os.setgroups([]); os.setuid(65534)  # after the imports: /root is 0700\n"
         "try:\n"
-        f"    request_lease(pathlib.Path({str(d.socket_dir / 'handles.sock')!r}), 0, 0, 'x')\n"
+        f"    request_lease(pathlib.Path({str(d.socket_dir / 'handles.sock')!r}), 0, 0, 'x',\n"
+        f"                  daemon_users={str(os.getuid())!r})  # the daemon's uid: trusted\n"
         "except AttachError as e:\n"
         "    print(e); sys.exit(0)\n"
         "sys.exit('admitted')\n"

@@ -18,7 +18,8 @@ def test_a_serving_daemon_exits_0_and_a_stopped_one_1(daemon: LocalDaemon) -> No
         "tidalpool.v1.Admin",
         env={"TIDALPOOL_SOCKET_DIR": str(daemon.socket_dir)},
     )
-    assert (out.returncode, out.stdout) == (0, f"serving: service tidalpool.v1.Admin at {path}\n")
+    admin = daemon.socket_dir / "admin.sock"
+    assert (out.returncode, out.stdout) == (0, f"serving: service tidalpool.v1.Admin at {admin}\n")
     out = run_cli("--socket-dir", str(daemon.socket_dir), "health", "--service", "nope")
     assert (out.returncode, out.stderr) == (
         1,

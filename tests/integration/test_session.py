@@ -92,18 +92,26 @@ def test_health_and_reflection_are_served(daemon: LocalDaemon) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-    with grpc.insecure_channel(f"unix:{daemon.socket_dir / 'tidalpool.sock'}") as channel:
-        for service in ("", "tidalpool.v1.Pool", "tidalpool.v1.Admin"):
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=5
+    # Each socket's health and reflection name what that socket serves: jobs' services on
+    # tidalpool.sock, Admin on admin.sock.
+    for socket_name, service, other in (
+        ("tidalpool.sock", "tidalpool.v1.Pool", "tidalpool.v1.Admin"),
+        ("admin.sock", "tidalpool.v1.Admin", "tidalpool.v1.Pool"),
+    ):
+        with grpc.insecure_channel(f"unix:{daemon.socket_dir / socket_name}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            for name in ("", service):
+                reply = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.RpcError) as e:
+                health.Check(health_pb2.HealthCheckRequest(service=other), timeout=5)
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+            replies = stub.ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
             )
-            assert reply.status == health_pb2.HealthCheckResponse.SERVING
-        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-        replies = stub.ServerReflectionInfo(
-            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
-        )
-        names = {s.name for r in replies for s in r.list_services_response.service}
-    assert {"tidalpool.v1.Pool", "tidalpool.v1.Admin", "grpc.health.v1.Health"} <= names
+            names = {s.name for r in replies for s in r.list_services_response.service}
+        assert {service, "grpc.health.v1.Health"} <= names and other not in names
 
 
 def test_a_lease_never_attached_is_reclaimed(start_daemon: StartDaemon) -> None:

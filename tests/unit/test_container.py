@@ -86,7 +86,7 @@ def test_the_daemon_runs_as_the_unprivileged_user_the_image_creates() -> None:
     # The daemon's directories belong to it: the sockets and the plan cache.
     s = load_settings(env={k: v for k, v in image_env().items() if k.startswith("TIDALPOOLD_")})
     assert (
-        f"install -d -o tidalpool -g tidalpool -m 0770 {s.socket_dir} {s.plan_cache_dir}" in setup
+        f"install -d -o tidalpool -g tidalpool -m 0750 {s.socket_dir} {s.plan_cache_dir}" in setup
     )
 
 

@@ -215,10 +215,13 @@ def test_the_sidecar_shares_the_gpu_and_the_sockets_with_the_training_container(
     assert daemon["restartPolicy"] == "Always"
     check_probes(daemon)
     s = daemon_settings(daemon, {}, tmp_path)
-    assert (s.gpu, s.backend, s.socket_dir) == (0, "cuda", Path("/run/tidalpool"))
+    # The sockets are in a directory the daemon makes inside the shared emptyDir (writable by
+    # every uid, so not one to serve from), and the training process trusts the daemon's uid.
+    assert (s.gpu, s.backend, s.socket_dir) == (0, "cuda", Path("/run/tidalpool/sockets"))
     assert env_of(train)["TIDALPOOL_SOCKET_DIR"] == str(s.socket_dir)
-    sockets = mounts(pod, daemon)[str(s.socket_dir)]
-    assert "emptyDir" in sockets and mounts(pod, train)[str(s.socket_dir)] is sockets
+    sockets = mounts(pod, daemon)[str(s.socket_dir.parent)]
+    assert "emptyDir" in sockets and mounts(pod, train)[str(s.socket_dir.parent)] is sockets
+    assert env_of(train)["TIDALPOOL_DAEMON_USERS"] == str(DAEMON_UID)
     # One claim, from the template, for both containers.
     (claim,) = pod["resourceClaims"]
     assert claim["resourceClaimTemplateName"] == template["metadata"]["name"]

@@ -9,10 +9,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 from rich.console import Console
 from tidalclient import top
+from tidalclient.status import Unreachable
 from tidalclient.top import Rates, Sample, rates, view
 from tidalcore.v1 import admin_pb2, common_pb2
 
@@ -113,9 +113,8 @@ def test_no_sessions() -> None:
     assert draw(Sample(1.0, pool(), ()), None)[-1] == "no sessions"
 
 
-class Gone(grpc.RpcError):
-    def details(self) -> str:
-        return "connection refused"
+def Gone() -> Unreachable:
+    return Unreachable("connection refused")
 
 
 def replies(*items: object) -> Iterator[object]:

@@ -1,0 +1,187 @@
+"""A real daemon's handles socket under a hostile local user: slow and silent connections never
+delay real attaches, and a client trusts only a daemon of a uid it accepts."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import selectors
+import socket
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import tidalpool
+from tidalclient.errors import AttachError
+from tidalclient.handles import request_lease
+from tidalclient.local import LocalDaemon
+from tidalcore import framing
+from tidalcore.v1 import handles_pb2
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(0.02)
+
+
+def handles_of(daemon: LocalDaemon) -> Path:
+    """The daemon's handles socket, once it is there: the daemon answers health checks on
+    tidalpool.sock a moment before it binds handles.sock."""
+    path = daemon.socket_dir / "handles.sock"
+    wait_for(path.exists, f"{path} to exist")
+    return path
+
+
+class Hostile:
+    """Holds `count` connections open to a handles socket from one thread: half send a 4-byte
+    length prefix, then one byte every `drip_s`; half stay silent. One the daemon closes is
+    opened again at once, as an attacker would."""
+
+    def __init__(self, path: Path, count: int = 100, drip_s: float = 0.5) -> None:
+        self.path, self.count, self.drip_s = path, count, drip_s
+        self.connects = 0  # connections opened, reopened ones included
+        self.turned_away = 0  # connects refused at once: the daemon's listen backlog was full
+        self.closed_by_daemon = 0
+        self._selector = selectors.DefaultSelector()
+        self._open: dict[socket.socket, bool] = {}  # socket -> drips
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hostile", daemon=True)
+
+    @property
+    def open_now(self) -> int:
+        return len(self._open)
+
+    def __enter__(self) -> Hostile:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        for sock in list(self._open):
+            sock.close()
+        self._selector.close()
+
+    def _connect(self, drips: bool) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        if sock.connect_ex(str(self.path)) != 0:  # backlog full (EAGAIN): try again later
+            sock.close()
+            self.turned_away += 1
+            return
+        if drips:
+            sock.send((1000).to_bytes(4, "little"))
+        self._open[sock] = drips
+        self._selector.register(sock, selectors.EVENT_READ)
+        self.connects += 1
+
+    def _forget(self, sock: socket.socket) -> None:
+        self._selector.unregister(sock)
+        del self._open[sock]
+        sock.close()
+        self.closed_by_daemon += 1
+
+    def _run(self) -> None:
+        next_drip = time.monotonic()
+        while not self._stop.is_set():
+            drips = sum(self._open.values())
+            for _ in range(self.count - len(self._open)):
+                self._connect(drips=drips < self.count // 2)
+                drips = sum(self._open.values())
+            for key, _ in self._selector.select(timeout=0.05):
+                sock = key.fileobj
+                assert isinstance(sock, socket.socket)
+                try:
+                    sock.recv(65536)  # a reply or the end: the daemon let it go
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    pass
+                self._forget(sock)
+            if time.monotonic() >= next_drip:
+                next_drip = time.monotonic() + self.drip_s
+                for sock, drip in list(self._open.items()):
+                    if drip:
+                        try:
+                            sock.send(b"\x08")
+                        except BlockingIOError:
+                            pass
+                        except OSError:
+                            self._forget(sock)
+
+
+def test_attaches_are_fast_while_a_hundred_hostile_connections_are_open(
+    daemon: LocalDaemon,
+) -> None:
+    times: list[float] = []
+    with Hostile(handles_of(daemon)) as hostile:
+        wait_for(
+            lambda: hostile.open_now == 100 or hostile.turned_away > 0,
+            "100 hostile connections open, or as many as the daemon lets wait",
+        )
+        for i in range(10):
+            started = time.monotonic()
+            with tidalpool.attach(daemon.socket_dir, "4MiB", "4MiB", job_name=f"real-{i}"):
+                times.append(time.monotonic() - started)
+        # The daemon lets them go (deadline, or room for a waiting peer); they come back.
+        wait_for(lambda: hostile.closed_by_daemon >= 100, "100 hostile connections dropped")
+    p50 = statistics.median(times)
+    p99 = statistics.quantiles(times, n=100, method="inclusive")[98]
+    print(f"attach under 100 hostile connections: p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms")
+    assert max(times) < 1.5, f"attach times (s): {[round(t, 3) for t in times]}"
+
+
+def test_a_connection_silent_past_the_deadline_is_told_and_dropped(daemon: LocalDaemon) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(30)
+        sock.connect(str(handles_of(daemon)))
+        reply, fds = framing.receive(sock, handles_pb2.HandlesResponse)
+        assert sock.recv(1) == b""
+    assert (reply.error_code, reply.error_message, fds) == (
+        "RESOURCE_EXHAUSTED",
+        "no whole request within 2 s",
+        [],
+    )
+    assert "handles.dropped" in daemon.log_path.read_text()
+
+
+# -- the client checks who serves it ----------------------------------------------------------
+def test_the_client_refuses_a_daemon_of_a_uid_it_does_not_accept(
+    daemon: LocalDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TIDALPOOL_DAEMON_USERS", raising=False)
+    path = handles_of(daemon)
+    uid, stranger = os.getuid(), os.getuid() + 12345
+    name = pwd.getpwuid(uid).pw_name
+    with pytest.raises(AttachError) as e:
+        request_lease(path, 0, 0, "x", daemon_users=str(stranger))
+    assert str(e.value).startswith(
+        f"tidalpoold at {path} runs as uid {uid} ({name}), a user this client does not accept"
+        f" (accepted: uid {stranger}); to trust another user, list it in daemon_users= or"
+        " TIDALPOOL_DAEMON_USERS"
+    )
+    # It sent nothing: the daemon saw the connection end before the first byte.
+    wait_for(
+        lambda: "closed after 0 bytes of its request" in daemon.log_path.read_text(),
+        "the daemon to see an empty connection",
+    )
+    monkeypatch.setenv("TIDALPOOL_DAEMON_USERS", str(stranger))
+    with pytest.raises(AttachError, match=rf"accepted: uid {stranger}\)"):
+        tidalpool.attach(daemon.socket_dir)
+    # daemon_users replaces the variable; a name works as well as a uid.
+    request_lease(path, 0, 0, "by-name", daemon_users=f"{stranger},{name}").close()
+
+
+def test_the_client_accepts_a_daemon_of_its_own_uid_by_default(
+    daemon: LocalDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TIDALPOOL_DAEMON_USERS", raising=False)
+    grant = request_lease(handles_of(daemon), 0, 0, "default")
+    grant.close()
+    assert grant.response.error_code == ""
+    assert len(grant.device_fds) == 32  # the default lease, 64 MiB of 2 MiB chunks
