@@ -3,21 +3,47 @@
 A plan depends on the iteration (its signature) and on the session's swap limit, the copy
 bandwidth its swaps were planned at and the wire version it is written in; its file is named
 by all four (`key`), so a session with another limit or bandwidth plans anew.
+
+The directory may hold what another local user put there, so an entry is read as untrusted:
+opened without following a link and without blocking (a FIFO cannot hold the planning
+thread), taken only when it is a regular file of at most MAX_PLAN_BYTES (larger ones are not
+read), and parsed as a PlanUpdate. Anything else is a `Defect`, which the caller logs and
+plans past; the plan it makes then replaces the entry. A plan is written to a fresh temporary
+file and renamed over its name, so neither a link planted at either name is followed nor a
+reader ever sees half a plan:
+
+    get:  open(O_NOFOLLOW | O_NONBLOCK) ─▶ fstat: regular, ≤ MAX_PLAN_BYTES ─▶ read ─▶ parse
+    put:  mkstemp (O_EXCL, 0600) ─▶ write ─▶ os.replace(temp, name)
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import logging
 import os
+import stat
 import struct
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from google.protobuf.message import DecodeError
 from tidalcore.v1 import pool_pb2
 
 log = logging.getLogger("tidalpoold.planning")
+
+MAX_PLAN_BYTES = 64 * 1024 * 1024
+"""The largest plan file read (64 MiB); a larger one is refused unread. The plans the daemon
+makes for the model traces in ../shared/traces (up to 1945 allocations and 376 swaps an
+iteration; no limit, and 0.7, 0.5 and 0.3 of the peak) take at most 17,839 bytes: about 8
+bytes an allocation and 18 a swap. At those rates 64 MiB holds a plan of two million
+allocations each swapped once, the most one iteration can have in a session's trace of
+`max_trace_events` (4 million) events, an alloc and a free each: over 3,000 times the largest
+plan measured, and no real plan comes near it."""
+
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
 
 
 def key(signature: bytes, swap_limit: int, copy_gbps: float, version: int) -> str:
@@ -27,28 +53,101 @@ def key(signature: bytes, swap_limit: int, copy_gbps: float, version: int) -> st
     return f"{signature.hex()}-{made_for.hexdigest()}"
 
 
+@dataclass(frozen=True, slots=True)
+class Defect:
+    """A cache entry that cannot be used: where it is and why. The caller logs it once
+    (`plan.cache_defect`) and plans as if there were no entry."""
+
+    path: Path
+    why: str
+
+
 class PlanCache:
     """Plans on disk by `key`; a cache that cannot be written is skipped."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
 
-    def _path(self, name: str) -> Path:
+    def path(self, name: str) -> Path:
+        """Where the plan named `name` is kept."""
         return self.directory / f"{name}.plan"
 
-    def get(self, name: str) -> pool_pb2.PlanUpdate | None:
-        """The plan stored under `name`; None when there is none or it is not a PlanUpdate."""
+    def get(self, name: str) -> pool_pb2.PlanUpdate | Defect | None:
+        """The plan stored under `name`; None when there is none; a Defect when what is there
+        is not a readable regular file of at most MAX_PLAN_BYTES holding a PlanUpdate."""
+        path = self.path(name)
+        data = _read(path)
+        if data is None or isinstance(data, Defect):
+            return data
         try:
-            return pool_pb2.PlanUpdate.FromString(self._path(name).read_bytes())
-        except (OSError, DecodeError):
-            return None
+            return pool_pb2.PlanUpdate.FromString(data)
+        except DecodeError as e:
+            return Defect(path, f"not a PlanUpdate ({len(data)} bytes): {e}")
 
     def put(self, name: str, plan: pool_pb2.PlanUpdate) -> None:
+        """Store `plan` under `name`, replacing whatever entry is there (a link is replaced,
+        not followed); logs `plan.cache_unwritable` and keeps nothing when it cannot."""
+        tmp: str | None = None
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
             with os.fdopen(fd, "wb") as f:
                 f.write(plan.SerializeToString())
-            os.replace(tmp, self._path(name))
+            os.replace(tmp, self.path(name))
+            tmp = None
         except OSError as e:
             log.warning("plan.cache_unwritable", extra={"dir": str(self.directory), "why": str(e)})
+        finally:
+            if tmp is not None:
+                with contextlib.suppress(OSError):  # already gone: nothing else to undo
+                    os.unlink(tmp)
+
+
+def _read(path: Path) -> bytes | Defect | None:
+    """The bytes of the regular file at `path`, read without following a link or blocking;
+    None when there is no such entry."""
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return Defect(path, "a symbolic link, not a plan file: not followed")
+        return Defect(path, f"cannot be opened: {e.strerror or e}")
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return Defect(path, f"not a regular file but a {_kind(st.st_mode)}")
+        if st.st_size > MAX_PLAN_BYTES:
+            return Defect(
+                path, f"{st.st_size} bytes, over the {MAX_PLAN_BYTES} a plan may take: not read"
+            )
+        chunks: list[bytes] = []
+        left = MAX_PLAN_BYTES + 1  # one more: a file that grew past the cap is seen to
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        if left <= 0:
+            return Defect(path, f"grew past the {MAX_PLAN_BYTES} bytes a plan may take")
+        return b"".join(chunks)
+    except OSError as e:
+        return Defect(path, f"cannot be read: {e.strerror or e}")
+    finally:
+        os.close(fd)
+
+
+def _kind(mode: int) -> str:
+    """What a file that is not regular is, in words."""
+    for test, name in (
+        (stat.S_ISDIR, "directory"),
+        (stat.S_ISFIFO, "FIFO"),
+        (stat.S_ISSOCK, "socket"),
+        (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+    ):
+        if test(mode):
+            return name
+    return f"file of mode {stat.S_IFMT(mode):#o}"

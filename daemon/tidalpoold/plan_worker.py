@@ -13,11 +13,17 @@ simulated and validated, placement validated over its pieces) before it is
 cached and sent:
 
     iteration ──▶ cache (signature, limit, bandwidth, version) ──▶ wire.check ──┬──▶ stream
-        │            none there, or its check refuses it                        │
+        │            none there, or a defect (logged once)                      │
         └──▶ fit / unlimited ──▶ wire.encode ──▶ wire.check ──▶ cache ──────────┘
 
-A plan that does not fit the limit is not sent: the session keeps swapping by
-its LRU cache. A cached plan is checked the same way before it is used.
+A plan that does not fit the limit, or whose footprint is more than the session's
+device lease, is not sent: the session keeps swapping by its LRU cache. A cached
+plan is checked the same way before it is used, against the session's lease too,
+and must have been made for the session's limit and bandwidth. The cache is
+another user's to write into: whatever is wrong with an entry (unreadable, not a
+regular file, too large, not a plan, or refused by the check) is a defect, logged
+as `plan.cache_defect`, and the iteration is planned as if there were no entry;
+the plan made then replaces it. A defect is never the session's planning failure.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tidalcore.units import ALIGNMENT
@@ -36,7 +43,7 @@ from tidalcore.v1 import pool_pb2
 from tidalplan.model import Iteration, SwapPlan
 
 from tidalpoold import plan_cache
-from tidalpoold.plan_cache import PlanCache
+from tidalpoold.plan_cache import Defect, PlanCache
 from tidalpoold.sessions import PlanFootprint, Session
 from tidalpoold.settings import Settings
 
@@ -76,12 +83,14 @@ class Planned:
 
 @dataclass(frozen=True, slots=True)
 class Unfit:
-    """No schedule tried left a placement within the limit: nothing to send."""
+    """No schedule tried left a placement within the limit, or the plan's footprint is more
+    than the session's device lease: nothing to send."""
 
     footprint: int | None  # of the schedule made for the limit itself; None: infeasible
-    limit: int
+    limit: int  # the bytes it had to fit: the swap limit, or the lease (`beyond`)
     planned_for: int  # the lowest limit a schedule was made for
     rounds: int
+    beyond: str = "limit"  # what it does not fit: "limit" or "lease"
 
 
 def _import_planner() -> None:
@@ -115,7 +124,8 @@ class PlanWorker:
         self.plans_made = 0
         self.plans_cached = 0
         self.plans_failed = 0
-        self.plans_unfit = 0  # swap plans whose placement did not fit the limit: not sent
+        self.plans_unfit = 0  # plans that did not fit the limit or the lease: not sent
+        self.cache_defects = 0  # cache entries refused (and planned past)
 
     def on_step(self, session: Session) -> None:
         """Called after each step mark; queues the session once it has enough iterations."""
@@ -145,20 +155,21 @@ class PlanWorker:
                 "plan.failed", extra={"session": session.id, "why": f"{type(e).__name__}: {e}"}
             )
 
-    def make(self, iteration: Iteration, swap_limit: int, gbps: float) -> Planned | Unfit:
-        """The checked plan of `iteration` for `swap_limit` (0: none) with copies at `gbps`:
-        from the cache when a plan made for the same is there and passes `wire.check`, else
-        planned, encoded, checked and cached. Unfit when a swap plan does not fit."""
+    def make(
+        self, iteration: Iteration, swap_limit: int, gbps: float, lease: int | None = None
+    ) -> Planned | Unfit:
+        """The checked plan of `iteration` for `swap_limit` (0: none) with copies at `gbps`,
+        within a device `lease` of that many bytes (None: not bounded): from the cache when a
+        plan made for the same is there and passes `wire.check`, else planned, encoded,
+        checked and cached. Unfit when a swap plan does not fit its limit, or a plan's
+        footprint is more than the lease."""
         from tidalplan import combined, wire
         from tidalplan.learn import signature
 
         name = plan_cache.key(signature(iteration), swap_limit, gbps, wire.VERSION)
-        cached = self.cache.get(name)
+        cached = self._cached(name, iteration, swap_limit, gbps, lease)
         if cached is not None:
-            try:
-                return Planned(cached, wire.check(iteration, cached), "cache")
-            except ValueError as e:  # InvalidPlacement and InvalidSwapPlan too
-                log.warning("plan.cache_invalid", extra={"key": name, "why": str(e)})
+            return cached
         time_limit_s = self.settings.plan_time_limit_s
         if swap_limit:
             plan = combined.fit(
@@ -168,15 +179,45 @@ class PlanWorker:
                 return Unfit(plan.footprint, swap_limit, int(plan.planned_for), plan.rounds)
         else:
             plan = combined.unlimited(iteration, gbps, gbps, time_limit_s=time_limit_s)
-        update = wire.encode(iteration, plan, gbps)
-        checked = wire.check(iteration, update)  # the whole plan, as it will be sent
-        self.cache.put(name, update)
         assert plan.combined is not None  # it fits
+        footprint = int(plan.combined.footprint)
+        if lease is not None and footprint > lease:
+            return Unfit(footprint, lease, int(plan.planned_for), plan.rounds, "lease")
+        update = wire.encode(iteration, plan, gbps)
+        checked = wire.check(iteration, update, lease=lease)  # the whole plan, as it is sent
+        self.cache.put(name, update)
         return Planned(update, checked, plan.combined.placement.solver)
+
+    def _cached(
+        self, name: str, iteration: Iteration, swap_limit: int, gbps: float, lease: int | None
+    ) -> Planned | None:
+        """The plan cached under `name` when it is one made for `iteration`, `swap_limit` and
+        `gbps` that passes `wire.check` within `lease`; None when there is none or it has a
+        defect, which is logged once (`plan.cache_defect`) and counted. Nothing the entry
+        holds raises from here: the caller plans as if there were no entry."""
+        path = self.cache.path(name)
+        try:
+            found = self.cache.get(name)
+        except Exception as e:  # the cache reports what it knows as a Defect; this is the rest
+            found = Defect(path, f"cannot be read: {type(e).__name__}: {e}")
+        if found is None:
+            return None
+        made = (
+            found
+            if isinstance(found, Defect)
+            else _checked(found, path, iteration, swap_limit, gbps, lease)
+        )
+        if isinstance(made, Defect):
+            self.cache_defects += 1
+            log.warning(
+                "plan.cache_defect", extra={"key": name, "path": str(made.path), "why": made.why}
+            )
+            return None
+        return made
 
     def plan(self, session: Session) -> pool_pb2.PlanUpdate | None:
         """Plan `session`'s steady iteration and put the plan on its stream; None (and the
-        session keeps learning) when its swap plan does not fit its limit."""
+        session keeps learning) when its plan does not fit its swap limit or device lease."""
         from tidalcore.events import Events
         from tidalplan.learn import extract, to_problem
         from tidalplan.placement import lower_bound
@@ -185,7 +226,9 @@ class PlanWorker:
         trace = session.trace
         events = Events.concat(list(trace.chunks), dict(trace.names))
         iteration = extract(events, events.marks())
-        made = self.make(iteration, session.swap_limit, self.swap_gbps(session))
+        made = self.make(
+            iteration, session.swap_limit, self.swap_gbps(session), session.device.length
+        )
         if isinstance(made, Unfit):
             self.plans_unfit += 1
             log.warning(
@@ -194,6 +237,7 @@ class PlanWorker:
                     "session": session.id,
                     "footprint": made.footprint,
                     "limit": made.limit,
+                    "beyond": made.beyond,
                     "planned_for": made.planned_for,
                     "rounds": made.rounds,
                 },
@@ -230,6 +274,37 @@ class PlanWorker:
             },
         )
         return plan
+
+
+def _checked(
+    update: pool_pb2.PlanUpdate,
+    path: Path,
+    iteration: Iteration,
+    swap_limit: int,
+    gbps: float,
+    lease: int | None,
+) -> Planned | Defect:
+    """A cached `update` (from `path`) as a plan to send, or the defect that refuses it: its
+    version, the iteration, limit and bandwidth it was made for, then `wire.check` within
+    `lease`. The bytes are anyone's: any error they raise is a defect, not a failure."""
+    from tidalplan import wire
+    from tidalplan.learn import signature
+
+    if update.version != wire.VERSION:
+        return Defect(path, f"plan version {update.version}, not {wire.VERSION}")
+    if update.signature != signature(iteration):
+        return Defect(path, "made for another iteration (its signature is not this one's)")
+    made_for = (update.limit_bytes, update.prediction.copy_gbps)
+    if made_for != (swap_limit, gbps):
+        return Defect(
+            path,
+            f"made for limit {made_for[0]} at {made_for[1]:g} GB/s, not the session's"
+            f" {swap_limit} at {gbps:g} GB/s",
+        )
+    try:
+        return Planned(update, wire.check(iteration, update, lease=lease), "cache")
+    except Exception as e:  # ValueError and its kin, and what odd values raise (OverflowError)
+        return Defect(path, f"refused by wire.check: {type(e).__name__}: {e}")
 
 
 def _swaps_on_ops(it: Iteration, limit: int, out_gbps: float, in_gbps: float) -> SwapPlan:

@@ -9,7 +9,6 @@ a client sending bad messages in a loop costs the log a line per doubling.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Iterator
@@ -48,6 +47,12 @@ def worth_logging(count: int) -> bool:
     return count <= LOGGED_BAD_MESSAGES or count & (count - 1) == 0
 
 
+# The copy bandwidths a session may plan its swaps at: 1 MB/s to 1 PB/s spans every link from
+# a throttled test to NVLink, and keeps the planner's simulated copy times finite.
+MIN_COPY_GBPS = 1e-3
+MAX_COPY_GBPS = 1e6
+
+
 class PoolService:
     """What a training process speaks: Attach, Session, Detach, Stats."""
 
@@ -82,8 +87,11 @@ class PoolService:
     ) -> pool_pb2.AttachResponse:
         session = self._session_of(context)
         gbps = request.copy_gbps
-        if not math.isfinite(gbps) or gbps < 0:
-            raise InvalidArgument(f"copy_gbps must be a finite bandwidth >= 0, got {gbps}")
+        if not (gbps == 0 or MIN_COPY_GBPS <= gbps <= MAX_COPY_GBPS):  # NaN fails both
+            raise InvalidArgument(
+                f"copy_gbps must be 0 (not throttled) or a bandwidth from {MIN_COPY_GBPS:g} to"
+                f" {MAX_COPY_GBPS:g} GB/s, got {gbps:g}"
+            )
         self.registry.attach(session, request.swap_limit_bytes, gbps)
         s = self.registry.settings
         return pool_pb2.AttachResponse(

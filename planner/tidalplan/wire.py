@@ -3,7 +3,7 @@
     combined.Plan ──encode──▶ PlanUpdate (version 2) ──▶ plan cache, session stream
                                   │
                                   └─check─▶ decode ─▶ simulate ─▶ validate_swaps ─▶ split
-                                                                   ─▶ validate (the offsets)
+                                       ─▶ bounds (limit, lease) ─▶ validate (the offsets)
 
 The schedule travels against the iteration's structure: ops by their index in the iteration,
 transient blocks by their allocation index, persistent blocks by their trace id. The placement
@@ -202,7 +202,12 @@ def decode(it: Iteration, update: pool_pb2.PlanUpdate) -> Decoded:
     )
 
 
-def check(it: Iteration, update: pool_pb2.PlanUpdate, compute_scale: float = 1.0) -> Combined:
+def check(
+    it: Iteration,
+    update: pool_pb2.PlanUpdate,
+    compute_scale: float = 1.0,
+    lease: int | None = None,
+) -> Combined:
     """Check `update` as a whole against `it`, sharing no state with the plan that made it:
 
     decode it; simulate its schedule at `prediction.copy_gbps` (under `prediction.peak_bytes`:
@@ -212,8 +217,11 @@ def check(it: Iteration, update: pool_pb2.PlanUpdate, compute_scale: float = 1.0
     `validate` the offsets (allocation i's first piece at `offsets[i]`, swap j's in-piece at
     `swap_in_offsets[j]`) as a placement of those pieces within `limit_bytes` less the resident
     persistent bytes. A piece the update cannot place (a rebuilt block's, a rebuild's scratch)
-    is refused. Returns the checked plan's pieces and placement; ValueError (InvalidPlacement,
-    InvalidSwapPlan) names the problem."""
+    is refused, and so is one that lies, once its size is aligned, past the bytes the session
+    can use beside the resident persistent ones: `limit_bytes`, and the session's device
+    `lease` where one is given (the arena is a range of the lease; without either, an offset
+    must still fit 63 bits). Returns the checked plan's pieces and placement; ValueError
+    (InvalidPlacement, InvalidSwapPlan) names the problem."""
     d = decode(it, update)
     if update.signature != signature(it):
         raise ValueError("the plan's signature is not the iteration's")
@@ -257,12 +265,21 @@ def check(it: Iteration, update: pool_pb2.PlanUpdate, compute_scale: float = 1.0
             f" at {starts}"
         )
     names = _names(it, parts.origin, parts.first_pieces, parts.in_pieces)
+    resident = Bytes(sum(size for _, size in parts.pieces.persistent))
+    room, bounded_by = _room(d.limit, lease, resident)
     offsets = []
-    for b in mapping:
+    for buf, b in zip(problem.buffers, mapping, strict=True):
         piece = parts.pieces.blocks[b].id
         if piece not in offset_of:
             raise ValueError(f"{names[piece]}: the plan carries no offset for it")
-        offsets.append(offset_of[piece])
+        offset = offset_of[piece]
+        end = offset + -(-buf.size // problem.alignment) * problem.alignment
+        if end > room:
+            raise ValueError(
+                f"{names[piece]} lies at [{offset}, {end}) of the arena, past the {room} bytes"
+                f" {bounded_by}"
+            )
+        offsets.append(offset)
     # Buffers named by piece id, so that the validator's message can say which piece is which.
     named = Problem(
         tuple(
@@ -272,7 +289,6 @@ def check(it: Iteration, update: pool_pb2.PlanUpdate, compute_scale: float = 1.0
         problem.alignment,
     )
     placement = Placement(tuple(offsets), d.height, "wire")
-    resident = Bytes(sum(size for _, size in parts.pieces.persistent))
     try:
         validate(named, placement, None if d.limit is None else d.limit - resident)
     except InvalidPlacement as e:
@@ -284,6 +300,8 @@ def check(it: Iteration, update: pool_pb2.PlanUpdate, compute_scale: float = 1.0
         raise InvalidPlacement(
             f"{e}; the buffers are pieces, in the iteration's ticks: {legend}"
         ) from e
+    if d.height > room:  # no piece to refuse: the resident persistent bytes alone are over
+        raise ValueError(f"the plan's height {d.height} is more than the {room} bytes {bounded_by}")
     if d.resident_persistent != resident or p.footprint_bytes != resident + d.height:
         raise ValueError(
             f"resident persistent bytes {d.resident_persistent} and footprint"
@@ -298,6 +316,27 @@ def check(it: Iteration, update: pool_pb2.PlanUpdate, compute_scale: float = 1.0
         parts.in_pieces,
         parts.first_pieces,
     )
+
+
+_MAX_END = 2**63 - 1
+"""The highest end of a piece a plan may claim without a limit or a lease: the validator
+holds offsets as 64-bit signed integers."""
+
+
+def _room(limit: int | None, lease: int | None, resident: int) -> tuple[int, str]:
+    """The bytes of the arena a plan's pieces may span, the least that `limit` and the
+    session's device `lease` (None: not known) leave beside the `resident` persistent bytes,
+    and those bounds in words for a message."""
+    room, said = _MAX_END, "an offset can reach"
+    for bound, what in ((limit, "its limit"), (lease, "the session's device lease")):
+        if bound is not None and bound - resident < room:
+            room = bound - resident
+            said = (
+                f"{what} of {bound} leaves beside {resident} resident persistent bytes"
+                if resident
+                else f"of {what}"
+            )
+    return room, said
 
 
 def _indices(pieces: Iteration, ids: tuple[int, ...]) -> list[int]:

@@ -270,3 +270,32 @@ def test_session_info_is_complete(daemon: LocalDaemon) -> None:
             os.getuid(),
             "attached",
         )
+
+
+@pytest.mark.parametrize("gbps", [1e-300, -1.0, float("nan"), float("inf"), 1e7])
+def test_a_copy_bandwidth_outside_any_link_is_refused_at_attach(
+    daemon: LocalDaemon, gbps: float
+) -> None:
+    """The planner simulates swaps at the session's bandwidth: one no link has (1e-300 GB/s
+    would make every copy last for ages) is refused before it reaches the planner."""
+    from tidalclient.handles import request_lease
+
+    grant = request_lease(daemon.socket_dir / "handles.sock", 2 * MiB, 2 * MiB, "odd-link")
+    grant.close()
+    with channel(daemon) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            pool_pb2_grpc.PoolStub(ch).Attach(
+                pool_pb2.AttachRequest(swap_limit_bytes=MiB, copy_gbps=gbps),
+                metadata=(("tidalpool-token", grant.response.token),),
+                timeout=5,
+            )
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "copy_gbps must be 0 (not throttled) or a bandwidth from 0.001 to 1e+06 GB/s" in (
+            e.value.details()
+        )
+        attached = pool_pb2_grpc.PoolStub(ch).Attach(  # the session may still attach
+            pool_pb2.AttachRequest(swap_limit_bytes=MiB, copy_gbps=12.0),
+            metadata=(("tidalpool-token", grant.response.token),),
+            timeout=5,
+        )
+    assert attached.session_id == grant.response.session_id

@@ -63,7 +63,7 @@ def test_a_corrupted_cached_plan_is_refused_and_solved_again(start_daemon: Start
             iteration(s)
         assert s.stats().plan_misses == 0
     log = d.log_path.read_text()
-    assert "plan.cache_invalid" in log
+    assert "plan.cache_defect" in log
     assert "source=cache" not in log
 
 

@@ -232,7 +232,7 @@ def test_a_cached_plan_that_fails_its_check_is_made_again(
     with caplog.at_level(logging.INFO, "tidalpoold.planning"):
         plan = planner.plan(second)
     assert plan is not None and list(plan.swap_in_before) == [4]
-    assert [r.getMessage() for r in caplog.records][:2] == ["plan.cache_invalid", "plan.sent"]
+    assert [r.getMessage() for r in caplog.records][:2] == ["plan.cache_defect", "plan.sent"]
     assert "in_at must lie in [2, in_before]" in caplog.records[0].why  # type: ignore[attr-defined]
     assert (planner.plans_made, planner.plans_cached) == (2, 0)
     fixed = pool_pb2.PlanUpdate.FromString(path.read_bytes())

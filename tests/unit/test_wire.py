@@ -206,7 +206,7 @@ TAMPERED: dict[str, Callable[[pool_pb2.PlanUpdate], object]] = {
     "no persistent block": lambda u: u.swap_blocks.__setitem__(1, 7),
     "swap columns": lambda u: u.swap_in_offsets.pop(),
     "footprint": lambda u: setattr(u.prediction, "footprint_bytes", 4000),
-    "exceeds the capacity": lambda u: setattr(u, "limit_bytes", 4000),
+    "past the 4000 bytes of its limit": lambda u: setattr(u, "limit_bytes", 4000),
     "signature": lambda u: setattr(u, "signature", bytes(16)),
 }
 
