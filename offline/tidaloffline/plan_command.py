@@ -5,7 +5,13 @@ INPUT is a placement CSV (MiniMalloc's `id,lower,upper,size`), a trace CSV v1
 pickle. The command prints the lower bound, SmartPool's height, the solver's
 height, their ratios to the bound, the seconds and whether the plan is proven
 optimal; `--out` writes `id,lower,upper,size,offset`; `--plot` draws the
-placement. Every placement is validated before it is printed or written.
+placement, the largest blocks named. Every placement is validated before it is
+printed or written.
+
+For a trace, what is placed is the iteration's own blocks (the arena); the
+persistent blocks (weights, optimizer state: live across iterations) stay
+outside it. The report gives their bytes and the sums, so that the bound plus
+the persistent bytes is the unconstrained peak `tidalpool simulate` reports.
 Progress goes to stderr once a solve has run for a second. Exit status: 0 done,
 1 an invalid placement (a bug), 2 bad input or options.
 """
@@ -25,6 +31,8 @@ from tidalplan.model import Problem
 from tidalplan.placement import SMARTPOOL_MAX_BUFFERS, lower_bound, smartpool, solve
 from tidalplan.validate import InvalidPlacement, validate
 
+from tidaloffline.plot import ANNOTATED
+
 PROGRESS_AFTER_S = 1.0
 
 
@@ -37,6 +45,8 @@ class Loaded:
     problem: Problem
     labels: tuple[str, ...] | None  # ids to write, when they differ from Buffer.id
     description: str
+    names: tuple[str, ...] | None = None  # what the picture calls each buffer
+    persistent: tuple[int, int] | None = None  # a trace's persistent blocks: count, bytes
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -59,6 +69,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--out", type=Path, metavar="SOLUTION.csv", help="write the placement")
     parser.add_argument("--plot", type=Path, metavar="PICTURE.png", help="draw the placement")
+    parser.add_argument(
+        "--annotate",
+        type=int,
+        default=ANNOTATED,
+        metavar="N",
+        help=f"name the N largest blocks on the picture (default {ANNOTATED}; 0: none)",
+    )
     parser.add_argument(
         "--alignment",
         type=int,
@@ -91,6 +108,7 @@ def load(path: Path, alignment: int | None) -> Loaded:
                 Problem(problem.buffers, a),
                 labels,
                 f"placement CSV, {len(problem.buffers)} buffers, alignment {a}",
+                names=labels,
             )
         a = alignment if alignment is not None else ALIGNMENT
         if kind == "trace":
@@ -105,6 +123,11 @@ def load(path: Path, alignment: int | None) -> Loaded:
                 labels,
                 f"trace CSV, iteration {iteration.index}: {len(problem.buffers)} buffers,"
                 f" alignment {a}",
+                names=tuple(f"block {label}" for label in labels),
+                persistent=(
+                    len(iteration.persistent),
+                    sum(int(size) for _, size in iteration.persistent),
+                ),
             )
         problem = tracecsv.read_snapshot(path)
         return Loaded(
@@ -148,6 +171,8 @@ def run(
     try:
         if not args.time_limit > 0:
             raise InputError(f"--time-limit must be positive, got {args.time_limit}")
+        if args.annotate < 0:
+            raise InputError(f"--annotate must be 0 or more, got {args.annotate}")
         if args.plot is not None:
             try:
                 import matplotlib  # noqa: F401
@@ -186,7 +211,25 @@ def run(
         return f"{height / bound:.4f}" if bound else "-"
 
     print(f"input: {args.input} ({loaded.description})", file=out)
-    print(f"lower bound: {bound} B ({format_size(bound)})", file=out)
+    if loaded.persistent is None:
+        print(f"lower bound: {bound} B ({format_size(bound)})", file=out)
+    else:
+        count, persistent = loaded.persistent
+        print(
+            f"lower bound: {bound} B ({format_size(bound)}): the arena, the iteration's blocks"
+            " at their most",
+            file=out,
+        )
+        print(
+            f"persistent: {persistent} B ({format_size(persistent)}): {count}"
+            f" block{'s' if count != 1 else ''} kept across iterations, outside the arena",
+            file=out,
+        )
+        print(
+            f"lower bound + persistent: {bound + persistent} B"
+            f" ({format_size(bound + persistent)}): the peak tidalpool simulate reports",
+            file=out,
+        )
     if baseline is not None:
         print(f"smartpool: {baseline.height} B (ratio {ratio(baseline.height)})", file=out)
     else:
@@ -199,6 +242,13 @@ def run(
         f"height: {placement.height} B (ratio {ratio(placement.height)}, {placement.solver})",
         file=out,
     )
+    if loaded.persistent is not None:
+        total = placement.height + loaded.persistent[1]
+        print(
+            f"height + persistent: {total} B ({format_size(total)}): the device bytes under"
+            " this placement",
+            file=out,
+        )
     print(f"seconds: {seconds:.2f}", file=out)
     print(f"optimal: {'yes' if placement.optimal else 'no'}", file=out)
 
@@ -211,7 +261,8 @@ def run(
         if args.plot is not None:
             from tidaloffline.plot import plot
 
-            plot(problem, placement, args.plot, f"{args.input.name}: {placement.solver}")
+            title = f"{args.input.name}: {placement.solver}, height {format_size(placement.height)}"
+            plot(problem, placement, args.plot, title, loaded.names, args.annotate)
             print(f"picture: {args.plot}", file=out)
     except OSError as e:
         name = e.filename if e.filename is not None else (args.out or args.plot)

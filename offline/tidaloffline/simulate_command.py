@@ -8,15 +8,21 @@ schedule runs under the simulator, passes `validate_swaps`, and its placement
 fits the limit. The table (or `--json`) gives, per policy: feasible, overhead
 (a fraction of the unconstrained iteration time), the step's ratio to a lower
 bound on the step under the limit (`bound.step_bound`), the simulated device
-peak, the placed footprint, bytes copied each way, bytes recomputed and the
-recomputation's time, and the stall. The `portfolio` row is the best feasible
-plan of all the policies shown; `tidalpool`'s own row is its search alone.
+peak and the placed footprint (both with the persistent blocks: weights,
+optimizer state), bytes copied each way, bytes recomputed, and the stall. The
+`portfolio` row is the best feasible plan of all the policies shown;
+`tidalpool`'s own row is its search alone. The unconstrained peak is the
+persistent bytes plus the iteration's blocks at their most, which is what
+`tidalpool plan` bounds.
 
-`--sweep` walks limits from the peak down (steps of `--step` of the peak) past
-AutoSwap's `load_min` to the op-wise bound, printing overhead against memory
-per policy (AutoSwap's Figs. 9 and 11); `--plot` draws that curve and the
-memory curves at `--limit` (Fig. 8). Progress goes to stderr.
-Exit status: 0 done, 1 a plan that fails validation (a bug), 2 bad input.
+A limit under the op-wise bound (the bytes one op needs at once) is refused: no
+plan fits it. `--sweep` walks limits from the peak down (steps of `--step` of
+the peak) to `--limit` (default: the op-wise bound), printing overhead against
+memory per policy (AutoSwap's Figs. 9 and 11); `--plot` draws that curve and the
+memory curves (Fig. 8). `--timeline` writes the simulated step of each feasible
+plan for Perfetto (`timeline`). Progress goes to stderr.
+Exit status: 0 done, 1 a plan that fails validation (a bug), 2 bad input or an
+output that cannot be written, 3 no policy's plan fits (at any limit of a sweep).
 """
 
 from __future__ import annotations
@@ -30,14 +36,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tidalcore.units import format_size, parse_size
+from tidalcore.units import SIZE_HELP, format_size, parse_size
 from tidalplan.model import Iteration
 
 if TYPE_CHECKING:
+    from rich.console import Console
+    from tidalclient.status import Fitted
     from tidalplan.combined import Plan
-    from tidalplan.simulate import Result
 
 DEFAULT_STEP = 0.05
+NONE_FITS = 3  # the exit status when no policy's plan fits
 
 
 class InputError(Exception):
@@ -83,6 +91,23 @@ class Row:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class Facts:
+    """What the command knows of the trace before any plan: the bytes and times every
+    report names, so that its numbers can be told apart and added up."""
+
+    trace: Path
+    peak: int  # device bytes at their most with no limit: persistent + transient
+    persistent: int  # blocks live across iterations (weights, optimizer state)
+    transient: int  # the iteration's own blocks at their most (`tidalpool plan`'s bound)
+    load_min: int  # the least peak swapping alone reaches (AutoSwap)
+    op_bound: int  # the most bytes one op touches: no plan fits under it
+    baseline_ns: int  # the step with no limit
+    curve: tuple[tuple[int, int], ...]  # (ns, device bytes) of the step with no limit
+    out_gbps: float
+    in_gbps: float
+
+
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `simulate` on an argparse subparsers object; the handler is `run`."""
     from tidalplan.policies import POLICIES
@@ -92,15 +117,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="compare memory policies on a trace under a memory limit",
         description="Make each memory policy's plan (swaps, recomputations, placement) for one"
         " steady iteration of TRACE (a trace CSV v1) under a device memory limit, simulate it,"
-        " and compare, beside a lower bound on the step.",
+        " and compare, beside a lower bound on the step. Every option has a default.",
+        epilog="Exit status: 0 done, 1 a plan failed validation (a bug), 2 bad input or an"
+        " output that cannot be written, 3 no policy's plan fits the limit (with --sweep: at"
+        " any limit).",
     )
     parser.add_argument("trace", type=Path, metavar="TRACE", help="trace CSV v1")
     parser.add_argument(
         "--limit",
-        default="1.0",
-        metavar="BYTES|FRACTION",
-        help="device memory limit: bytes ('6GiB') or a fraction of the unconstrained peak"
-        " (0.6 = 60%%; numbers up to 1 are fractions); default 1.0",
+        default=None,
+        metavar="SIZE|FRACTION",
+        help="device memory limit: a size (6GiB; " + SIZE_HELP.replace("%", "%%") + ") or a"
+        " fraction of the unconstrained peak (0.6 = 60%%; a number up to 1 is a fraction,"
+        " above 1 bytes); default 1.0. With --sweep: the sweep's lowest limit (default the"
+        " op-wise bound). A limit under the op-wise bound is refused: no plan fits it",
     )
     parser.add_argument(
         "--bandwidth",
@@ -123,9 +153,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help=f"one of {', '.join(POLICIES)}, a comma-separated list, or all (default)",
     )
     parser.add_argument(
-        "--compute-scale", type=float, default=1.0, help="multiply op times (default 1)"
+        "--compute-scale",
+        type=float,
+        default=1.0,
+        metavar="FACTOR",
+        help="multiply op times (default 1)",
     )
-    parser.add_argument("--sweep", action="store_true", help="walk limits from the peak down")
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="walk limits from the peak down to --limit (default: the op-wise bound)",
+    )
     parser.add_argument(
         "--step",
         type=float,
@@ -134,7 +172,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help=f"sweep step as a fraction of the peak (default {DEFAULT_STEP})",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--plot", type=Path, metavar="PICTURE.png", help="draw the curves")
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        metavar="PICTURE.png",
+        help="draw the memory curves at the limit (with --sweep: overhead against the limit,"
+        " and the memory curves at the lowest limit some plan fits)",
+    )
+    parser.add_argument(
+        "--timeline",
+        type=Path,
+        metavar="FILE.json",
+        help="write the simulated step of each feasible plan in the Chrome trace event format"
+        " (open it in ui.perfetto.dev or chrome://tracing); not with --sweep",
+    )
     parser.add_argument(
         "--place-time",
         type=float,
@@ -190,6 +241,23 @@ def parse_limit(text: str, peak: int) -> int:
     return limit
 
 
+def check_limit(text: str, limit: int, facts: Facts) -> None:
+    """InputError when `limit` is under the op-wise bound, which no plan can fit."""
+    if limit >= facts.op_bound:
+        return
+    hint = ""
+    try:
+        if float(text) > 1:
+            hint = " (a number above 1 is bytes; a fraction of the peak is at most 1, e.g. 0.6)"
+    except ValueError:
+        pass
+    raise InputError(
+        f"--limit {text}: {format_size(limit)} is under the op-wise bound"
+        f" {format_size(facts.op_bound)} ({facts.op_bound / facts.peak:.0%} of the peak), the"
+        f" bytes one op needs at once: no plan fits it{hint}"
+    )
+
+
 def policies(text: str) -> list[str]:
     from tidalplan.policies import POLICIES
 
@@ -235,14 +303,15 @@ def evaluate(
 
 
 def sweep_limits(peak: int, floor: int, step: float) -> list[int]:
-    """Limits from `peak` down by `step` × peak while they stay at or above `floor`."""
+    """Limits from `peak` down by `step` × peak while they stay at or above `floor` (a limit
+    within a millionth of the peak above it counts as at it: 0.7 is not lost to rounding)."""
     out: list[int] = []
     k = 0
     while True:
         limit = int(peak * (1.0 - k * step))
-        if limit < floor or limit <= 0:
+        if limit < floor - peak // 1_000_000 or limit <= 0:
             return out
-        out.append(limit)
+        out.append(max(limit, floor))
         k += 1
 
 
@@ -259,114 +328,275 @@ def _say(started: float) -> Callable[[str], None]:
     return say
 
 
-def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from tidalplan.autoswap import load as load_curve
-    from tidalplan.autoswap import load_min, op_bound
-    from tidalplan.simulate import no_limit
-    from tidalplan.validate import InvalidPlacement, InvalidSwapPlan
-
+def _options(args: argparse.Namespace) -> tuple[float, float, list[str]]:
+    """The bandwidths and policies, every number option checked (InputError names it)."""
     out_gbps = args.bandwidth
     in_gbps = args.in_bandwidth if args.in_bandwidth is not None else out_gbps
+    if not (0 < out_gbps < float("inf") and 0 < in_gbps < float("inf")):
+        raise InputError("--bandwidth and --in-bandwidth must be positive GB/s")
+    if not 0 < args.compute_scale < float("inf"):
+        raise InputError("--compute-scale must be positive")
+    if not 0 < args.step < 1:
+        raise InputError("--step must lie in (0, 1)")
+    if not 0 <= args.place_time < float("inf"):
+        raise InputError("--place-time must be a number of seconds >= 0")
+    if args.sweep and args.timeline is not None:
+        raise InputError("--timeline writes the step at one limit: leave out --sweep")
+    if args.plot is not None or args.timeline is not None:
+        for option, path in (("--plot", args.plot), ("--timeline", args.timeline)):
+            if path is not None and not path.parent.is_dir():
+                raise InputError(f"{option} {path}: no such directory {path.parent}")
+            if path is not None and path.is_dir():
+                raise InputError(f"{option} {path}: a directory, not a file")
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise InputError(
+                f"--plot {args.plot}: drawing needs matplotlib, which is not installed"
+                " (pip install matplotlib, or the dev extra)"
+            ) from None
+    return out_gbps, in_gbps, policies(args.policy)
+
+
+def _facts(args: argparse.Namespace, it: Iteration, out_gbps: float, in_gbps: float) -> Facts:
+    from tidalplan.autoswap import load as load_curve
+    from tidalplan.autoswap import load_min, op_bound
+    from tidalplan.learn import live_bytes
+    from tidalplan.simulate import no_limit
+
+    base = no_limit(it, args.compute_scale)
+    return Facts(
+        trace=args.trace,
+        peak=int(load_curve(it).max(initial=0)),
+        persistent=sum(int(size) for _, size in it.persistent),
+        transient=int(live_bytes(it).max(initial=0)),
+        load_min=load_min(it),
+        op_bound=op_bound(it),
+        baseline_ns=base.baseline_ns,
+        curve=base.curve,
+        out_gbps=out_gbps,
+        in_gbps=in_gbps,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Carry out `tidalpool simulate` with parsed arguments; the exit status."""
+    from tidalplan.validate import InvalidPlacement, InvalidSwapPlan
+
     try:
-        if not (0 < out_gbps < float("inf") and 0 < in_gbps < float("inf")):
-            raise InputError("--bandwidth and --in-bandwidth must be positive GB/s")
-        if not 0 < args.compute_scale < float("inf"):
-            raise InputError("--compute-scale must be positive")
-        if not 0 < args.step < 1:
-            raise InputError("--step must lie in (0, 1)")
-        if not 0 <= args.place_time < float("inf"):
-            raise InputError("--place-time must be a number of seconds >= 0")
-        names = policies(args.policy)
+        out_gbps, in_gbps, names = _options(args)
         it = load(args.trace)
-        peak = int(load_curve(it).max(initial=0))
-        limit = parse_limit(args.limit, peak)
+        facts = _facts(args, it, out_gbps, in_gbps)
+        default = facts.op_bound if args.sweep else facts.peak
+        limit = parse_limit(args.limit, facts.peak) if args.limit is not None else default
+        check_limit(args.limit or "", limit, facts)
+        if args.sweep and limit > facts.peak:
+            raise InputError(
+                f"--limit {args.limit}: {format_size(limit)} is above the peak"
+                f" {format_size(facts.peak)}, where a sweep starts: with --sweep, --limit is"
+                " its lowest limit"
+            )
     except InputError as e:
         print(f"tidalpool simulate: {e}", file=sys.stderr)
         return 2
-    base = no_limit(it, args.compute_scale)
-    lmin, bound = load_min(it), op_bound(it)
-    head: dict[str, Any] = {
-        "trace": str(args.trace),
-        "bandwidth_gbps": out_gbps,
-        "in_bandwidth_gbps": in_gbps,
-        "compute_scale": args.compute_scale,
-        "baseline_ns": base.baseline_ns,
-        "unconstrained_peak_bytes": peak,
-        "load_min_bytes": lmin,
-        "op_bound_bytes": bound,
-    }
-    console = Console(width=max(Console().width, 132))  # the table's columns side by side
-    started = time.monotonic()
-    say = _say(started)
+    say = _say(time.monotonic())
     try:
         if args.sweep:
-            grid = sweep_limits(peak, bound, args.step)
-            sweep: list[tuple[int, list[Row]]] = []
-            for k, lim in enumerate(grid):
-                where = f"limit {lim / peak:.2f} of the peak ({k + 1}/{len(grid)})"
-
-                def said(text: str, where: str = where) -> None:
-                    say(f"{where}: {text}")
-
-                rows = evaluate(
-                    it, names, lim, out_gbps, in_gbps, args.compute_scale, args.place_time, said
-                )
-                sweep.append((lim, rows))
-            if args.json:
-                head["sweep"] = [
-                    {
-                        "limit_bytes": lim,
-                        "fraction": lim / peak,
-                        "bound_ns": rows[0].bound_ns if rows else None,
-                        "policies": [r.as_json() for r in rows],
-                    }
-                    for lim, rows in sweep
-                ]
-                print(json.dumps(head))
-            else:
-                _sweep_table(console, head, names, sweep, peak)
-            if args.plot:
-                at = evaluate(
-                    it, names, limit, out_gbps, in_gbps, args.compute_scale, args.place_time
-                )
-                _draw(args.plot, str(args.trace), peak, names, sweep, at, limit, base)
-            return 0
-        rows = evaluate(
-            it, names, limit, out_gbps, in_gbps, args.compute_scale, args.place_time, say
-        )
+            return _sweep(args, it, facts, names, limit, say)
+        return _one(args, it, facts, names, limit, say)
     except (InvalidSwapPlan, InvalidPlacement) as e:
         print(f"tidalpool simulate: a plan failed validation (a bug): {e}", file=sys.stderr)
         return 1
+    except OSError as e:
+        name = e.filename if e.filename is not None else (args.plot or args.timeline)
+        print(f"tidalpool simulate: {name}: cannot write: {e.strerror or e}", file=sys.stderr)
+        return 2
+
+
+def _head(facts: Facts) -> dict[str, Any]:
+    return {
+        "trace": str(facts.trace),
+        "bandwidth_gbps": facts.out_gbps,
+        "in_bandwidth_gbps": facts.in_gbps,
+        "baseline_ns": facts.baseline_ns,
+        "unconstrained_peak_bytes": facts.peak,
+        "persistent_bytes": facts.persistent,
+        "transient_peak_bytes": facts.transient,
+        "load_min_bytes": facts.load_min,
+        "op_bound_bytes": facts.op_bound,
+    }
+
+
+def _one(
+    args: argparse.Namespace,
+    it: Iteration,
+    facts: Facts,
+    names: list[str],
+    limit: int,
+    say: Callable[[str], None],
+) -> int:
+    """The policies at one limit: the table or JSON, and the picture and timeline asked for."""
+    rows = evaluate(
+        it, names, limit, facts.out_gbps, facts.in_gbps, args.compute_scale, args.place_time, say
+    )
     step_bound = rows[0].bound_ns if rows else None
     if args.json:
+        head = _head(facts)
+        head["compute_scale"] = args.compute_scale
         head["limit_bytes"] = limit
         head["bound_ns"] = step_bound
         head["policies"] = [r.as_json() for r in rows]
         print(json.dumps(head))
     else:
-        console.print(
-            f"{args.trace}: iteration {base.baseline_ns / 1e6:.2f} ms, peak {format_size(peak)},"
-            f" load_min {format_size(lmin)} ({lmin / peak:.0%}), op-wise bound"
-            f" {format_size(bound)} ({bound / peak:.0%}); limit {format_size(limit)}"
-            f" ({limit / peak:.0%}), {out_gbps:g}/{in_gbps:g} GB/s; the step cannot be"
-            + (
-                f" under {step_bound / 1e6:.2f} ms at this limit"
-                if step_bound is not None
-                else " made to fit this limit by any plan"
+        console = _console()
+        for line in _describe(facts):
+            console.print(line, markup=False, highlight=False)
+        console.print(_limit_line(limit, facts, step_bound), markup=False, highlight=False)
+        console.print(table(rows))
+        console.print(LEGEND.format(persistent=format_size(facts.persistent)), highlight=False)
+    if args.plot is not None:
+        _draw(args.plot, facts, names, [], rows, limit)
+        if not args.json:
+            print(f"picture: {args.plot}")
+    if args.timeline is not None:
+        from tidaloffline.timeline import write
+
+        chosen = [
+            (
+                f"{r.name}: step {r.plan.result.iteration_ns / 1e6:.2f} ms,"
+                f" peak {format_size(r.plan.result.peak_bytes)}",
+                r.plan,
             )
+            for r in rows
+            if r.of is None and r.plan.fits
+        ]
+        write(args.timeline, it, chosen, facts.out_gbps, facts.in_gbps, args.compute_scale)
+        if not args.json:
+            plans = f"{len(chosen)} feasible plan{'s' if len(chosen) != 1 else ''}"
+            print(f"timeline: {args.timeline} ({plans}; open it in ui.perfetto.dev)")
+    if not any(r.plan.fits for r in rows):
+        share = f" ({limit / facts.peak:.0%} of the peak)" if facts.peak else ""
+        print(
+            f"tidalpool simulate: no policy's plan fits {format_size(limit)}{share}",
+            file=sys.stderr,
         )
-        console.print(_table(rows))
-    if args.plot:
-        _draw(args.plot, str(args.trace), peak, names, [], rows, limit, base)
+        return NONE_FITS
     return 0
 
 
-def _table(rows: list[Row]) -> Any:
-    from rich.table import Table
+def _sweep(
+    args: argparse.Namespace,
+    it: Iteration,
+    facts: Facts,
+    names: list[str],
+    floor: int,
+    say: Callable[[str], None],
+) -> int:
+    """The policies at every limit of the sweep: the table or JSON, and the picture."""
+    grid = sweep_limits(facts.peak, floor, args.step)
+    sweep: list[tuple[int, list[Row]]] = []
+    for k, lim in enumerate(grid):
+        where = f"limit {lim / facts.peak:.2f} of the peak ({k + 1}/{len(grid)})"
 
-    table = Table()
-    columns = [
+        def said(text: str, where: str = where) -> None:
+            say(f"{where}: {text}")
+
+        rows = evaluate(
+            it, names, lim, facts.out_gbps, facts.in_gbps, args.compute_scale, args.place_time, said
+        )
+        sweep.append((lim, rows))
+    if args.json:
+        head = _head(facts)
+        head["compute_scale"] = args.compute_scale
+        head["sweep"] = [
+            {
+                "limit_bytes": lim,
+                "fraction": lim / facts.peak,
+                "bound_ns": rows[0].bound_ns if rows else None,
+                "policies": [r.as_json() for r in rows],
+            }
+            for lim, rows in sweep
+        ]
+        print(json.dumps(head))
+    else:
+        console = _console()
+        for line in _describe(facts):
+            console.print(line, markup=False, highlight=False)
+        console.print(
+            f"overhead by limit, {format_size(grid[0])} down to {format_size(grid[-1])}"
+            " (—: no feasible placed plan);\nbound: the least overhead a plan can have there",
+            markup=False,
+            highlight=False,
+        )
+        console.print(sweep_table(facts, names, sweep))
+    if args.plot is not None:
+        fitting = [(lim, rows) for lim, rows in sweep if any(r.plan.fits for r in rows)]
+        lim, rows = fitting[-1] if fitting else sweep[-1]
+        _draw(args.plot, facts, names, sweep, rows, lim)
+        if not args.json:
+            print(f"picture: {args.plot}")
+    if not any(r.plan.fits for _, rows in sweep for r in rows):
+        print(
+            f"tidalpool simulate: no policy's plan fits any limit from {format_size(grid[0])}"
+            f" down to {format_size(grid[-1])}",
+            file=sys.stderr,
+        )
+        return NONE_FITS
+    return 0
+
+
+def _console() -> Console:
+    """Standard output at its own width (the terminal's, or 80 columns when piped, or
+    $COLUMNS): the tables fit it or fold (`Fitted`)."""
+    from rich.console import Console
+
+    return Console()
+
+
+def _describe(facts: Facts) -> list[str]:
+    """The trace's bytes and times, each named with what it counts, in lines of under 80
+    columns (a pipe's width), so that no number is wrapped away from its unit."""
+    p = facts.peak
+
+    def share(n: int) -> str:
+        return f"{n / p:.0%}" if p else "-"
+
+    return [
+        f"{facts.trace.name}: one step takes {facts.baseline_ns / 1e6:.2f} ms with no limit",
+        f"  copies          {facts.out_gbps:g} GB/s out, {facts.in_gbps:g} GB/s in",
+        f"  peak, no limit  {format_size(p)}, the sum of",
+        f"    persistent    {format_size(facts.persistent)}: live across iterations (weights,"
+        " optimizer)",
+        f"    iteration     {format_size(facts.transient)}: its blocks at their most (plan's"
+        " bound)",
+        f"  load_min        {format_size(facts.load_min)} ({share(facts.load_min)}): the least"
+        " peak swapping alone reaches",
+        f"  op-wise bound   {format_size(facts.op_bound)} ({share(facts.op_bound)}): the most"
+        " bytes one op needs at once",
+    ]
+
+
+def _limit_line(limit: int, facts: Facts, step_bound: int | None) -> str:
+    share = f"{limit / facts.peak:.0%}" if facts.peak else "-"
+    return f"  limit           {format_size(limit)} ({share}): " + (
+        f"no plan's step is under {step_bound / 1e6:.2f} ms here"
+        if step_bound is not None
+        else "no plan can fit it"
+    )
+
+
+LEGEND = (
+    "peak: the simulated device bytes at their highest; placed: the bytes the placed\n"
+    "plan needs; both include the {persistent} of persistent blocks. —: not feasible."
+)
+
+
+def table(rows: list[Row]) -> Fitted:
+    """The policies at one limit, one row each."""
+    from tidalclient.status import Fitted
+
+    headers = (
         "policy",
         "feasible",
         "overhead",
@@ -377,9 +607,8 @@ def _table(rows: list[Row]) -> Any:
         "in",
         "recomputed",
         "stall",
-    ]
-    for col in columns:
-        table.add_column(col, justify="left" if col == "policy" else "right")
+    )
+    cells = []
     for row in rows:
         p = row.plan
         r = p.result
@@ -391,70 +620,59 @@ def _table(rows: list[Row]) -> Any:
             feasible = "no: placed over"
         else:
             feasible = "no"
-        table.add_row(
-            row.name if row.of is None else f"{row.name} ({row.of})",
-            feasible,
-            _percent(r.overhead) if p.fits else "—",
-            f"{row.ratio:.3f}" if row.ratio is not None else "—",
-            format_size(r.peak_bytes),
-            format_size(p.footprint) if p.footprint is not None else "—",
-            format_size(r.out_bytes),
-            format_size(r.in_bytes),
-            format_size(r.recomputed_bytes),
-            f"{r.stall_ns / 1e6:.2f} ms",
+        cells.append(
+            (
+                row.name if row.of is None else f"{row.name} ({row.of})",
+                feasible,
+                _percent(r.overhead) if p.fits else "—",
+                f"{row.ratio:.3f}" if row.ratio is not None else "—",
+                format_size(r.peak_bytes),
+                format_size(p.footprint) if p.footprint is not None else "—",
+                format_size(r.out_bytes),
+                format_size(r.in_bytes),
+                format_size(r.recomputed_bytes),
+                f"{r.stall_ns / 1e6:.2f} ms",
+            )
         )
-    return table
+    return Fitted(headers, cells, left=(0,))
 
 
-def _sweep_table(
-    console: Any,
-    head: dict[str, Any],
-    names: list[str],
-    sweep: list[tuple[int, list[Row]]],
-    peak: int,
-) -> None:
-    from rich.table import Table
+def sweep_table(facts: Facts, names: list[str], sweep: list[tuple[int, list[Row]]]) -> Fitted:
+    """Overhead per policy (a column each) at each limit of the sweep (a row each)."""
+    from tidalclient.status import Fitted
 
-    console.print(
-        f"{head['trace']}: overhead by limit (feasible placed plans); peak {format_size(peak)},"
-        f" load_min {head['load_min_bytes'] / peak:.0%}, op-wise bound"
-        f" {head['op_bound_bytes'] / peak:.0%} of it; — infeasible"
-    )
-    table = Table()
-    table.add_column("limit", justify="right")
-    table.add_column("bound", justify="right")
-    for n in names:
-        table.add_column(n, justify="right")
+    cells = []
     for lim, rows in sweep:
         by_name = {r.name: r for r in rows}
         b = rows[0].bound_ns if rows else None
-        base = head["baseline_ns"]
-        table.add_row(
-            f"{lim / peak:.0%}",
-            _percent(b / base - 1) if b is not None and base else "—",
-            *(
-                _percent(by_name[n].plan.result.overhead) if by_name[n].plan.fits else "—"
-                for n in names
-            ),
+        base = facts.baseline_ns
+        cells.append(
+            (
+                f"{format_size(lim)} ({lim / facts.peak:.0%})",
+                _percent(b / base - 1) if b is not None and base else "—",
+                *(
+                    _percent(by_name[n].plan.result.overhead) if by_name[n].plan.fits else "—"
+                    for n in names
+                ),
+            )
         )
-    console.print(table)
+    return Fitted(("limit", "bound", *names), cells, left=(0,))
 
 
 def _draw(
     path: Path,
-    title: str,
-    peak: int,
+    facts: Facts,
     names: list[str],
     sweep: list[tuple[int, list[Row]]],
     at: list[Row],
     limit: int,
-    base: Result,
 ) -> None:
+    """The picture: overhead against the limit (a sweep's), and memory curves at `limit`."""
     from tidaloffline.plot import plot_swaps
 
     curves = {
         n: [
-            (lim / peak, r.plan.result.overhead)
+            (lim / facts.peak, r.plan.result.overhead)
             for lim, rows in sweep
             for r in rows
             if r.name == n and r.plan.fits
@@ -462,4 +680,4 @@ def _draw(
         for n in names
     }
     memory = {r.name: r.plan.result.curve for r in at if r.plan.fits and r.of is None}
-    plot_swaps(path, title, curves, memory, base.curve, limit)
+    plot_swaps(path, facts.trace.name, curves, memory, facts.curve, limit, facts.peak)

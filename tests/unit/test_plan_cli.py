@@ -101,9 +101,14 @@ def test_trace_in(tmp_path: Path) -> None:
     assert status == 0
     assert lines == [
         f"input: {trace} (trace CSV, iteration 1: 3 buffers, alignment 256)",
-        "lower bound: 2560 B (2.5 KiB)",  # 512 + 2048 padded, at the second op
+        # 512 + 2048 padded, at the second op
+        "lower bound: 2560 B (2.5 KiB): the arena, the iteration's blocks at their most",
+        # block 1, allocated before the first iteration
+        "persistent: 4096 B (4 KiB): 1 block kept across iterations, outside the arena",
+        "lower bound + persistent: 6656 B (6.5 KiB): the peak tidalpool simulate reports",
         "smartpool: 2560 B (ratio 1.0000)",
         "height: 2560 B (ratio 1.0000, canonical/length)",
+        "height + persistent: 6656 B (6.5 KiB): the device bytes under this placement",
         "optimal: yes",
         f"solution: {out}",
     ]

@@ -341,7 +341,8 @@ INVALID = [
     (
         "device_pool",
         "4XB",
-        "unknown size unit 'XB' in '4XB' (use B, kB, MB, GB, KiB, MiB, GiB)",
+        "unknown size unit 'XB' in '4XB' (accepted: B; k, m, g, t, Ki, Mi, Gi, Ti, KiB, MiB,"
+        " GiB, TiB (powers of 1024); kB, MB, GB, TB (powers of 1000); any case)",
         "",
     ),
     ("host_pool", "0B", "must be greater than 0", ""),
