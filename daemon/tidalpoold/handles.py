@@ -59,7 +59,11 @@ _LEN = struct.Struct("<I")  # the framing's length prefix (tidalcore.framing)
 # What a refused peer may still have in flight: one whole request. Reading it before closing
 # lets the peer finish its send and read the refusal; more than that is not waited for.
 _DRAIN_BYTES = _LEN.size + framing.MAX_MESSAGE
-_GRACE_S = 0.1  # a connection this young is never dropped to make room for another
+# A connection this young is never dropped to make room for another. A client sends its request
+# as soon as it connects, in microseconds; only on a socket crowded by other peers does a client
+# slower than this lose its place. It sets what a client waits behind hostile peers: about one
+# grace at most.
+_GRACE_S = 0.05
 _BACKOFF_S = (0.01, 0.5)  # first and longest wait before accept is tried again after an error
 _SEND_FLOOR_S = 0.1  # the reply's sends get the rest of the deadline, but at least this
 
