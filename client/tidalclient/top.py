@@ -24,7 +24,8 @@ from rich.text import Text
 from tidalcore.units import format_size
 from tidalcore.v1 import admin_pb2, common_pb2
 
-from tidalclient.status import Fitted, Unreachable, fetch
+from tidalclient.status import Unreachable, fetch
+from tidalclient.tables import Fitted
 
 Fetch = Callable[[Path], tuple[admin_pb2.PoolStatusResponse, admin_pb2.ListSessionsResponse]]
 

@@ -1,30 +1,96 @@
 """`tidalpool`: the command line: demo, status, top and health (the client's views of a
-daemon) and plan, simulate and replay (the offline tools)."""
+daemon) and plan, simulate and replay (the offline tools).
+
+Every error it reports is one line on stderr and a non-zero exit status: 2 for a usage error
+(argparse's own included: `tidalpool demo: error: ... (see tidalpool demo --help)`), 1 for a
+command that failed. `--debug` (or TIDALPOOL_DEBUG=1) shows the traceback instead.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import math
+import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+from typing import NoReturn
 
+import grpc
 import optuna
 from rich.console import Console
 from tidalclient import status as status_view
 from tidalclient import top as top_view
+from tidalclient.demo.run import limit_problem
 from tidalclient.demo.run import run as run_demo
+from tidalclient.errors import TidalpoolError
 from tidalclient.health import check
 from tidalclient.session import socket_dir_from_env
 from tidalcore import __version__
 from tidaloffline import plan_command, replay, simulate_command
 
+DEBUG_ENV = "TIDALPOOL_DEBUG"
+GLOBAL_OPTIONS = ("--socket-dir",)  # options of `tidalpool` itself, given before the command
+# Failures whose message says all: no type name, no hint of a bug.
+EXPECTED = (TidalpoolError, OSError, ValueError, RuntimeError, MemoryError, grpc.RpcError)
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line, `prog: error: message (see prog
+    --help)`, exit status 2, instead of the usage block; its subparsers are Parsers too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def debug_from_env(env: Mapping[str, str]) -> bool:
+    """TIDALPOOL_DEBUG set to anything but "", 0, false, no or off."""
+    return env.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def one_line(error: BaseException) -> str:
+    """What went wrong, on one line: the message (a gRPC error's code and details), its type
+    where it has none."""
+    if isinstance(error, grpc.RpcError) and isinstance(error, grpc.Call):
+        text = f"{error.code().name}: {error.details() or ''}"
+    else:
+        text = str(error)
+    return " ".join(text.split()) or type(error).__name__
+
 
 def main(argv: list[str] | None = None) -> int:
     optuna.logging.set_verbosity(logging.WARNING)  # the planner's tuning: say only what matters
-    parser = argparse.ArgumentParser(
-        prog="tidalpool", description="tidalpool: GPU memory for training jobs."
-    )
+    parser, commands = _parser()
+    args, extra = parser.parse_known_args(argv)
+    command = commands[args.command]
+    if extra:  # named by the command they were given to
+        misplaced = [o for o in GLOBAL_OPTIONS if o in (x.split("=")[0] for x in extra)]
+        hint = "".join(
+            f"; {o} goes before the command: tidalpool {o} ... {args.command}" for o in misplaced
+        )
+        command.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
+    debug = args.debug or debug_from_env(os.environ)
+    try:
+        status = _run(args, command)
+        sys.stdout.flush()  # a closed pipe shows here, not at exit
+        return status
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # stdout's reader went away (`| head`): nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except Exception as e:
+        if debug:
+            raise
+        hint = "" if isinstance(e, EXPECTED) else f" ({type(e).__name__}; --debug shows where)"
+        print(f"{command.prog}: {one_line(e)}{hint}", file=sys.stderr)
+        return 1
+
+
+def _parser() -> tuple[Parser, dict[str, Parser]]:
+    """The parser of `tidalpool` and those of its commands, by name."""
+    parser = Parser(prog="tidalpool", description="tidalpool: GPU memory for training jobs.")
     parser.add_argument("--version", action="version", version=f"tidalpool {__version__}")
     parser.add_argument(
         "--socket-dir",
@@ -32,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="the daemon's socket directory (default: $TIDALPOOL_SOCKET_DIR or /run/tidalpool)",
     )
+    debug_help = f"show the traceback of an error (also {DEBUG_ENV}=1)"
+    parser.add_argument("--debug", action="store_true", help=debug_help)
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser(
         "demo",
@@ -56,14 +124,16 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=None,
         metavar="FRACTION",
-        help="swap to stay under this fraction of the network's peak live bytes (e.g. 0.5)",
+        help="swap to stay under this fraction of the network's peak live bytes (e.g. 0.5; at"
+        " least the share its largest op needs at once, about 0.47)",
     )
     demo.add_argument(
         "--copy-gbps",
         type=float,
         default=None,
         metavar="GBPS",
-        help="throttle swap copies to this bandwidth in GB/s (default: as fast as memmove)",
+        help="throttle swap copies to this bandwidth in GB/s (default: as fast as memmove);"
+        " without --limit the session swaps only when its lease is full",
     )
     status = commands.add_parser(
         "status", help="pool usage and sessions of a running daemon (live: tidalpool top)"
@@ -109,7 +179,16 @@ def main(argv: list[str] | None = None) -> int:
     plan_command.add_parser(commands)
     simulate_command.add_parser(commands)
     replay.add_parser(commands)
-    args = parser.parse_args(argv)
+    for sub in commands.choices.values():  # also after the command, as users add it; listed
+        # by tidalpool --help only
+        sub.add_argument(
+            "--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+        )
+    return parser, dict(commands.choices)
+
+
+def _run(args: argparse.Namespace, command: Parser) -> int:
+    """Run the command; its exit status. Usage errors exit through `command.error`."""
     if args.command == "plan":
         return plan_command.run(args)
     if args.command == "simulate":
@@ -123,11 +202,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.iterations is None:
             args.iterations = 20 if args.limit is None else 40
         if args.iterations < 1:
-            parser.error("--iterations must be at least 1")
-        if args.limit is not None and not 0 < args.limit <= 1:
-            parser.error("--limit must be a fraction in (0, 1]")
-        if args.copy_gbps is not None and args.copy_gbps <= 0:
-            parser.error("--copy-gbps must be positive")
+            command.error("--iterations must be at least 1")
+        if args.limit is not None and (problem := limit_problem(args.limit)) is not None:
+            command.error(problem)
+        if args.copy_gbps is not None and not (
+            math.isfinite(args.copy_gbps) and args.copy_gbps > 0
+        ):
+            command.error("--copy-gbps must be a positive number of GB/s")
         ok = run_demo(
             socket_dir, args.iterations, console, args.limit, args.copy_gbps, backend=args.backend
         )
@@ -135,16 +216,16 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "top":
         if not (args.interval > 0 and math.isfinite(args.interval)):
-            parser.error("--interval must be a positive number of seconds")
+            command.error("--interval must be a positive number of seconds")
         if args.iterations is not None and args.iterations < 1:
-            parser.error("--iterations must be at least 1")
+            command.error("--iterations must be at least 1")
         return top_view.run(
             socket_dir, console, Console(stderr=True), args.interval, args.iterations
         )
 
     if args.command == "health":
         if not (args.timeout > 0 and math.isfinite(args.timeout)):
-            parser.error("--timeout must be a positive number of seconds")
+            command.error("--timeout must be a positive number of seconds")
         answer = check(socket_dir, args.service, args.timeout)
         print(
             answer.message if answer.serving else f"tidalpool: {answer.message}",

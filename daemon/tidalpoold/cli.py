@@ -1,4 +1,9 @@
-"""`tidalpoold`: the daemon's command line."""
+"""`tidalpoold`: the daemon's command line.
+
+Every error it reports is one line on stderr and a non-zero exit status: 2 for what the command
+line or the settings got wrong (argparse's errors included), 1 for a daemon that cannot start.
+`--debug` (or TIDALPOOL_DEBUG=1) shows the traceback instead.
+"""
 
 from __future__ import annotations
 
@@ -8,26 +13,75 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Mapping
 from types import FrameType
+from typing import NoReturn
 
 from tidalpoold import __version__, log
 from tidalpoold.notify import Notifier
 from tidalpoold.server import build_daemon
 from tidalpoold.settings import SettingsError, add_arguments, settings_from_args
 
+DEBUG_ENV = "TIDALPOOL_DEBUG"
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tidalpoold", description="The per-GPU tidalpool daemon.")
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line, `prog: error: message (see prog
+    --help)`, exit status 2, instead of the usage block; its subparsers are Parsers too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def debug_from_env(env: Mapping[str, str]) -> bool:
+    """TIDALPOOL_DEBUG set to anything but "", 0, false, no or off."""
+    return env.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def one_line(error: BaseException) -> str:
+    """The error's message on one line; its type where the message is empty."""
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def _parser() -> tuple[Parser, Parser]:
+    parser = Parser(prog="tidalpoold", description="The per-GPU tidalpool daemon.")
     parser.add_argument("--version", action="version", version=f"tidalpoold {__version__}")
+    debug_help = f"show the traceback of an error (also {DEBUG_ENV}=1)"
+    parser.add_argument("--debug", action="store_true", help=debug_help)
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="own the GPU's pools and serve sessions")
     add_arguments(serve)
-    args = parser.parse_args(argv)
+    # Also after the command, where a user adds it to a command line that failed; listed by
+    # tidalpoold --help only.
+    serve.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+    )
+    return parser, serve
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser, serve = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # named by the command they were given to
+        serve.error(f"unrecognized arguments: {' '.join(extra)}")
+    debug = args.debug or debug_from_env(os.environ)
+    try:
+        return _serve(args, serve, debug)
+    except KeyboardInterrupt:  # before the signal handlers are in place
+        return 130
+    except Exception as e:
+        if debug:
+            raise
+        print(f"tidalpoold: {one_line(e)} (--debug shows where)", file=sys.stderr)
+        return 1
+
+
+def _serve(args: argparse.Namespace, serve: Parser, debug: bool) -> int:
+    """Run the daemon until SIGTERM or SIGINT; 1, saying why in one line, if it cannot start."""
     try:
         settings = settings_from_args(args, os.environ)
     except SettingsError as e:
-        parser.exit(2, f"tidalpoold: {e}\n")
+        serve.exit(2, f"tidalpoold: {e}\n")
     log.configure(settings.log_format, settings.log_level)
     notifier = Notifier(os.environ.get("NOTIFY_SOCKET"))  # set by systemd for Type=notify
     # Handlers first: a signal during start-up must stop the daemon once it is built,
@@ -43,10 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, request_stop)
     try:
         daemon = build_daemon(settings)
-    except (OSError, ValueError, NotImplementedError) as e:
-        logging.getLogger("tidalpoold").error("daemon.start_failed", extra={"why": str(e)})
-        print(f"tidalpoold: cannot start: {e}", file=sys.stderr)
-        notifier.send(f"STATUS=cannot start: {e}")
+    except (OSError, ValueError, RuntimeError, NotImplementedError) as e:
+        why = one_line(e)
+        notifier.send(f"STATUS=cannot start: {why}")
+        if debug:
+            raise
+        if settings.log_format == "json":  # for a log collector; on text logs, the line below
+            logging.getLogger("tidalpoold").error("daemon.start_failed", extra={"why": why})
+        print(f"tidalpoold: cannot start: {why}", file=sys.stderr)
         return 1
     except SystemExit as e:  # a refusal that names its cause (another daemon, too few fds)
         notifier.send(f"STATUS=cannot start: {e}")

@@ -209,11 +209,21 @@ class Settings:
     )
     default_device_lease: Bytes = field(
         default=Bytes(1 * _GiB),
-        metadata=_about(_SIZE, "device lease given to a session that asks for 0"),
+        metadata=_about(
+            _SIZE,
+            "device lease given to a session that asks for 0 (when not set: at most the device"
+            " pool, in whole chunks, so that a small pool needs no lease setting; set larger"
+            " than the pool: refused)",
+        ),
     )
     default_host_lease: Bytes = field(
         default=Bytes(2 * _GiB),
-        metadata=_about(_SIZE, "host lease given to a session that asks for 0"),
+        metadata=_about(
+            _SIZE,
+            "host lease given to a session that asks for 0 (when not set: at most the host"
+            " pool, in whole chunks, so that a small pool needs no lease setting; set larger"
+            " than the pool: refused)",
+        ),
     )
     socket_dir: Path = field(
         default=Path("/run/tidalpool"),
@@ -494,6 +504,15 @@ def _read_toml(path: Path, source: str) -> dict[str, Any]:
     return data
 
 
+def _default_lease(default: Bytes, pool: Any, chunk: Any) -> Bytes:
+    """A default lease nobody set: the default, or the pool's whole chunks where that is less
+    (a 512 MiB pool gets a 512 MiB default lease, not a refusal). A pool or chunk size that is
+    not a size, or a pool without one whole chunk, is left for `Settings` to refuse by name."""
+    if not (_is_int(pool) and _is_int(chunk)) or chunk <= 0 or pool < chunk:
+        return default
+    return Bytes(min(default, pool // chunk * chunk))
+
+
 def _load(
     cli: Mapping[str, object], env: Mapping[str, str], config_path: Path | None, config_source: str
 ) -> Settings:
@@ -528,6 +547,12 @@ def _load(
         if cli.get(name) is not None:
             put(name, cli[name], "--" + name.replace("_", "-"))
 
+    for lease, pool in (
+        ("default_device_lease", "device_pool"),
+        ("default_host_lease", "host_pool"),
+    ):
+        if origin[lease][0] == DEFAULT_SOURCE:
+            values[lease] = _default_lease(values[lease], values[pool], values["chunk_size"])
     try:
         return Settings(**values)
     except SettingsError as err:

@@ -41,7 +41,7 @@ from tidalplan.model import Iteration
 
 if TYPE_CHECKING:
     from rich.console import Console
-    from tidalclient.status import Fitted
+    from tidalclient.tables import Fitted
     from tidalplan.combined import Plan
 
 DEFAULT_STEP = 0.05
@@ -211,7 +211,7 @@ def load(path: Path) -> Iteration:
         if kind != "trace":
             raise InputError(f"{path}: a {kind} file; simulate needs a trace CSV v1 (with ops)")
         events = tracecsv.read_trace_csv(path)
-        it = learn.extract(events, events.marks())
+        it = learn.extract_finished(events).iteration  # the one `plan` places
     except OSError as e:
         raise InputError(f"{path}: cannot read: {e.strerror or e}") from None
     except ValueError as e:
@@ -594,7 +594,7 @@ LEGEND = (
 
 def table(rows: list[Row]) -> Fitted:
     """The policies at one limit, one row each."""
-    from tidalclient.status import Fitted
+    from tidalclient.tables import Fitted
 
     headers = (
         "policy",
@@ -639,7 +639,7 @@ def table(rows: list[Row]) -> Fitted:
 
 def sweep_table(facts: Facts, names: list[str], sweep: list[tuple[int, list[Row]]]) -> Fitted:
     """Overhead per policy (a column each) at each limit of the sweep (a row each)."""
-    from tidalclient.status import Fitted
+    from tidalclient.tables import Fitted
 
     cells = []
     for lim, rows in sweep:

@@ -38,4 +38,7 @@ def test_a_serving_daemon_exits_0_and_a_stopped_one_1(daemon: LocalDaemon) -> No
 def test_a_timeout_that_is_not_a_positive_number_is_a_usage_error() -> None:
     out = run_cli("--socket-dir", "/tmp/tp-none-here", "health", "--timeout", "0")
     assert out.returncode == 2
-    assert "tidalpool: error: --timeout must be a positive number of seconds" in out.stderr
+    assert out.stderr == (
+        "tidalpool health: error: --timeout must be a positive number of seconds"
+        " (see tidalpool health --help)\n"
+    )

@@ -120,9 +120,9 @@ def test_a_second_daemon_on_the_same_sockets_says_why_it_refuses(
         )
         status = manager.recv(4096).decode()
     assert out.returncode == 1, out.stderr
-    refusal = f"another daemon is listening on {first.socket_dir / 'tidalpool.sock'}"
+    refusal = f"another daemon (pid {first.process.pid}) serves {first.socket_dir}"
     assert refusal in out.stderr
-    assert status == f"STATUS=cannot start: {refusal}; stop it or use another --socket-dir"
+    assert status == f"STATUS=cannot start: {refusal}: stop it, or use another --socket-dir"
     assert is_serving(first.socket_dir)
 
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 from rich.console import Console
-from tidalclient.status import Fitted, as_json, render
+from tidalclient.status import as_json, render
+from tidalclient.tables import Fitted
 from tidalclient.top import Sample, view
 from tidalcore.v1 import admin_pb2
 from tidalpool.cli import main

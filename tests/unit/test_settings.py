@@ -332,6 +332,68 @@ def test_cuda_mode_reaches_the_cuda_backend(monkeypatch: pytest.MonkeyPatch) -> 
     assert made == [((4 * MiB, 8 * MiB, 2 * MiB), {"gpu": 1, "mode": "ipc"})]
 
 
+# -- default leases on small pools -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("pools", "device_lease", "host_lease"),
+    [
+        ({"device_pool": "512MiB"}, 512 * MiB, 2 * GiB),
+        ({"host_pool": "1GiB"}, 1 * GiB, 1 * GiB),
+        ({"device_pool": "64MiB", "host_pool": "64MiB"}, 64 * MiB, 64 * MiB),
+        ({"device_pool": "100MiB", "host_pool": "3GiB"}, 64 * MiB, 2 * GiB),  # whole chunks
+        ({"device_pool": "8MiB", "host_pool": "6MiB", "chunk_size": "2MiB"}, 8 * MiB, 6 * MiB),
+    ],
+)
+@pytest.mark.parametrize("source", ["cli", "env", "toml"])
+def test_a_default_lease_nobody_set_fits_the_pool(
+    tmp_path: Path, source: str, pools: dict[str, str], device_lease: int, host_lease: int
+) -> None:
+    if source == "cli":
+        s = parse_cli([f"--{k.replace('_', '-')}={v}" for k, v in pools.items()])
+    elif source == "env":
+        s = load_settings(env={f"TIDALPOOLD_{k.upper()}": v for k, v in pools.items()})
+    else:
+        text = "".join(f'{k} = "{v}"\n' for k, v in pools.items())
+        s = load_settings(config_path=write_toml(tmp_path, text))
+    assert (s.default_device_lease, s.default_host_lease) == (device_lease, host_lease)
+    assert describe(s)["default_device_lease"] == device_lease  # what the startup log says
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        (
+            ["--device-pool", "512MiB", "--default-device-lease", "1GiB"],
+            {},
+            "default_device_lease: default_device_lease must not exceed device_pool (got '1GiB'"
+            " from --default-device-lease); device_pool is '512MiB' from --device-pool",
+        ),
+        (
+            ["--host-pool", "1GiB"],
+            {"TIDALPOOLD_DEFAULT_HOST_LEASE": "2GiB"},  # the default's value, but set
+            "default_host_lease: default_host_lease must not exceed host_pool (got '2GiB'"
+            " from TIDALPOOLD_DEFAULT_HOST_LEASE); host_pool is '1GiB' from --host-pool",
+        ),
+    ],
+)
+def test_a_lease_set_larger_than_the_pool_is_still_refused(
+    argv: list[str], env: dict[str, str], message: str
+) -> None:
+    with pytest.raises(SettingsError) as info:
+        parse_cli(argv, env)
+    assert str(info.value) == message
+
+
+def test_the_help_says_a_default_lease_fits_the_pool(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser(prog="tidalpoold")
+    add_arguments(parser)
+    parser.print_help()
+    text = " ".join(capsys.readouterr().out.split())
+    assert "asks for 0 (when not set: at most the device pool, in whole chunks," in text
+    assert "asks for 0 (when not set: at most the host pool, in whole chunks," in text
+
+
 # -- errors, each naming its setting, source and value ---------------------------------------------
 
 # (setting, bad value as text, problem, what follows the "(got ...)" part)
@@ -354,10 +416,10 @@ INVALID = [
         "; host_pool is 8589934592 from default",
     ),
     (
-        "device_pool",
-        "512MiB",
+        "default_device_lease",
+        "5GiB",
         "default_device_lease must not exceed device_pool",
-        "; default_device_lease is 1073741824 from default",
+        "; device_pool is 4294967296 from default",
     ),
     ("socket_dir", "", "expected a non-empty path", ""),
     ("socket_mode", "0999", "expected an octal permission mode such as 0660", ""),

@@ -430,3 +430,31 @@ def persistent_bytes(
     mem = _CountingMemory(base)
     train(mem, 1, seed=seed, width=width, batch=batch, depth=depth)
     return mem.live
+
+
+class _OpMemory(PlainMemory):
+    """Plain NumPy that notes the op whose arrays take the most bytes at once."""
+
+    def __init__(self, alignment: int) -> None:
+        self.alignment = alignment
+        self.largest: tuple[str, int] = ("", 0)
+
+    def op(
+        self, name: str, reads: Sequence[Array], writes: Sequence[Array]
+    ) -> contextlib.AbstractContextManager[tuple[Array, ...]]:
+        sizes = {id(arr): arr.nbytes for arr in (*reads, *writes)}  # an array read and written
+        nbytes = sum(-(-size // self.alignment) * self.alignment for size in sizes.values())
+        if nbytes > self.largest[1]:
+            self.largest = (name, nbytes)
+        return super().op(name, reads, writes)
+
+
+def largest_op(
+    *, alignment: int, seed: int = 0, width: int = 256, batch: int = 128, depth: int = 2
+) -> tuple[str, int]:
+    """The op of `train` whose arrays take the most bytes at once, each rounded up to
+    `alignment` as a session places it, and those bytes: an op's arrays are all on the device
+    while it runs, so no swap limit below them lets the network train."""
+    mem = _OpMemory(alignment)
+    train(mem, 1, seed=seed, width=width, batch=batch, depth=depth)  # every op runs each step
+    return mem.largest

@@ -9,12 +9,14 @@ with NumPy in host memory on the sim backend, with CuPy on the GPU on cuda
 (a fraction of the network's peak live bytes), the session swaps: the table
 shows the bytes swapped out and in and the time ops waited for copies; the
 demo then waits, once, for the daemon's swap plan so that the rest of the run
-follows it.
+follows it. A limit below what the network's largest op needs at once is refused
+(`limit_problem`). The table is `Fitted`: it fits the terminal or a pipe, never cut.
 """
 
 from __future__ import annotations
 
 import importlib
+import math
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -26,14 +28,21 @@ import numpy as np
 import numpy.typing as npt
 from rich.console import Console
 from rich.live import Live
-from rich.table import Table
-from tidalcore.units import align_up, format_size
+from tidalcore.units import ALIGNMENT, align_up, format_size
 
-from tidalclient.demo.net import CupyMemory, Memory, PlainMemory, peak_live_bytes, train
+from tidalclient.demo.net import (
+    CupyMemory,
+    Memory,
+    PlainMemory,
+    largest_op,
+    peak_live_bytes,
+    train,
+)
 from tidalclient.local import LocalDaemon, is_serving
 from tidalclient.numpy import Tensor
 from tidalclient.session import Session, SessionStats
 from tidalclient.session import attach as session_attach
+from tidalclient.tables import Fitted
 
 PLAN_WAIT_AT = 4
 """Under a limit, the iteration after which the demo waits for the daemon's plan (planning
@@ -75,6 +84,25 @@ def _ms(ns: int) -> str:
     return f"{ns / 1e6:.1f} ms"
 
 
+def limit_problem(limit: float) -> str | None:
+    """Why the demo cannot train under `limit` (a fraction of the network's peak live bytes),
+    in one line naming the lowest limit that works; None when it can."""
+    if not (math.isfinite(limit) and 0 < limit <= 1):
+        return f"--limit must be a fraction in (0, 1], not {limit:g}"
+    peak = peak_live_bytes()
+    name, need = largest_op(alignment=ALIGNMENT)  # the executor's alignment
+    if int(limit * peak) >= need:
+        return None
+    lowest = math.ceil(need / peak * 100) / 100
+    while int(lowest * peak) < need:  # a rounding away from the exact share
+        lowest += 0.01
+    return (
+        f"--limit {limit:g} is too low: the network's op {name} needs {format_size(need)} on the"
+        f" device at once, {need / peak:.1%} of its peak of {format_size(peak)} live: use"
+        f" {lowest:.2f} or more (at most 1)"
+    )
+
+
 def run(
     socket_dir: Path,
     iterations: int = 20,
@@ -88,7 +116,10 @@ def run(
 
     `limit`: swap to keep the device bytes held at or under this fraction of the network's peak
     live bytes; `copy_gbps` throttles the swap copies; `backend`: the daemon to start when none
-    answers in `socket_dir`."""
+    answers in `socket_dir`. A `limit` the network cannot train under is a ValueError
+    (`limit_problem`)."""
+    if limit is not None and (problem := limit_problem(limit)) is not None:
+        raise ValueError(problem)
     console = console or Console()
     with ExitStack() as stack:
         if is_serving(socket_dir):
@@ -127,20 +158,22 @@ def run(
             f"network peak {format_size(peak)} live"
             + ("" if swap_limit is None else f", swap limit {format_size(swap_limit)} ({limit:g})")
         )
-        table = Table(title=f"training with tidalpool ({where})")
+        title = f"training with tidalpool ({where})"
         columns = ["iter", "loss", "mode", "live", "footprint", "plan hits", "misses", "events"]
-        if swap_limit is not None:
+        if swap_limit is not None or copy_gbps is not None:  # the session swaps
             columns += ["resident", "swapped out", "swapped in", "stall"]
-        for column in columns:
-            table.add_column(column, justify="left" if column == "mode" else "right")
         rows: list[SessionStats] = []
+        cells: list[list[str]] = []
 
-        def row(i: int, loss: float) -> None:
+        def table() -> Fitted:
+            return Fitted(columns, cells, title=title, left=(columns.index("mode"),))
+
+        def add_row(i: int, loss: float) -> None:
             if swap_limit is not None and i == PLAN_WAIT_AT and i + 1 < iterations:
                 _await_plan(session, PLAN_WAIT_S)  # so the rest of the run follows the plan
             s = session.stats()  # sends what is recorded, asks the daemon what it has
             rows.append(s)
-            cells = [
+            row = [
                 str(i),
                 f"{loss:.6f}",
                 s.mode,
@@ -150,17 +183,19 @@ def run(
                 f"{s.plan_misses:,}",
                 f"{s.events_received:,}/{s.events_sent:,}",
             ]
-            if s.swap is not None:
-                cells += [
-                    format_size(s.swap.resident_bytes),
-                    format_size(s.swap.swapped_out_bytes),
-                    format_size(s.swap.swapped_in_bytes),
-                    _ms(s.swap.stall_ns),
+            if len(columns) > len(row):
+                swap = s.swap
+                row += [
+                    format_size(swap.resident_bytes) if swap else "–",
+                    format_size(swap.swapped_out_bytes) if swap else "–",
+                    format_size(swap.swapped_in_bytes) if swap else "–",
+                    _ms(swap.stall_ns) if swap else "–",
                 ]
-            table.add_row(*cells)
+            cells.append(row)
+            live.update(table())
 
-        with Live(table, console=console, refresh_per_second=8):
-            pooled = train(SessionMemory(session), iterations=iterations, on_iteration=row)
+        with Live(table(), console=console, refresh_per_second=8) as live:
+            pooled = train(SessionMemory(session), iterations=iterations, on_iteration=add_row)
         if not console.is_terminal:
             console.line()  # Live leaves its last frame without a newline off a terminal
 
@@ -168,9 +203,13 @@ def run(
     planned = [r.footprint_bytes for r in rows if r.mode == "planned"]
     swap = rows[-1].swap
     if swap is not None:
+        under = (
+            f"swapping under {format_size(swap.limit)} ({limit:g} of the peak {format_size(peak)})"
+            if limit is not None
+            else f"copies at {copy_gbps:g} GB/s, no --limit: swapping only when the lease is full"
+        )
         console.print(
-            f"swapping under {format_size(swap.limit)} ({limit:g} of the peak "
-            f"{format_size(peak)}): at most {format_size(swap.peak_resident_bytes)} on the device; "
+            f"{under}: at most {format_size(swap.peak_resident_bytes)} on the device; "
             f"{format_size(swap.swapped_out_bytes)} out in {swap.swap_outs:,} copies, "
             f"{format_size(swap.swapped_in_bytes)} in in {swap.swap_ins:,}; "
             f"ops waited {_ms(swap.stall_ns)} for copies; on demand (the LRU cache, no plan): "

@@ -65,6 +65,25 @@ def _size(nbytes: int) -> str:
     return f"{format_size(nbytes)} ({nbytes} bytes)"
 
 
+def open_gpu(driver: Driver | None, gpu: int) -> Driver:
+    """`driver` (the real one when None) with GPU `gpu` open. Where the CUDA driver library
+    cannot be loaded (no NVIDIA driver: a machine without a GPU) or the GPU cannot be opened,
+    a `CudaBackendError` says so in one line and names the sim backend."""
+    try:
+        driver = driver if driver is not None else CudaDriver()
+        driver.open_device(gpu)
+    except CudaError as e:
+        raise CudaBackendError(
+            f"cannot open GPU {gpu} ({e}): without a GPU, use --backend sim"
+        ) from e
+    except (ImportError, OSError, RuntimeError) as e:  # cuda-bindings' loader: libcuda missing
+        why = " ".join(str(e).split()) or type(e).__name__
+        raise CudaBackendError(
+            f"the CUDA driver library cannot be loaded ({why}): without a GPU, use --backend sim"
+        ) from e
+    return driver
+
+
 def check_chunk(chunk_bytes: int, granularity: int) -> None:
     """A device chunk must be a whole number of allocation granules (cuMemCreate's rule)."""
     if granularity <= 0:
@@ -214,8 +233,7 @@ class CudaBackend:
         nvml: Nvml | None,
     ) -> None:
         undo = self._undo
-        self._driver = driver = driver if driver is not None else CudaDriver()
-        driver.open_device(self.gpu)
+        self._driver = driver = open_gpu(driver, self.gpu)
         undo.callback(driver.close_device)
         self.pci_bus_id = driver.pci_bus_id()
         self._nvml = nvml = nvml if nvml is not None else PyNvml()

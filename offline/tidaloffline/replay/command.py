@@ -107,6 +107,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
+def _refuse(problem: object) -> None:
+    """The command's error: one line on stderr (a daemon's log, say, folded onto it)."""
+    print(f"tidalpool replay: {' '.join(str(problem).split())}", file=sys.stderr)
+
+
 def _say(started: float) -> Callable[[str], None]:
     def say(text: str) -> None:
         print(f"[{time.monotonic() - started:6.1f} s] {text}", file=sys.stderr, flush=True)
@@ -154,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
         if args.backend == "cuda" and socket_dir is None:
             need_cupy()
     except (InputError, ReplayError) as e:
-        print(f"tidalpool replay: {e}", file=sys.stderr)
+        _refuse(e)
         return 2
     report = Report(
         trace=str(args.trace),
@@ -174,14 +179,14 @@ def run(args: argparse.Namespace) -> int:
                 directory = stack.enter_context(_private_daemon(args.backend, peak, say))
             _replay(args, it, report, Path(directory), say)
     except ReplayError as e:
-        print(f"tidalpool replay: {e}", file=sys.stderr)
+        _refuse(e)
         return e.status
     if args.json:
         print(json.dumps(report.as_json()))
     else:
-        render(report, Console(width=max(Console().width, 132)))
+        render(report, Console())  # the tables fit its width, or fold
     if report.outcome != "compared":
-        print(f"tidalpool replay: {report.outcome}", file=sys.stderr)
+        _refuse(report.outcome)
         return 2
     checks = report.checks()
     return 1 if checks["mismatches"] or checks["not_resident"] else 0

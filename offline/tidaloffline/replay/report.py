@@ -1,5 +1,6 @@
 """What a replay measured beside the simulator's prediction for the daemon's plan: `Report`
-(also the --json object) and `render`, its tables."""
+(also the --json object) and `render`, its tables (`Fitted`: they fit the console or fold,
+never cutting a value)."""
 
 from __future__ import annotations
 
@@ -115,8 +116,8 @@ def show_size(n: float | None) -> str:
 
 
 def render(report: Report, console: Any) -> None:
-    """The per-iteration table and the comparison with the prediction."""
-    from rich.table import Table
+    """The per-iteration table and the comparison with the prediction, fitted to `console`."""
+    from tidalclient.tables import Fitted
 
     plan = report.plan
     console.print(
@@ -130,8 +131,7 @@ def render(report: Report, console: Any) -> None:
             else " no plan"
         )
     )
-    table = Table(title="iterations")
-    for col in (
+    headers = (
         "#",
         "phase",
         "step",
@@ -143,10 +143,9 @@ def render(report: Report, console: Any) -> None:
         "piece misses",
         "high water",
         "mismatches",
-    ):
-        table.add_column(col, justify="left" if col == "phase" else "right")
-    for r in report.records:
-        table.add_row(
+    )
+    rows = [
+        (
             str(r.index),
             r.phase,
             show_ms(r.step_ns),
@@ -159,21 +158,22 @@ def render(report: Report, console: Any) -> None:
             show_size(r.footprint_bytes),
             str(r.mismatches),
         )
-    console.print(table)
+        for r in report.records
+    ]
+    console.print(Fitted(headers, rows, title="iterations", left=(1,)))
     m, p = report.measured(), report.predicted or {}
     if m is None:
         console.print(f"no steady iteration to compare: {report.outcome}")
         return
-    cmp = Table(title=f"steady iterations (mean of {len(report.steady())}) against the prediction")
-    for col in ("", "measured", "predicted", "measured / predicted"):
-        cmp.add_column(col, justify="left" if not col else "right")
+    compared: list[tuple[str, str, str, str]] = []
 
     def row(
         name: str, got: float, want: float | None, size: bool = True, alike: bool = True
     ) -> None:
         """`alike`: the two measure the same thing, so their ratio means something."""
         fmt = show_size if size else show_ms
-        cmp.add_row(name, fmt(got), fmt(want), f"{got / want:.3f}" if want and alike else "—")
+        ratio = f"{got / want:.3f}" if want and alike else "—"
+        compared.append((name, fmt(got), fmt(want), ratio))
 
     row("step", m["step_ns"], p.get("step_ns"), size=False)
     row("out", m["out_bytes"], p.get("out_bytes"))
@@ -184,7 +184,13 @@ def render(report: Report, console: Any) -> None:
     row("high water / footprint", m["footprint_bytes"], p.get("footprint_bytes"), alike=False)
     # The session's peak is over the whole run, learning included.
     row("peak resident", report.peak_resident_bytes, p.get("peak_bytes"), alike=False)
-    console.print(cmp)
+    console.print(
+        Fitted(
+            ("", "measured", "predicted", "measured / predicted"),
+            compared,
+            title=f"steady iterations (mean of {len(report.steady())}) against the prediction",
+        )
+    )
     c = report.checks()
     console.print(
         f"out on demand {show_size(m['on_demand_out_bytes'])}, in on demand"
