@@ -1,24 +1,42 @@
 # Two commands do all the set-up on a fresh machine:
-#   make demo   installs into .venv on first use, then runs `tidalpool demo`
-#   make test   installs into .venv on first use, then lint (with the import contracts of
-#               pyproject.toml), type check and tests
+#   make demo   installs the package alone into .venv on first use (no extras: NumPy, gRPC, the
+#               planner's solvers; no PyTorch), then runs `tidalpool demo`
+#   make test   installs the package with its dev extras (PyTorch, the linters, pytest, ...) into
+#               .venv on first use, then lint (with the import contracts of pyproject.toml), type
+#               check and tests
+# The dev install includes everything the demo needs, so `make demo` after `make test` installs
+# nothing more. `make traces` records the sample traces of traces/ again (needs the dev extras).
 # `make prometheus` installs Debian's prometheus package (prometheus and promtool, for the
 # alert-rule and dashboard tests) when they are missing; `make test` runs it first.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
+BASE   := $(VENV)/.installed
 STAMP  := $(VENV)/.installed-dev
+SOURCES := pyproject.toml planner/tidalplan/_exact.c client/tidalclient/_native/hotpath.c \
+           client/tidalclient/_native/hotpath.h client/tidalclient/_native/bench.c
+PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: demo test lint typecheck unit stubs bench prometheus dashboards clean
+.PHONY: demo test lint typecheck unit stubs bench traces prometheus dashboards clean
 
-$(STAMP): pyproject.toml planner/tidalplan/_exact.c client/tidalclient/_native/hotpath.c \
-          client/tidalclient/_native/hotpath.h client/tidalclient/_native/bench.c
+define make_venv
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "tidalpool needs Python >= 3.11, $(PYTHON) is " + sys.version.split()[0])'
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+endef
+
+# The package and its own dependencies: what `tidalpool demo` and a daemon need.
+$(BASE): $(SOURCES)
+	$(make_venv)
+	$(PIP) -e .
 	@touch $@
 
-demo: $(STAMP)
+# The package with the dev extras; it holds the base install too.
+$(STAMP): $(SOURCES)
+	$(make_venv)
+	$(PIP) -e ".[dev]"
+	@touch $@ $(BASE)
+
+demo: $(BASE)
 	$(VENV)/bin/tidalpool demo
 
 test: prometheus lint typecheck unit
@@ -39,6 +57,9 @@ stubs: $(STAMP)
 
 dashboards: $(STAMP)
 	$(PY) -m tools.dashboards
+
+traces: $(STAMP)
+	$(PY) traces/record.py
 
 prometheus:
 	@if command -v prometheus >/dev/null && command -v promtool >/dev/null; then \

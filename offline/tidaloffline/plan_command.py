@@ -1,8 +1,9 @@
 """`tidalpool plan INPUT`: place the buffers of a problem, a trace or a snapshot, and report.
 
 INPUT is a placement CSV (MiniMalloc's `id,lower,upper,size`), a trace CSV v1
-(its steady iteration is extracted and placed) or a PyTorch memory snapshot
-pickle. The command prints the lower bound, SmartPool's height, the solver's
+(its steady iteration is extracted and placed: the last one the next repeats,
+`learn.extract_finished`, named on the `steady:` line) or a PyTorch memory
+snapshot pickle. The command prints the lower bound, SmartPool's height, the solver's
 height, their ratios to the bound, the seconds and whether the plan is proven
 optimal; `--out` writes `id,lower,upper,size,offset`; `--plot` draws the
 placement, the largest blocks named. Every placement is validated before it is
@@ -47,6 +48,7 @@ class Loaded:
     description: str
     names: tuple[str, ...] | None = None  # what the picture calls each buffer
     persistent: tuple[int, int] | None = None  # a trace's persistent blocks: count, bytes
+    steady: str | None = None  # which iteration of a trace is placed, and why that one
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -115,7 +117,8 @@ def load(path: Path, alignment: int | None) -> Loaded:
             from tidalplan import learn
 
             events = tracecsv.read_trace_csv(path)
-            iteration = learn.extract(events, events.marks())
+            chosen = learn.extract_finished(events)
+            iteration = chosen.iteration
             problem, mapping = learn.to_problem(iteration, alignment=a)
             labels = tuple(str(iteration.blocks[i].id) for i in mapping)
             return Loaded(
@@ -128,6 +131,7 @@ def load(path: Path, alignment: int | None) -> Loaded:
                     len(iteration.persistent),
                     sum(int(size) for _, size in iteration.persistent),
                 ),
+                steady=str(chosen),
             )
         problem = tracecsv.read_snapshot(path)
         return Loaded(
@@ -211,6 +215,8 @@ def run(
         return f"{height / bound:.4f}" if bound else "-"
 
     print(f"input: {args.input} ({loaded.description})", file=out)
+    if loaded.steady is not None:
+        print(f"steady: {loaded.steady}", file=out)
     if loaded.persistent is None:
         print(f"lower bound: {bound} B ({format_size(bound)})", file=out)
     else:

@@ -12,6 +12,10 @@ square stops before it.
 
     symbols:  w w │ a a o a o f o │ f a a o f o │ f a a o f o │   end of stream
               setup, iteration 0  └─ extracted ─┴─ successor ─┘   the square's halves
+
+A live stream (the daemon's) ends inside an iteration, so `extract` takes the one between the
+last two marks. A finished trace (a file) ends with its last iteration, and
+`extract_finished` takes the last iteration that the next one repeats, saying why.
 """
 
 from __future__ import annotations
@@ -177,6 +181,62 @@ def extract(events: Events, steps: Sequence[int] | None = None) -> Iteration:
     rest = n_symbols - period.copies * period.length  # symbols before the repeats: iteration 0
     index = period.copies - 2 + (1 if rest > 0 else 0)
     return _iteration(events, period.starts[0], period.ends[0], index)
+
+
+@dataclass(frozen=True, slots=True)
+class Chosen:
+    """The iteration `extract_finished` took as the steady one, and why that one."""
+
+    iteration: Iteration
+    marked: int  # iterations the trace marks (0: none, the iteration was found by its repeats)
+    why: str
+
+    def __str__(self) -> str:
+        of = f" of {self.marked}" if self.marked else ""
+        return f"iteration {self.iteration.index}{of} ({self.why})"
+
+
+def extract_finished(events: Events) -> Chosen:
+    """The steady iteration of a finished trace (a file, as `record` writes it: its last
+    iteration ends where the stream ends), and why it was chosen.
+
+    With step marks, iteration i runs from mark i to mark i + 1, the last one to the end of
+    the stream. Taken: the last iteration that the next one repeats (the same allocs, frees
+    and ops), which is steady and followed by a whole iteration that shows when what it leaves
+    alive is freed. If no iteration repeats the one before it, the last one is taken (the first
+    allocates what later ones keep: gradients, optimizer state); the blocks it leaves alive
+    then count as live to the end of the next iteration. One marked iteration is refused
+    (NoIteration): the first iteration of training is not the steady one. Without marks, the
+    iteration is found by its repeats, as `extract` finds it.
+    """
+    marks = sorted({m for m in events.marks() if 0 <= m <= len(events)})
+    if not marks:
+        return Chosen(extract(events), 0, "found by its repeats: the trace marks no iterations")
+    bounds = [*marks, len(events)]
+    _, alloc_of = _lives(events)
+    symbols, where = _symbols(events, alloc_of)
+    first = np.searchsorted(np.asarray(where, np.int64), bounds).tolist()  # symbol per bound
+
+    def symbols_of(i: int) -> list[int]:
+        return symbols[first[i] : first[i + 1]]
+
+    n = len(marks)
+    while n > 1 and not symbols_of(n - 1):  # a mark at the end begins no iteration
+        n -= 1
+    if n == 1 and symbols_of(0):
+        raise NoIteration(
+            "the trace marks 1 iteration, and the first iteration of training is not the steady"
+            " one (it allocates what the next ones keep: gradients, optimizer state): record at"
+            " least 3, the first, the steady one and one that repeats it"
+        )
+    for k in range(n - 2, -1, -1):
+        mine = symbols_of(k)
+        if mine and mine == symbols_of(k + 1):
+            it = _iteration(events, bounds[k], bounds[k + 1], k)
+            return Chosen(it, n, f"iteration {k + 1} repeats it")
+    it = _iteration(events, bounds[n - 1], bounds[n], n - 1)
+    why = "the last: none repeats the one before it, so what it leaves alive counts as live"
+    return Chosen(it, n, why + " through the next")
 
 
 def _iteration(events: Events, start: int, end: int, index: int) -> Iteration:

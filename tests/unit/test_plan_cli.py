@@ -101,6 +101,7 @@ def test_trace_in(tmp_path: Path) -> None:
     assert status == 0
     assert lines == [
         f"input: {trace} (trace CSV, iteration 1: 3 buffers, alignment 256)",
+        "steady: iteration 1 of 3 (iteration 2 repeats it)",
         # 512 + 2048 padded, at the second op
         "lower bound: 2560 B (2.5 KiB): the arena, the iteration's blocks at their most",
         # block 1, allocated before the first iteration

@@ -251,7 +251,7 @@ def test_durations_follow_the_roofline(tmp_path: Path) -> None:
         flops_per_s=1e9, tensor_flops_per_s=1e12, bytes_per_s=1e9, host_bytes_per_s=1e8, min_op_ns=0
     )
     events = record(
-        model, batch, nn.MSELoss(), sgd(model), 1, path=tmp_path / "t.csv", roofline=roofline
+        model, batch, nn.MSELoss(), sgd(model), path=tmp_path / "t.csv", roofline=roofline
     )
     ns = events.durations_ns[events.kinds == OP].tolist()
     assert ns[:9] == [
@@ -266,7 +266,7 @@ def test_durations_follow_the_roofline(tmp_path: Path) -> None:
         2 * 4 * 8 * 48,  # mm: 3072 FLOPs > 128 + 1536 + 768 bytes
     ]
     # With the defaults every op of this small model takes the 4 µs floor.
-    events = record(model, batch, nn.MSELoss(), sgd(model), 1, path=tmp_path / "d.csv")
+    events = record(model, batch, nn.MSELoss(), sgd(model), path=tmp_path / "d.csv")
     assert set(events.durations_ns[events.kinds == OP].tolist()) == {4000}
 
 
@@ -279,9 +279,12 @@ def test_plan_and_simulate_read_the_file(
     assert main(["plan", str(path)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == f"input: {path} (trace CSV, iteration 1: 14 buffers, alignment 256)"
+    assert out[1] == "steady: iteration 1 of 3 (iteration 2 repeats it)"
     # The most bytes live at once in iteration 1: at its second mm of backward, x, y, the relu
     # output, the output, the loss, its gradient, d output, d hidden and d W2: 7 KiB.
-    assert out[1] == "lower bound: 7168 B (7 KiB)"
+    assert out[2] == (
+        "lower bound: 7168 B (7 KiB): the arena, the iteration's blocks at their most"
+    )
     assert "optimal: yes" in out
     # At 0.85: a swapped weight stays in one piece across the iteration's boundary, and the
     # placement of pieces live across every cut of this small iteration costs more room.
@@ -321,8 +324,8 @@ def test_every_builtin_optimizer_is_rebuilt(tmp_path: Path, kind: str) -> None:
     model, batch = small_model()
     optimizer = getattr(torch.optim, kind)(model.parameters(), lr=0.01)
     path = tmp_path / "t.csv"
-    events = record(model, batch, nn.MSELoss(), optimizer, 2, path=path)
-    assert f" optimizer={kind} iters=2" in path.read_text().splitlines()[0]
+    events = record(model, batch, nn.MSELoss(), optimizer, path=path)
+    assert f" optimizer={kind} iters=3" in path.read_text().splitlines()[0]
     # Its update writes every parameter in each iteration.
     writes = set(events.block_ids[events.kinds == WRITE].tolist())
     assert {0, 1, 2, 3} <= writes
@@ -397,7 +400,7 @@ def test_bad_batches_losses_and_steps_are_refused(tmp_path: Path) -> None:
         record(model, (batch[0],), nn.MSELoss(), sgd(model), path=path)
     with pytest.raises(TypeError, match=r"must be a pair \(inputs, target\), got a Tensor"):
         record(model, batch[0], nn.MSELoss(), sgd(model), path=path)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="iterations must be at least 1, got 0"):
+    with pytest.raises(ValueError, match="iterations must be at least 3, got 0"):
         record(model, batch, nn.MSELoss(), sgd(model), 0, path=path)
     with pytest.raises(TypeError, match=r"loss_fn returned a tensor of shape \(1, 2\)"):
         record(model, batch, lambda out, y: out - y, sgd(model), path=path)

@@ -7,7 +7,10 @@ optimizer is rebuilt for the copy, and `iterations` training steps run under a `
     iter 0   zero_grad, batch to device, forward, loss, backward, optimizer step
              (gradients and optimizer state appear here, and persist)
     iter 1   the steady iteration: what `tidalpool plan` and the daemon extract
-    iter 2   ...
+    iter 2   the same again: it shows that iter 1 repeats, and when what iter 1 left alive
+             (gradients set to None at the next step, a kept output) is freed
+
+Fewer than MIN_ITERATIONS are refused: such a trace has no steady iteration to plan.
 
 Each iteration runs in a function, so its batch, output and loss are freed at its end (the
 output once the loss is computed, with `keep_output=False`).
@@ -46,6 +49,10 @@ OptimizerFactory = Callable[[nn.Module], Optimizer]
 
 _M = TypeVar("_M", bound=nn.Module)
 
+MIN_ITERATIONS = 3
+"""The first iteration allocates what later ones keep (gradients, optimizer state), the second
+is the steady one `tidalpool plan` and `simulate` take, and the third repeats it."""
+
 
 class RecordError(TidalpoolError, RuntimeError):
     """The training step cannot run on the meta device; the message says where and why."""
@@ -56,7 +63,7 @@ def record(
     example_batch: tuple[Any, Any],
     loss_fn: Callable[[Any, Any], torch.Tensor],
     optimizer: Optimizer | OptimizerFactory,
-    iterations: int = 3,
+    iterations: int = MIN_ITERATIONS,
     *,
     path: str | os.PathLike[str],
     roofline: Roofline | None = None,
@@ -98,16 +105,22 @@ def record(
     `autocast` (torch.bfloat16 or torch.float16) runs each step's forward and loss as
     `with torch.autocast("cuda", dtype=autocast):` runs them on a GPU
     (`tidaloffline.torch.autocast.meta_autocast`); backward and the optimizer step run outside.
-    Three iterations give `tidalpool plan` a steady iteration (the first one allocates
-    gradients and optimizer state).
+    `iterations` is at least MIN_ITERATIONS (3): the first one allocates gradients and
+    optimizer state, the second is the steady one `tidalpool plan` and `simulate` take, and
+    the third repeats it.
 
     Raises ValueError or TypeError for unusable arguments (a model without trainable
     parameters, an optimizer over other tensors or that cannot be rebuilt) and RecordError
     when a step cannot run on the meta device (code that reads tensor values, such as
     `.item()` or data-dependent shapes, needs real data).
     """
-    if iterations < 1:
-        raise ValueError(f"record: iterations must be at least 1, got {iterations}")
+    if iterations < MIN_ITERATIONS:
+        raise ValueError(
+            f"record: iterations must be at least {MIN_ITERATIONS}, got {iterations}: the first"
+            " allocates what later ones keep (gradients, optimizer state), the second is the"
+            " steady one tidalpool plan and simulate take, and the third repeats it, showing"
+            " when what the second leaves alive is freed"
+        )
     if not isinstance(example_batch, (tuple, list)) or len(example_batch) != 2:
         what = type(example_batch).__name__
         if isinstance(example_batch, (tuple, list)):
