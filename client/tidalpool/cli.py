@@ -13,9 +13,7 @@ import logging
 import math
 import os
 import sys
-from collections.abc import Mapping
 from pathlib import Path
-from typing import NoReturn
 
 import grpc
 import optuna
@@ -28,25 +26,12 @@ from tidalclient.errors import TidalpoolError
 from tidalclient.health import check
 from tidalclient.session import socket_dir_from_env
 from tidalcore import __version__
+from tidalcore.cli import DEBUG_ENV, Parser, debug_from_env
 from tidaloffline import plan_command, replay, simulate_command
 
-DEBUG_ENV = "TIDALPOOL_DEBUG"
 GLOBAL_OPTIONS = ("--socket-dir",)  # options of `tidalpool` itself, given before the command
 # Failures whose message says all: no type name, no hint of a bug.
 EXPECTED = (TidalpoolError, OSError, ValueError, RuntimeError, MemoryError, grpc.RpcError)
-
-
-class Parser(argparse.ArgumentParser):
-    """An argument parser whose usage errors are one line, `prog: error: message (see prog
-    --help)`, exit status 2, instead of the usage block; its subparsers are Parsers too."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def debug_from_env(env: Mapping[str, str]) -> bool:
-    """TIDALPOOL_DEBUG set to anything but "", 0, false, no or off."""
-    return env.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def one_line(error: BaseException) -> str:

@@ -13,29 +13,14 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Mapping
 from types import FrameType
-from typing import NoReturn
+
+from tidalcore.cli import DEBUG_ENV, Parser, debug_from_env
 
 from tidalpoold import __version__, log
 from tidalpoold.notify import Notifier
 from tidalpoold.server import build_daemon
 from tidalpoold.settings import SettingsError, add_arguments, settings_from_args
-
-DEBUG_ENV = "TIDALPOOL_DEBUG"
-
-
-class Parser(argparse.ArgumentParser):
-    """An argument parser whose usage errors are one line, `prog: error: message (see prog
-    --help)`, exit status 2, instead of the usage block; its subparsers are Parsers too."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def debug_from_env(env: Mapping[str, str]) -> bool:
-    """TIDALPOOL_DEBUG set to anything but "", 0, false, no or off."""
-    return env.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def one_line(error: BaseException) -> str:
