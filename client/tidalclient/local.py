@@ -81,7 +81,7 @@ class LocalDaemon:
             time.sleep(0.05)
         return daemon
 
-    def stop(self, timeout: float = 10.0) -> int:
+    def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM, then wait; returns the exit code."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)

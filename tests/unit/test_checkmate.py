@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from tidalcore.units import Tick
@@ -18,10 +17,10 @@ from tidalplan.model import Iteration, Recompute, SwapPlan
 from tidalplan.simulate import Result, no_limit, simulate
 from tidalplan.validate import validate_swaps
 
+from ..conftest import shared_file
 from .iterations import TWO_LAYERS, build
 
 GBPS = 12.0
-TRACES = Path(__file__).resolve().parents[3] / "shared/traces/models"
 
 # Two layers forward, a loss, two backward (`iterations.TWO_LAYERS`). Blocks: 0 X, 1 A, 2 B,
 # 3 L, 4 GB, 5 GA; W persistent. The peak, 13,110 bytes, is at ticks 7 and 8.
@@ -201,7 +200,7 @@ def test_without_any_plan_the_plan_is_empty() -> None:
 
 
 def _trace(name: str) -> Iteration:
-    events = read_trace_csv(TRACES / f"{name}.trace.csv")
+    events = read_trace_csv(shared_file(f"traces/models/{name}.trace.csv"))
     return extract(events, events.marks())
 
 
