@@ -1,0 +1,93 @@
+"""Ops too big for their step (`tidalplan.split`): which are found, how many parts each needs,
+and the op-wise bound after the split, on hand-built iterations with known answers."""
+
+from __future__ import annotations
+
+import pytest
+from tidalplan.autoswap import op_bound
+from tidalplan.split import big_ops, kind_of, parts_by_kind, split_bound
+
+from .iterations import build
+
+# A convolution reading its input X (600) and weight W (100, persistent), writing Y (600);
+# a loss: log-softmax of Y into P (600), nll of P into L (10); backward: nll into GP (600),
+# log-softmax's backward into GY (600); an optimizer op reading W and a big state S (900,
+# persistent) that no division helps.
+STEPS = [
+    "a X 600",  # 0
+    "a Y 600",  # 1
+    "o aten.convolution.default 10 X W >Y",  # 2  touches 1300, 100 fixed
+    "a P 600",  # 3
+    "o aten._log_softmax.default 10 Y >P",  # 4  1200
+    "a L 10",  # 5
+    "o aten.nll_loss_forward.default 10 P >L",  # 6  610
+    "a GP 600",  # 7
+    "o aten.nll_loss_backward.default 10 L P >GP",  # 8  1210
+    "a GY 600",  # 9
+    "o aten._log_softmax_backward_data.default 10 GP P >GY",  # 10  1800
+    "f P",  # 11
+    "f GP",  # 12
+    "o aten.relu.default 10 GY X",  # 13  1200, not separable here
+    "o aten._foreach_add_.List 10 W S",  # 14  1000 = 100 + 900, all fixed
+    "f L",  # 15
+    "f GY",  # 16
+    "f Y",  # 17
+    "f X",  # 18
+]
+IT = build(STEPS, persistent={"W": 100, "S": 900})
+
+
+def test_kinds_by_aten_name() -> None:
+    assert kind_of("aten.convolution_backward.default") == "convolution"
+    assert kind_of("aten.nll_loss_backward.default") == "cross_entropy"
+    assert kind_of("aten._scaled_dot_product_efficient_attention.default") == "attention"
+    assert kind_of("_log_softmax") == "cross_entropy"
+    # Batch normalisation's statistics span the batch; elementwise ops are not claimed.
+    assert kind_of("aten.native_batch_norm.default") is None
+    assert kind_of("aten.relu.default") is None
+    assert kind_of("") is None
+
+
+def test_ops_over_the_limit_and_their_parts() -> None:
+    assert op_bound(IT) == 1800
+    found = {op.tick: op for op in big_ops(IT, 700)}
+    assert sorted(found) == [2, 4, 8, 10, 13, 14]
+    conv = found[2]
+    assert (conv.kind, conv.touched, conv.fixed, conv.budget) == ("convolution", 1300, 100, 700)
+    assert conv.parts == 2  # 100 + 1200/2 = 700
+    assert conv.split_touched == 700
+    assert found[4].parts == 2  # 1200 / 2 = 600
+    assert found[8].parts == 2  # 1210 / 2 = 605
+    assert found[10].parts == 3  # 1800 / 3 = 600
+    # Not separable by name, and all fixed: reported, never split.
+    assert found[13].kind is None and found[13].parts is None
+    assert found[14].fixed == 1000 and found[14].parts is None
+    assert found[14].split_touched == 1000
+    assert parts_by_kind(tuple(found.values())) == {"convolution": 2, "cross_entropy": 3}
+
+
+def test_fixed_bytes_over_the_budget_leave_a_separable_op_unsplit() -> None:
+    found = {op.tick: op for op in big_ops(IT, 100)}
+    assert found[2].kind == "convolution" and found[2].parts is None  # W alone is 100
+
+
+def test_free_bytes_per_step_tighten_the_budget() -> None:
+    # With 1300 free everywhere only the log-softmax backward is over; with 650 free at the
+    # convolution it needs 3 parts (100 + ⌈1200/3⌉ = 500 ≤ 650, 2 parts would be 700).
+    assert [op.tick for op in big_ops(IT, 1300)] == [10]
+    conv = next(op for op in big_ops(IT, 1300, free={2: 650}) if op.tick == 2)
+    assert conv.budget == 650 and conv.parts == 3
+
+
+def test_the_bound_after_the_split() -> None:
+    parts = parts_by_kind(big_ops(IT, 1300))
+    assert parts == {"cross_entropy": 2}
+    # The log-softmax backward goes to 900; the convolution (1300) and relu (1200) stay.
+    assert split_bound(IT, parts) == 1300
+    assert split_bound(IT, {"cross_entropy": 3, "convolution": 4}) == 1200  # relu is left
+    assert split_bound(IT, {}) == op_bound(IT)
+
+
+def test_a_limit_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="limit must be positive"):
+        big_ops(IT, 0)
