@@ -20,8 +20,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from tidalcore.units import Bytes, Tick
-
 from tidalplan.model import Iteration
 
 # Kinds of ops independent per sample, by the aten names that compute them (forward and
@@ -70,28 +68,28 @@ class BigOp:
     fewest parts over the batch that fit (None: not separable, or its fixed bytes alone are
     over the budget)."""
 
-    tick: Tick
+    tick: int
     name: str
     kind: str | None
-    touched: Bytes  # distinct blocks it reads or writes, persistent ones included
-    fixed: Bytes  # persistent blocks among them: every part reads them whole
-    budget: Bytes
+    touched: int  # distinct blocks it reads or writes, persistent ones included
+    fixed: int  # persistent blocks among them: every part reads them whole
+    budget: int
     parts: int | None
 
     @property
-    def split_touched(self) -> Bytes:
+    def split_touched(self) -> int:
         """What one part touches: the fixed bytes and its share of the rest (rounded up)."""
         if self.parts is None:
             return self.touched
         return self.fixed + -(-(self.touched - self.fixed) // self.parts)
 
 
-def touched(it: Iteration) -> dict[Tick, tuple[Bytes, Bytes]]:
+def touched(it: Iteration) -> dict[int, tuple[int, int]]:
     """Per op tick: (bytes of the distinct blocks it touches, of those the persistent ones)."""
-    sizes = {b.id: b.size for b in it.blocks}
-    persistent = dict(it.persistent)
+    sizes: dict[int, int] = {b.id: int(b.size) for b in it.blocks}
+    persistent: dict[int, int] = {b: int(size) for b, size in it.persistent}
     sizes.update(persistent)
-    blocks: dict[Tick, set[int]] = {}
+    blocks: dict[int, set[int]] = {}
     for a in it.accesses:
         blocks.setdefault(a.tick, set()).add(a.block)
     return {
@@ -103,9 +101,7 @@ def touched(it: Iteration) -> dict[Tick, tuple[Bytes, Bytes]]:
     }
 
 
-def big_ops(
-    it: Iteration, limit: Bytes, free: Mapping[Tick, Bytes] | None = None
-) -> tuple[BigOp, ...]:
+def big_ops(it: Iteration, limit: int, free: Mapping[int, int] | None = None) -> tuple[BigOp, ...]:
     """The ops of `it` that touch more than the memory free at their step, in tick order.
 
     `free[tick]` is what the op may hold there; without it (or for a tick it lacks) the
@@ -113,7 +109,7 @@ def big_ops(
     op's parts are the fewest k with fixed + ⌈(touched − fixed) / k⌉ ≤ budget."""
     if limit <= 0:
         raise ValueError(f"limit must be positive, got {limit}")
-    names = {op.tick: op.name for op in it.ops}
+    names: dict[int, str] = {op.tick: op.name for op in it.ops}
     out = []
     for tick, (total, fixed) in sorted(touched(it).items()):
         budget = limit if free is None else min(limit, free.get(tick, limit))
@@ -137,10 +133,10 @@ def parts_by_kind(ops: tuple[BigOp, ...]) -> dict[str, int]:
     return out
 
 
-def split_bound(it: Iteration, parts: Mapping[str, int]) -> Bytes:
+def split_bound(it: Iteration, parts: Mapping[str, int]) -> int:
     """The op-wise bound of `it` with every op of a kind in `parts` run in that many parts:
     a prediction from the trace, which a recording of the split model checks."""
-    names = {op.tick: op.name for op in it.ops}
+    names: dict[int, str] = {op.tick: op.name for op in it.ops}
     best = 0
     for tick, (total, fixed) in touched(it).items():
         k = parts.get(kind_of(names.get(tick, "")) or "", 1)
