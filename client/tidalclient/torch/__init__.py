@@ -9,6 +9,10 @@
 - `recompute`: `recompute(blocks)`: those blocks of the model rebuild what they save for
   backward instead of keeping it.
 - `oom`: PyTorch's out-of-memory path for the native allocator.
+- `microbatch`: ops run in parts over the batch, results and gradients those of the whole op:
+  `MicroBatchConv2d` (μ-cuDNN's micro-batched convolution), `LinearCrossEntropy` (an output
+  head and its cross-entropy, never holding the whole logits), `BatchSplit` (any module
+  independent per sample).
 
 Recording a step on the meta device and choosing blocks to recompute are offline work:
 `tidaloffline.torch`.
