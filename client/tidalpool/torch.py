@@ -9,6 +9,9 @@ At run time (`tidalclient.torch`):
   them to the host lease under the session's swap limit.
 - `recompute(blocks)`: those blocks of the model rebuild what they save for backward instead
   of keeping it.
+- `MicroBatchConv2d`, `micro_batch_convs`, `LinearCrossEntropy`, `BatchSplit`, `parts_of`: ops
+  run in parts over the batch, so no part touches more than its share (results and gradients
+  those of the whole op).
 
 Offline, on the meta device (`tidaloffline.torch`):
 - `record(model, example_batch, loss_fn, optimizer, iterations=3, path=...)`: a trace CSV v1
@@ -17,6 +20,9 @@ Offline, on the meta device (`tidaloffline.torch`):
 - `plan_recompute(model, ..., blocks=, limit=)`: the blocks to recompute so that a step fits
   `limit` soonest, with swapping for the rest; `Roofline`: the GPU whose op durations a
   recorded trace estimates (default: an H100 SXM).
+- `plan_split(model, ..., limit=, head=)`: the ops that touch more than `limit` split over the
+  batch in the model (the head and cross-entropy as `LinearCrossEntropy`, convolutions as
+  `MicroBatchConv2d`), with the op-wise bound before and after.
 
 Needs PyTorch: `pip install 'tidalpool[torch]'`.
 """
@@ -32,6 +38,13 @@ from tidalclient.torch.allocator import (
     saves_lease,
     step,
 )
+from tidalclient.torch.microbatch import (
+    BatchSplit,
+    LinearCrossEntropy,
+    MicroBatchConv2d,
+    micro_batch_convs,
+    parts_of,
+)
 from tidalclient.torch.oom import torch_check_fail
 from tidalclient.torch.recompute import Recomputed, recompute
 from tidalclient.torch.saved import (
@@ -45,10 +58,14 @@ from tidalclient.torch.saved import (
 from tidaloffline.torch.recompute_plan import RecomputeError, RecomputePlan, plan_recompute
 from tidaloffline.torch.record import OptimizerFactory, RecordError, record
 from tidaloffline.torch.roofline import Roofline
+from tidaloffline.torch.split_plan import SplitError, SplitPlan, plan_split
 
 __all__ = [
     "COMPUTE_OP",
+    "BatchSplit",
     "ComputeGaps",
+    "LinearCrossEntropy",
+    "MicroBatchConv2d",
     "OptimizerFactory",
     "RecomputeError",
     "RecomputePlan",
@@ -59,12 +76,17 @@ __all__ = [
     "Saved",
     "SavedStats",
     "SavedTensors",
+    "SplitError",
+    "SplitPlan",
     "TorchAttachError",
     "TorchSession",
     "TorchStats",
     "attach",
     "current",
+    "micro_batch_convs",
+    "parts_of",
     "plan_recompute",
+    "plan_split",
     "recompute",
     "record",
     "saves_lease",

@@ -5,14 +5,23 @@ swap or recomputation plan can go under: an op's blocks must all be on the devic
 runs. μ-cuDNN divides a convolution's mini-batch into micro-batches run one after another
 (mu-cudnn.txt, 3.1); the same division applies to every op whose work is independent per
 sample (or per row): convolutions, the log-softmax and negative log-likelihood of a
-cross-entropy, attention over batch × heads. Run in k parts, such an op touches its fixed
-blocks (weights, which every part reads) and about 1/k of the rest at a time.
+cross-entropy, attention over batch × heads.
+
+The bound counts whole blocks, so a division lowers it only where the parts are blocks of their
+own, made and used part by part:
+- the cross-entropy with the output head before it (`LinearCrossEntropy`): each part's logits
+  are made, used and freed in turn, in forward and again in backward, so the whole logits and
+  their gradient never exist;
+- attention with the layer that makes its q, k and v (`BatchSplit`): each part's q, k, v and
+  scores are its own.
+A convolution run alone in micro-batches still reads and writes its whole input and output
+blocks: what its division shrinks is its workspace (`tidalplan.workspace`), not its blocks, so
+it is reported, never counted as fitting.
 
 `big_ops` finds the ops whose touched bytes exceed the memory free at their step and says, for
-those separable over the batch, the fewest parts that fit; `split_bound` is the op-wise bound
-the iteration would have with those parts. Which ops are separable is read from their names
-(the aten op names the PyTorch recorder writes); an op of another name is reported as too big
-and not separable, never split.
+those that can be split, the fewest parts that fit, and for the others why not; `split_bound`
+is the op-wise bound the iteration would have with those parts. Kinds are read from the op
+names (the aten names the PyTorch recorder writes).
 """
 
 from __future__ import annotations
@@ -52,6 +61,11 @@ SEPARABLE: dict[str, tuple[str, ...]] = {
     ),
 }
 _KIND = {base: kind for kind, bases in SEPARABLE.items() for base in bases}
+# The kinds whose parts are blocks of their own, and what splits them.
+SPLIT_WITH = {
+    "cross_entropy": "the output head before it (LinearCrossEntropy)",
+    "attention": "the layer that makes its q, k and v (BatchSplit)",
+}
 
 
 def kind_of(name: str) -> str | None:
@@ -65,8 +79,7 @@ def kind_of(name: str) -> str | None:
 @dataclass(frozen=True, slots=True)
 class BigOp:
     """One op over its budget: what it touches, what of that every part must hold, and the
-    fewest parts over the batch that fit (None: not separable, or its fixed bytes alone are
-    over the budget)."""
+    fewest parts over the batch that fit, or None and `why` not."""
 
     tick: int
     name: str
@@ -75,6 +88,7 @@ class BigOp:
     fixed: int  # persistent blocks among them: every part reads them whole
     budget: int
     parts: int | None
+    why: str = ""  # when `parts` is None
 
     @property
     def split_touched(self) -> int:
@@ -116,10 +130,19 @@ def big_ops(it: Iteration, limit: int, free: Mapping[int, int] | None = None) ->
         if total <= budget:
             continue
         kind = kind_of(names.get(tick, ""))
-        parts = None
-        if kind is not None and fixed < budget:
+        parts, why = None, ""
+        if kind is None:
+            why = "not known to be independent per sample"
+        elif kind not in SPLIT_WITH:
+            why = (
+                f"a {kind} in parts still reads and writes its whole input and output blocks"
+                " (its division shrinks its workspace, not its blocks)"
+            )
+        elif fixed >= budget:
+            why = f"its persistent blocks alone ({fixed} bytes) are over the budget ({budget})"
+        else:
             parts = -(-(total - fixed) // (budget - fixed))
-        out.append(BigOp(tick, names.get(tick, ""), kind, total, fixed, budget, parts))
+        out.append(BigOp(tick, names.get(tick, ""), kind, total, fixed, budget, parts, why))
     return tuple(out)
 
 
@@ -135,10 +158,12 @@ def parts_by_kind(ops: tuple[BigOp, ...]) -> dict[str, int]:
 
 def split_bound(it: Iteration, parts: Mapping[str, int]) -> int:
     """The op-wise bound of `it` with every op of a kind in `parts` run in that many parts:
-    a prediction from the trace, which a recording of the split model checks."""
+    a prediction from the trace, which a recording of the split model checks. Only the kinds
+    of `SPLIT_WITH` are split; other entries of `parts` are ignored."""
     names: dict[int, str] = {op.tick: op.name for op in it.ops}
     best = 0
     for tick, (total, fixed) in touched(it).items():
-        k = parts.get(kind_of(names.get(tick, "")) or "", 1)
+        kind = kind_of(names.get(tick, "")) or ""
+        k = parts.get(kind, 1) if kind in SPLIT_WITH else 1
         best = max(best, fixed + -(-(total - fixed) // k))
     return best

@@ -52,31 +52,37 @@ def test_ops_over_the_limit_and_their_parts() -> None:
     assert op_bound(IT) == 1800
     found = {op.tick: op for op in big_ops(IT, 700)}
     assert sorted(found) == [2, 4, 8, 10, 13, 14]
-    conv = found[2]
-    assert (conv.kind, conv.touched, conv.fixed, conv.budget) == ("convolution", 1300, 100, 700)
-    assert conv.parts == 2  # 100 + 1200/2 = 700
-    assert conv.split_touched == 700
     assert found[4].parts == 2  # 1200 / 2 = 600
     assert found[8].parts == 2  # 1210 / 2 = 605
     assert found[10].parts == 3  # 1800 / 3 = 600
+    assert found[10].split_touched == 600
+    # A convolution in parts keeps its whole input and output blocks: reported, not split.
+    conv = found[2]
+    assert (conv.kind, conv.touched, conv.fixed, conv.budget) == ("convolution", 1300, 100, 700)
+    assert conv.parts is None and "workspace" in conv.why
+    assert conv.split_touched == 1300
     # Not separable by name, and all fixed: reported, never split.
     assert found[13].kind is None and found[13].parts is None
+    assert found[13].why == "not known to be independent per sample"
     assert found[14].fixed == 1000 and found[14].parts is None
-    assert found[14].split_touched == 1000
-    assert parts_by_kind(tuple(found.values())) == {"convolution": 2, "cross_entropy": 3}
+    assert parts_by_kind(tuple(found.values())) == {"cross_entropy": 3}
 
 
-def test_fixed_bytes_over_the_budget_leave_a_separable_op_unsplit() -> None:
-    found = {op.tick: op for op in big_ops(IT, 100)}
-    assert found[2].kind == "convolution" and found[2].parts is None  # W alone is 100
+def test_persistent_bytes_over_the_budget_leave_a_separable_op_unsplit() -> None:
+    it = build(["a Q 50", "o aten._flash_attention_forward.default 10 Q S >Q", "f Q"], {"S": 400})
+    (op,) = big_ops(it, 300)
+    assert op.kind == "attention" and op.fixed == 400 and op.parts is None
+    assert op.why == "its persistent blocks alone (400 bytes) are over the budget (300)"
+    (op,) = big_ops(it, 425)
+    assert op.parts == 2  # 400 + 50/2
 
 
 def test_free_bytes_per_step_tighten_the_budget() -> None:
-    # With 1300 free everywhere only the log-softmax backward is over; with 650 free at the
-    # convolution it needs 3 parts (100 + ⌈1200/3⌉ = 500 ≤ 650, 2 parts would be 700).
+    # With 1300 free everywhere only the log-softmax backward is over; with 500 free at the
+    # nll backward (1210 bytes) it needs 3 parts.
     assert [op.tick for op in big_ops(IT, 1300)] == [10]
-    conv = next(op for op in big_ops(IT, 1300, free={2: 650}) if op.tick == 2)
-    assert conv.budget == 650 and conv.parts == 3
+    nll = next(op for op in big_ops(IT, 1300, free={8: 500}) if op.tick == 8)
+    assert nll.budget == 500 and nll.parts == 3
 
 
 def test_the_bound_after_the_split() -> None:
@@ -84,7 +90,8 @@ def test_the_bound_after_the_split() -> None:
     assert parts == {"cross_entropy": 2}
     # The log-softmax backward goes to 900; the convolution (1300) and relu (1200) stay.
     assert split_bound(IT, parts) == 1300
-    assert split_bound(IT, {"cross_entropy": 3, "convolution": 4}) == 1200  # relu is left
+    # Convolutions are never counted as split.
+    assert split_bound(IT, {"cross_entropy": 3, "convolution": 4}) == 1300
     assert split_bound(IT, {}) == op_bound(IT)
 
 

@@ -1,0 +1,151 @@
+"""Splitting the ops too big for their step over the batch, on the meta device.
+
+    import tidalpool.torch
+
+    split = tidalpool.torch.plan_split(model, (x, y), F.cross_entropy, optimizer,
+                                       limit=8 << 30, head="head")
+    loss_fn = split.loss_fn        # the model now returns what went into its head
+
+1. A training step is recorded (`record`) and `tidalplan.split.big_ops` finds the ops that
+   touch more than `limit` (SuperNeurons' op-wise bound: no swap or recomputation plan fits
+   under it), with the fewest parts over the batch that bring each under it.
+2. The split is applied: the cross-entropy (log-softmax and negative log-likelihood, forward
+   and backward) runs in parts with the model's output head, named by `head`, which leaves
+   the model (`LinearCrossEntropy`: each part's logits made, used and freed in turn, in
+   forward and again in backward, so the logits and their gradient are never whole).
+3. The step is recorded again: the op-wise bound and peak it really has, beside the bound the
+   planner predicted from the first trace.
+
+Ops over the limit that this does not split are reported in `SplitPlan.unsplit`, never
+ignored: ops not independent per sample, convolutions (whose division shrinks their workspace,
+not their blocks: `MicroBatchConv2d` and `tidalplan.workspace`), and attention (wrap the
+layer that makes its q, k and v in `BatchSplit`).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tidalclient.errors import TidalpoolError
+from tidalclient.torch.microbatch import LinearCrossEntropy
+from tidalplan import learn
+from tidalplan.autoswap import load, op_bound
+from tidalplan.split import BigOp, big_ops, parts_by_kind, split_bound
+from torch import nn
+
+from tidaloffline.torch.record import record
+
+__all__ = ["SplitError", "SplitPlan", "plan_split"]
+
+_CROSS_ENTROPY = (torch.nn.functional.cross_entropy,)
+
+
+class SplitError(TidalpoolError, ValueError):
+    """An op must be split for the limit and cannot be (or not by this module)."""
+
+
+@dataclass
+class SplitPlan:
+    """What `plan_split` found and did. Byte counts are of the steady recorded iteration."""
+
+    loss_fn: Callable[[Any, Any], torch.Tensor]  # the loss to train with from now on
+    big: tuple[BigOp, ...]  # ops over the limit before the split
+    parts: dict[str, int]  # per kind split, the parts it runs in
+    unsplit: tuple[BigOp, ...] = ()  # over the limit and left whole
+    bound_before: int = 0  # op-wise bound before
+    bound_predicted: int = 0  # `split_bound` of the first trace
+    bound_after: int = 0  # op-wise bound recorded after the split
+    peak_before: int = 0
+    peak_after: int = 0
+
+
+def plan_split(
+    model: nn.Module,
+    example_batch: tuple[Any, Any],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    optimizer: Any,
+    *,
+    limit: int,
+    head: str | None = None,
+    **record_options: Any,
+) -> SplitPlan:
+    """Split `model`'s ops that touch more than `limit` bytes over the batch, in place (see the
+    module). `head`: the qualified name of the `nn.Linear` whose output is the loss's input,
+    needed when the cross-entropy must be split; `loss_fn` must then be
+    `torch.nn.functional.cross_entropy` or an `nn.CrossEntropyLoss` with its defaults
+    (`ignore_index` and `reduction` "mean" or "sum" carried over). `record_options` go to
+    `record` for both recordings (`autocast`, `set_to_none`, `keep_output`, `roofline`).
+
+    Raises SplitError when an op over the limit is separable but cannot be split here (no
+    `head`, another loss), and ValueError for a limit that is not positive."""
+    if limit <= 0:
+        raise ValueError(f"plan_split: limit must be positive, got {limit}")
+    with tempfile.TemporaryDirectory(prefix="tidalpool-split-") as tmp:
+        events = record(
+            model, example_batch, loss_fn, optimizer, path=Path(tmp) / "plain.csv", **record_options
+        )
+        it = learn.extract(events, events.marks())
+        big = big_ops(it, limit)
+        parts = {k: v for k, v in parts_by_kind(big).items() if k == "cross_entropy"}
+        plan = SplitPlan(
+            loss_fn=loss_fn,
+            big=big,
+            parts=parts,
+            unsplit=tuple(op for op in big if op.kind != "cross_entropy" or op.parts is None),
+            bound_before=op_bound(it),
+            bound_predicted=split_bound(it, parts),
+            peak_before=int(load(it).max()),
+        )
+        if "cross_entropy" not in parts:
+            plan.bound_after, plan.peak_after = plan.bound_before, plan.peak_before
+            return plan
+        plan.loss_fn = _split_loss(model, loss_fn, head, parts["cross_entropy"])
+        events = record(
+            model,
+            example_batch,
+            plan.loss_fn,
+            optimizer,
+            path=Path(tmp) / "split.csv",
+            **record_options,
+        )
+        it = learn.extract(events, events.marks())
+        plan.bound_after, plan.peak_after = op_bound(it), int(load(it).max())
+    return plan
+
+
+def _split_loss(
+    model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], head: str | None, parts: int
+) -> LinearCrossEntropy:
+    """The model's head moved into a `LinearCrossEntropy` of `parts` parts."""
+    if head is None:
+        raise SplitError(
+            f"plan_split: the cross-entropy must run in {parts} parts to fit, which needs the"
+            " output head that feeds it: pass head='<name of its nn.Linear>'"
+        )
+    ignore_index, reduction = -100, "mean"
+    if isinstance(loss_fn, nn.CrossEntropyLoss):
+        if loss_fn.weight is not None or loss_fn.label_smoothing:
+            raise SplitError(
+                "plan_split: a cross-entropy with class weights or label smoothing cannot be"
+                " split here"
+            )
+        ignore_index, reduction = loss_fn.ignore_index, loss_fn.reduction
+    elif loss_fn not in _CROSS_ENTROPY:
+        raise SplitError(
+            f"plan_split: the cross-entropy must run in {parts} parts to fit, and only"
+            " torch.nn.functional.cross_entropy or nn.CrossEntropyLoss can be split, not"
+            f" {getattr(loss_fn, '__name__', type(loss_fn).__name__)}"
+        )
+    try:
+        linear = model.get_submodule(head)
+    except AttributeError as e:
+        raise SplitError(f"plan_split: the model has no submodule {head!r}") from e
+    if not isinstance(linear, nn.Linear):
+        raise SplitError(f"plan_split: {head!r} is a {type(linear).__name__}, not an nn.Linear")
+    model.set_submodule(head, nn.Identity())
+    return LinearCrossEntropy(linear, parts, ignore_index=ignore_index, reduction=reduction)
