@@ -129,3 +129,25 @@ def test_a_convolution_over_the_limit_is_reported_not_split() -> None:
     assert split.parts == {} and split.loss_fn is F.cross_entropy
     assert type(model.wide) is nn.Conv2d
     assert split.bound_after == split.bound_before > 16 * MiB
+
+
+def test_the_docs_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    import re
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parents[2] / "docs" / "torch.md"
+    examples = re.findall(r"```python\n(.*?)```", docs.read_text(), re.S)
+    (example,) = [b for b in examples if "plan_split(" in b]
+    namespace: dict[str, Any] = {}
+    exec(compile(example, str(docs), "exec"), namespace)
+    split, model = namespace["split"], namespace["model"]
+    # 16 x 128 rows of 4096 fp32 logits are 32 MiB; log-softmax's backward touches three.
+    assert split.bound_before == 96 * MiB and split.parts == {"cross_entropy": 2}
+    assert split.bound_after < 64 * MiB and isinstance(model.head, nn.Identity)
+    assert model.tokens.weight.grad is not None and split.loss_fn.head.weight.grad is not None
+    assert capsys.readouterr().out.split() == [
+        "{'cross_entropy':",
+        "2}",
+        "96",
+        str(split.bound_after >> 20),
+    ]

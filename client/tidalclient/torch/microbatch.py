@@ -1,9 +1,12 @@
-"""Ops run in micro-batches: no single op touches more than about 1/k of its bytes.
+"""Ops run in micro-batches: parts over the batch, the whole op's results and gradients.
 
-An op whose tensors are larger than the memory free at its step can run in parts over the
-batch (μ-cuDNN's micro-batches): each part is computed, its result written into the whole,
-and its temporaries freed before the next part starts. Results and gradients are those of the
-unsplit op, up to floating-point rounding.
+An op can run in parts over the batch (μ-cuDNN's micro-batches): each part is computed, its
+result written into the whole, and its temporaries freed before the next part starts. Results
+and gradients are those of the unsplit op, up to floating-point rounding. What it saves
+depends on what stays whole: `LinearCrossEntropy` and `BatchSplit` make the big tensors inside
+them part by part (logits; q, k, v and scores), so no op touches more than about 1/k of them;
+a `MicroBatchConv2d` still reads and writes its whole input and output, and its parts shrink
+the workspace and temporaries of each call (μ-cuDNN's aim), not those blocks.
 
     batch  ┌────────────── N ──────────────┐
     parts  ├─ n0 ─┼─ n1 ─┼─ n2 ─┼── ... ──┤     parts_of(N, k): near-equal, larger first
