@@ -15,6 +15,8 @@ from tidalclient.torch.microbatch import LinearCrossEntropy  # noqa: E402
 from tidalpool.torch import SplitError, plan_split  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
+from .docs_examples import run_example  # noqa: E402
+
 nn = torch.nn
 MiB = 1 << 20
 LOOP = {"set_to_none": True, "keep_output": False}
@@ -132,14 +134,7 @@ def test_a_convolution_over_the_limit_is_reported_not_split() -> None:
 
 
 def test_the_docs_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
-    import re
-    from pathlib import Path
-
-    docs = Path(__file__).resolve().parents[2] / "docs" / "torch.md"
-    examples = re.findall(r"```python\n(.*?)```", docs.read_text(), re.S)
-    (example,) = [b for b in examples if "plan_split(" in b]
-    namespace: dict[str, Any] = {}
-    exec(compile(example, str(docs), "exec"), namespace)
+    namespace = run_example("torch.md", "plan_split(")
     split, model = namespace["split"], namespace["model"]
     # 16 x 128 rows of 4096 fp32 logits are 32 MiB; log-softmax's backward touches three.
     assert split.bound_before == 96 * MiB and split.parts == {"cross_entropy": 2}

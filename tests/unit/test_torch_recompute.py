@@ -25,6 +25,8 @@ from tidalpool.torch import (  # noqa: E402
     record,
 )
 
+from .docs_examples import run_example  # noqa: E402
+
 nn = torch.nn
 
 
@@ -250,13 +252,7 @@ def test_the_plan_says_when_nothing_fits() -> None:
 
 
 def test_the_docs_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
-    import re
-
-    docs = Path(__file__).resolve().parents[2] / "docs" / "torch.md"
-    examples = re.findall(r"```python\n(.*?)```", docs.read_text(), re.S)
-    (example,) = [b for b in examples if "plan_recompute(" in b]
-    namespace: dict[str, Any] = {}
-    exec(compile(example, str(docs), "exec"), namespace)
+    namespace = run_example("torch.md", "plan_recompute(")
     plan, blocks = namespace["plan"], namespace["blocks"]
     steps = [c.step_ns for c in plan.candidates if c.step_ns is not None]
     assert plan.chosen.step_ns == min(steps)

@@ -4,7 +4,6 @@ the file `tidalpool plan` and `simulate` read, the caller's objects untouched, c
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,8 @@ from tidaloffline.torch.capture import Capture, round_size  # noqa: E402
 from tidalplan import learn  # noqa: E402
 from tidalpool.cli import main  # noqa: E402
 from tidalpool.torch import RecordError, Roofline, record  # noqa: E402
+
+from .docs_examples import run_example  # noqa: E402
 
 nn = torch.nn
 
@@ -444,11 +445,7 @@ def test_capture_blocks_are_storages_rounded_and_freed_before_the_next_op() -> N
 
 
 def test_the_docs_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    docs = Path(__file__).resolve().parents[2] / "docs" / "torch.md"
-    blocks = re.findall(r"```python\n(.*?)```", docs.read_text(), re.S)
-    (example,) = [b for b in blocks if "tidalpool.torch.record(" in b]
     monkeypatch.chdir(tmp_path)
-    namespace: dict[str, Any] = {}
-    exec(compile(example, str(docs), "exec"), namespace)
+    namespace = run_example("torch.md", "tidalpool.torch.record(")
     assert read_trace_csv(tmp_path / "mlp.trace.csv").marks() == namespace["events"].marks()
     assert main(["plan", "mlp.trace.csv", "--no-exact"]) == 0
