@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from rich.console import Console
     from tidalclient.tables import Fitted
     from tidalplan.combined import Plan
+    from tidalplan.split import BigOp
 
 DEFAULT_STEP = 0.05
 NONE_FITS = 3  # the exit status when no policy's plan fits
@@ -102,6 +103,7 @@ class Facts:
     transient: int  # the iteration's own blocks at their most (`tidalpool plan`'s bound)
     load_min: int  # the least peak swapping alone reaches (AutoSwap)
     op_bound: int  # the most bytes one op touches: no plan fits under it
+    biggest: BigOp | None  # that op, as `tidalplan.split.big_ops` sees it just under the bound
     baseline_ns: int  # the step with no limit
     curve: tuple[tuple[int, int], ...]  # (ns, device bytes) of the step with no limit
     out_gbps: float
@@ -251,6 +253,13 @@ def check_limit(text: str, limit: int, facts: Facts) -> None:
             hint = " (a number above 1 is bytes; a fraction of the peak is at most 1, e.g. 0.6)"
     except ValueError:
         pass
+    op = facts.biggest
+    if op is not None and not hint:
+        hint = f" ({op.name.removeprefix('aten.').removesuffix('.default')}"
+        if op.kind is not None and op.parts is not None:
+            hint += f": a {op.kind.replace('_', '-')}, which can run in parts over the batch"
+            hint += " (tidalpool.torch.plan_split, docs/torch.md)"
+        hint += ")"
     raise InputError(
         f"--limit {text}: {format_size(limit)} is under the op-wise bound"
         f" {format_size(facts.op_bound)} ({facts.op_bound / facts.peak:.0%} of the peak), the"
@@ -364,15 +373,19 @@ def _facts(args: argparse.Namespace, it: Iteration, out_gbps: float, in_gbps: fl
     from tidalplan.autoswap import load_min, op_bound
     from tidalplan.learn import live_bytes
     from tidalplan.simulate import no_limit
+    from tidalplan.split import big_ops
 
     base = no_limit(it, args.compute_scale)
+    bound = op_bound(it)
+    over = big_ops(it, bound - 1) if bound > 1 else ()
     return Facts(
         trace=args.trace,
         peak=int(load_curve(it).max(initial=0)),
         persistent=sum(int(size) for _, size in it.persistent),
         transient=int(live_bytes(it).max(initial=0)),
         load_min=load_min(it),
-        op_bound=op_bound(it),
+        op_bound=bound,
+        biggest=max(over, key=lambda op: op.touched, default=None),
         baseline_ns=base.baseline_ns,
         curve=base.curve,
         out_gbps=out_gbps,

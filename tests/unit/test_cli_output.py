@@ -240,6 +240,38 @@ def test_a_limit_no_plan_can_fit_is_refused(capsys: pytest.CaptureFixture[str]) 
     assert "under the op-wise bound" in _one_line(capsys.readouterr().err)
 
 
+def test_a_limit_under_a_cross_entropy_names_it_and_how_to_split_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The biggest op named in the refusal; a cross-entropy's can run in parts (plan_split)."""
+    lines = ["kind,id,size,ns,name", "alloc,1,4096,,"]
+    for k in range(3):
+        x, p, g = (10 * k + 10 + i for i in range(3))
+        lines += [
+            f"iter,{k},,,",
+            f"alloc,{x},8192,,",
+            f"write,{x},,,",
+            "op,0,,1000,aten.mm.default",
+        ]
+        lines += [f"alloc,{p},8192,,", f"read,{x},,,", f"write,{p},,,"]
+        lines += ["op,0,,1000,aten._log_softmax.default", f"alloc,{g},8192,,", f"read,{p},,,"]
+        lines += [
+            f"read,{x},,,",
+            f"write,{g},,,",
+            "op,0,,1000,aten._log_softmax_backward_data.default",
+        ]
+        lines += [f"read,{g},,,", "read,1,,,", "write,1,,,", "op,0,,1000,aten.mm.default"]
+        lines += [f"free,{g},,,", f"free,{p},,,", f"free,{x},,,"]
+    trace = tmp_path / "loss.trace.csv"
+    trace.write_text("\n".join(lines) + "\n")
+    assert main(["simulate", str(trace), "--limit", "0.5"]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line.endswith(
+        "no plan fits it (_log_softmax_backward_data: a cross-entropy, which can run in parts"
+        " over the batch (tidalpool.torch.plan_split, docs/torch.md))"
+    ), line
+
+
 def test_no_feasible_plan_exits_3(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", _vgg(), "--limit", "0.45", "--policy", "vdnn-all", "--json"]) == 3
     captured = capsys.readouterr()
