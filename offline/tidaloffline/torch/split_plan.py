@@ -34,7 +34,7 @@ import torch
 from tidalclient.errors import TidalpoolError
 from tidalclient.torch.microbatch import LinearCrossEntropy
 from tidalplan import learn
-from tidalplan.autoswap import load, op_bound
+from tidalplan.autoswap import durations, load, op_bound
 from tidalplan.split import BigOp, big_ops, parts_by_kind, split_bound
 from torch import nn
 
@@ -62,6 +62,8 @@ class SplitPlan:
     bound_after: int = 0  # op-wise bound recorded after the split
     peak_before: int = 0
     peak_after: int = 0
+    compute_before_ns: int = 0  # the step's op time, unconstrained (roofline)
+    compute_after_ns: int = 0  # the same with the split (a split loss computes its head twice)
 
 
 def plan_split(
@@ -100,9 +102,11 @@ def plan_split(
             bound_before=op_bound(it),
             bound_predicted=split_bound(it, parts),
             peak_before=int(load(it).max()),
+            compute_before_ns=int(durations(it).sum()),
         )
         if "cross_entropy" not in parts:
             plan.bound_after, plan.peak_after = plan.bound_before, plan.peak_before
+            plan.compute_after_ns = plan.compute_before_ns
             return plan
         plan.loss_fn = _split_loss(model, loss_fn, head, parts["cross_entropy"])
         events = record(
@@ -115,6 +119,7 @@ def plan_split(
         )
         it = learn.extract(events, events.marks())
         plan.bound_after, plan.peak_after = op_bound(it), int(load(it).max())
+        plan.compute_after_ns = int(durations(it).sum())
     return plan
 
 
