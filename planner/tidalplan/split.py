@@ -115,6 +115,15 @@ def touched(it: Iteration) -> dict[int, tuple[int, int]]:
     }
 
 
+def keeping_persistent(it: Iteration, limit: int) -> dict[int, int]:
+    """Per op tick, the memory free for the op's blocks when every persistent block (weights,
+    optimizer state: live at every step) stays on the device: `limit` less the persistent bytes
+    the op does not touch. A plan can swap those too, at a cost every step; this budget leaves
+    them in place."""
+    total = sum(int(size) for _, size in it.persistent)
+    return {tick: limit - (total - fixed) for tick, (_, fixed) in touched(it).items()}
+
+
 def big_ops(it: Iteration, limit: int, free: Mapping[int, int] | None = None) -> tuple[BigOp, ...]:
     """The ops of `it` that touch more than the memory free at their step, in tick order.
 

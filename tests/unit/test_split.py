@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from tidalplan.autoswap import op_bound
-from tidalplan.split import big_ops, kind_of, parts_by_kind, split_bound
+from tidalplan.split import big_ops, keeping_persistent, kind_of, parts_by_kind, split_bound
 
 from .iterations import build
 
@@ -98,3 +98,12 @@ def test_the_bound_after_the_split() -> None:
 def test_a_limit_must_be_positive() -> None:
     with pytest.raises(ValueError, match="limit must be positive"):
         big_ops(IT, 0)
+
+
+def test_keeping_the_persistent_blocks_leaves_the_rest_of_the_limit() -> None:
+    free = keeping_persistent(IT, 1300)
+    # W (100) and S (900) are persistent: an op that touches neither has 300 bytes.
+    assert free[4] == 300 and free[2] == 400 and free[14] == 1300
+    found = {op.tick: op for op in big_ops(IT, 1300, free)}
+    assert found[4].parts == 4  # 1200 / 300
+    assert 14 not in found  # the optimizer touches only persistent blocks: 1000 of 1300

@@ -63,12 +63,15 @@ def test_the_cross_entropy_is_split_until_every_op_fits() -> None:
     assert split.bound_before == 3 * LOGITS
     over = {op.name for op in split.big}
     assert "aten._log_softmax_backward_data.default" in over
-    assert split.parts == {"cross_entropy": 2}  # 24 MiB over 12 MiB, nothing fixed
-    assert split.bound_predicted == 12 * MiB
+    # 24 MiB over what the limit leaves beside the weights (0.55 MiB): three parts.
+    assert split.parts == {"cross_entropy": 3}
+    # Predicted from the first trace: the head's matrix product (logits, weight and hidden),
+    # left whole in that trace's view, is the biggest op once the loss's are in thirds.
+    assert split.bound_predicted == LOGITS + VOCAB * WIDTH * 4 + ROWS * WIDTH * 4
     assert isinstance(model.head, nn.Identity)
     assert isinstance(split.loss_fn, LinearCrossEntropy)
     # Recorded again: no op near the limit, and the logits were never whole.
-    assert split.bound_after <= LOGITS // 2 + MiB
+    assert split.bound_after <= LOGITS // 3 + MiB
     assert split.peak_after < split.peak_before - 2 * LOGITS
     assert not split.unsplit
 
@@ -81,6 +84,21 @@ def test_the_cross_entropy_is_split_until_every_op_fits() -> None:
     for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
         assert p.grad is not None and q.grad is not None, name
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_op_wise_budget_leaves_the_weights_out() -> None:
+    split = plan_split(
+        Tiny(),
+        batch(),
+        F.cross_entropy,
+        sgd,
+        limit=12 * MiB,
+        head="head",
+        keep_persistent=False,
+        **LOOP,
+    )
+    assert split.parts == {"cross_entropy": 2}  # 24 MiB over 12 MiB, nothing fixed
+    assert split.bound_predicted == 12 * MiB
 
 
 def test_a_limit_above_every_op_changes_nothing() -> None:

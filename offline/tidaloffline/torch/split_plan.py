@@ -7,8 +7,10 @@
     loss_fn = split.loss_fn        # the model now returns what went into its head
 
 1. A training step is recorded (`record`) and `tidalplan.split.big_ops` finds the ops that
-   touch more than `limit` (SuperNeurons' op-wise bound: no swap or recomputation plan fits
-   under it), with the fewest parts over the batch that bring each under it.
+   touch more than the memory free at their step (the limit less the weights and optimizer
+   state they do not touch; with `keep_persistent=False`, the limit alone: SuperNeurons'
+   op-wise bound, under which no swap or recomputation plan fits), with the fewest parts over
+   the batch that bring each under it.
 2. The split is applied: the cross-entropy (log-softmax and negative log-likelihood, forward
    and backward) runs in parts with the model's output head, named by `head`, which leaves
    the model (`LinearCrossEntropy`: each part's logits made, used and freed in turn, in
@@ -35,7 +37,7 @@ from tidalclient.errors import TidalpoolError
 from tidalclient.torch.microbatch import LinearCrossEntropy
 from tidalplan import learn
 from tidalplan.autoswap import durations, load, op_bound
-from tidalplan.split import BigOp, big_ops, parts_by_kind, split_bound
+from tidalplan.split import BigOp, big_ops, keeping_persistent, parts_by_kind, split_bound
 from torch import nn
 
 from tidaloffline.torch.record import record
@@ -74,11 +76,17 @@ def plan_split(
     *,
     limit: int,
     head: str | None = None,
+    keep_persistent: bool = True,
     **record_options: Any,
 ) -> SplitPlan:
-    """Split `model`'s ops that touch more than `limit` bytes over the batch, in place (see the
-    module). `head`: the qualified name of the `nn.Linear` whose output is the loss's input,
-    needed when the cross-entropy must be split; `loss_fn` must then be
+    """Split over the batch, in place, the ops of `model` too big for `limit` (see the module).
+    An op is too big when it touches more than the memory free at its step: `limit` less the
+    persistent blocks it does not touch (weights and optimizer state stay on the device,
+    `tidalplan.split.keeping_persistent`), or `limit` alone with `keep_persistent=False` (the
+    op-wise bound: everything else swapped out around the op).
+
+    `head`: the qualified name of the `nn.Linear` whose output is the loss's input, needed
+    when the cross-entropy must be split; `loss_fn` must then be
     `torch.nn.functional.cross_entropy` or an `nn.CrossEntropyLoss` with its defaults
     (`ignore_index` and `reduction` "mean" or "sum" carried over). `record_options` go to
     `record` for both recordings (`autocast`, `set_to_none`, `keep_output`, `roofline`).
@@ -92,7 +100,7 @@ def plan_split(
             model, example_batch, loss_fn, optimizer, path=Path(tmp) / "plain.csv", **record_options
         )
         it = learn.extract(events, events.marks())
-        big = big_ops(it, limit)
+        big = big_ops(it, limit, keeping_persistent(it, limit) if keep_persistent else None)
         parts = {k: v for k, v in parts_by_kind(big).items() if k == "cross_entropy"}
         plan = SplitPlan(
             loss_fn=loss_fn,
