@@ -71,9 +71,7 @@ SPLIT_WITH = {
 def kind_of(name: str) -> str | None:
     """The separable kind of an op named `name` ("aten.convolution.default", or the bare
     "convolution"), or None when it is not known to be independent per sample."""
-    parts = name.split(".")
-    base = parts[1] if len(parts) >= 2 and parts[0] == "aten" else parts[0]
-    return _KIND.get(base)
+    return _KIND.get(_base(name))
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,14 +163,38 @@ def parts_by_kind(ops: tuple[BigOp, ...]) -> dict[str, int]:
     return out
 
 
+# Matrix products: the output head before a cross-entropy is one of these.
+_PRODUCTS = ("mm", "addmm", "bmm", "matmul", "linear")
+
+
 def split_bound(it: Iteration, parts: Mapping[str, int]) -> int:
     """The op-wise bound of `it` with every op of a kind in `parts` run in that many parts:
     a prediction from the trace, which a recording of the split model checks. Only the kinds
-    of `SPLIT_WITH` are split; other entries of `parts` are ignored."""
+    of `SPLIT_WITH` are split; other entries of `parts` are ignored. A cross-entropy is split
+    with its head (`LinearCrossEntropy`), so the matrix products that make its input or use its
+    gradient (those touching a transient block a cross-entropy op touches) run in parts too."""
     names: dict[int, str] = {op.tick: op.name for op in it.ops}
+    persistent = {b for b, _ in it.persistent}
+    by_tick: dict[int, set[int]] = {}
+    for a in it.accesses:
+        by_tick.setdefault(a.tick, set()).add(a.block)
+    loss_blocks: set[int] = set()
+    if "cross_entropy" in parts:
+        for tick, blocks in by_tick.items():
+            if kind_of(names.get(tick, "")) == "cross_entropy":
+                loss_blocks |= blocks - persistent
     best = 0
     for tick, (total, fixed) in touched(it).items():
-        kind = kind_of(names.get(tick, "")) or ""
+        name = names.get(tick, "")
+        kind = kind_of(name) or ""
         k = parts.get(kind, 1) if kind in SPLIT_WITH else 1
+        if k == 1 and _base(name) in _PRODUCTS and by_tick.get(tick, set()) & loss_blocks:
+            k = parts["cross_entropy"]
         best = max(best, fixed + -(-(total - fixed) // k))
     return best
+
+
+def _base(name: str) -> str:
+    """ "aten.mm.default" -> "mm"."""
+    parts = name.split(".")
+    return parts[1] if len(parts) >= 2 and parts[0] == "aten" else parts[0]

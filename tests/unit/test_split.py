@@ -107,3 +107,32 @@ def test_keeping_the_persistent_blocks_leaves_the_rest_of_the_limit() -> None:
     found = {op.tick: op for op in big_ops(IT, 1300, free)}
     assert found[4].parts == 4  # 1200 / 300
     assert 14 not in found  # the optimizer touches only persistent blocks: 1000 of 1300
+
+
+def test_a_split_cross_entropy_takes_its_head_with_it() -> None:
+    # H (persistent weight 50) times X (100) makes the logits Z (1000); the loss reads Z; in
+    # backward the logits' gradient GZ (1000) goes through a product with H again.
+    it = build(
+        [
+            "a X 100",
+            "a Z 1000",
+            "o aten.mm.default 10 X H >Z",  # 1150
+            "a P 1000",
+            "o aten._log_softmax.default 10 Z >P",  # 2000
+            "a GZ 1000",
+            "o aten._log_softmax_backward_data.default 10 P >GZ",  # 2000
+            "f P",
+            "a GX 100",
+            "o aten.mm.default 10 GZ H >GX",  # 1150
+            "o aten.relu.default 10 X",  # 100, not next to the loss
+            "f GZ",
+            "f GX",
+            "f Z",
+            "f X",
+        ],
+        {"H": 50},
+    )
+    assert split_bound(it, {}) == 2000
+    # In 4 parts: the loss's ops 500; the products 50 + ⌈1100/4⌉ = 325 and 50 + 275 = 325.
+    assert split_bound(it, {"cross_entropy": 4}) == 500
+    assert split_bound(it, {"cross_entropy": 40}) == 100  # the relu, never split, is left
