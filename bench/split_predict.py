@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +47,9 @@ def per_model(text: str | None, default: dict[str, tuple[int, ...]]) -> dict[str
     return out
 
 
-def case(name: str, batch: int, memory: int, gbps: float, plan: bool, tmp: Path) -> dict[str, Any]:
+def case(
+    name: str, batch: int, memory: int, gbps: float, plan: bool, split_blocks: bool
+) -> dict[str, Any]:
     import tidalpool.torch
     import torch
     from torch_train import LOOP, build
@@ -61,7 +62,7 @@ def case(name: str, batch: int, memory: int, gbps: float, plan: bool, tmp: Path)
     loss = torch.nn.functional.cross_entropy
     out: dict[str, Any] = {"model": name, "batch": batch, "memory_bytes": memory}
 
-    def planned(loss_fn: Any, bound: int) -> dict[str, Any]:
+    def planned(loss_fn: Any, bound: int, blocks: list[Any]) -> dict[str, Any]:
         if bound > memory:
             return {"feasible": False, "why": f"one op touches {bound / GIB:.2f} GiB"}
         try:
@@ -91,8 +92,16 @@ def case(name: str, batch: int, memory: int, gbps: float, plan: bool, tmp: Path)
             "peak_bytes": p.chosen.peak_bytes,
         }
 
+    gpt2 = name == "gpt2"
     split = tidalpool.torch.plan_split(
-        model, example, loss, adamw, limit=memory, head="head" if name == "gpt2" else None, **LOOP
+        model,
+        example,
+        loss,
+        adamw,
+        limit=memory,
+        head="head" if gpt2 else None,
+        blocks=blocks if gpt2 and split_blocks else (),
+        **LOOP,
     )
     out.update(
         bound_before=split.bound_before,
@@ -103,13 +112,15 @@ def case(name: str, batch: int, memory: int, gbps: float, plan: bool, tmp: Path)
         bound_predicted=split.bound_predicted,
         bound_after=split.bound_after,
         peak_after=split.peak_after,
+        block_parts=split.block_parts,
         compute_before_ns=split.compute_before_ns,
         compute_after_ns=split.compute_after_ns,
     )
     print(
         f"{name} batch {batch}: one op {split.bound_before / GIB:.2f} GiB, peak"
         f" {split.peak_before / GIB:.2f} GiB; {len(split.big)} ops over"
-        f" {memory / GIB:.2f} GiB, parts {split.parts or '-'}; after: one op"
+        f" {memory / GIB:.2f} GiB, parts {split.parts or '-'}, blocks in {split.block_parts};"
+        f" after: one op"
         f" {split.bound_after / GIB:.2f} GiB (predicted {split.bound_predicted / GIB:.2f}),"
         f" peak {split.peak_after / GIB:.2f} GiB",
         flush=True,
@@ -117,13 +128,14 @@ def case(name: str, batch: int, memory: int, gbps: float, plan: bool, tmp: Path)
     if plan:
         if split.parts:
             print(f"  planning the split model in {memory / GIB:.2f} GiB:", flush=True)
-            out["plan_after"] = planned(split.loss_fn, split.bound_after)
+            planned_blocks = list(split.blocks) or blocks
+            out["plan_after"] = planned(split.loss_fn, split.bound_after, planned_blocks)
             # The model as it was, for the plan before.
             model, _, blocks = build(name, False)
         else:
             out["plan_after"] = None
         print(f"  planning the model as it is in {memory / GIB:.2f} GiB:", flush=True)
-        out["plan_before"] = planned(loss, split.bound_before)
+        out["plan_before"] = planned(loss, split.bound_before, blocks)
         if out["plan_after"] is None:
             out["plan_after"] = out["plan_before"]
         for when in ("plan_before", "plan_after"):
@@ -151,20 +163,24 @@ def main() -> None:
     parser.add_argument("--bandwidth", type=float, default=50.0, help="GB/s each way")
     parser.add_argument("--batches", help="per model: gpt2=13,14;resnet50=384")
     parser.add_argument("--plan", default="", help="per model, the batches to plan in --memory")
+    parser.add_argument(
+        "--split-blocks",
+        action="store_true",
+        help="also run GPT-2's transformer blocks in parts when ops inside them are over",
+    )
     parser.add_argument("--json", type=Path)
     a = parser.parse_args()
     memory = int(parse_size(a.memory))
     batches = per_model(a.batches, BATCHES)
     plans = per_model(a.plan, {})
     results = []
-    with tempfile.TemporaryDirectory(prefix="tp-split-") as tmp:
-        for name in a.models.split(","):
-            for batch in batches[name]:
-                plan = batch in plans.get(name, [])
-                results.append(case(name, batch, memory, a.bandwidth, plan, Path(tmp)))
-                if a.json:  # after every case: a long run keeps what it measured
-                    doc = {"memory_bytes": memory, "bandwidth_gbps": a.bandwidth, "cases": results}
-                    a.json.write_text(json.dumps(doc, indent=2))
+    for name in a.models.split(","):
+        for batch in batches[name]:
+            plan = batch in plans.get(name, [])
+            results.append(case(name, batch, memory, a.bandwidth, plan, a.split_blocks))
+            if a.json:  # after every case: a long run keeps what it measured
+                doc = {"memory_bytes": memory, "bandwidth_gbps": a.bandwidth, "cases": results}
+                a.json.write_text(json.dumps(doc, indent=2))
 
 
 if __name__ == "__main__":

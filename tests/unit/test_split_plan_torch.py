@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tidalclient.torch.microbatch import LinearCrossEntropy  # noqa: E402
+from tidalclient.torch.microbatch import BatchSplit, LinearCrossEntropy  # noqa: E402
 from tidalpool.torch import SplitError, plan_split  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
@@ -163,3 +163,52 @@ def test_the_docs_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
         "96",
         str(split.bound_after >> 20),
     ]
+
+
+class Wide(nn.Module):
+    """A causal encoder layer whose MLP is wide (8 MiB of hidden at batch 8): its GELU's
+    backward touches 24 MiB; the vocabulary is small, so the loss is not the problem."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(64, WIDTH)
+        self.block = nn.TransformerEncoderLayer(
+            WIDTH, 4, 4096, dropout=0.0, activation="gelu", batch_first=True
+        )
+        self.head = nn.Linear(WIDTH, 64)
+
+    def forward(self, idx: Any) -> Any:
+        mask = nn.Transformer.generate_square_subsequent_mask(idx.shape[1])
+        return self.head(self.block(self.tokens(idx), src_mask=mask, is_causal=True)).flatten(0, 1)
+
+
+def test_blocks_independent_per_sample_run_in_parts_until_their_ops_fit() -> None:
+    torch.manual_seed(3)
+    model = Wide()
+    twin = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(4)
+    example = (
+        torch.randint(0, 64, (BATCH, SEQ), generator=g),
+        torch.randint(0, 64, (ROWS,), generator=g),
+    )
+    hidden = ROWS * 4096 * 4  # 8 MiB
+    limit = 16 * MiB
+    split = plan_split(
+        model, example, F.cross_entropy, sgd, limit=limit, blocks=[model.block], **LOOP
+    )
+    assert split.bound_before >= 3 * hidden and split.parts == {}
+    assert split.block_parts >= 2 and isinstance(model.block, BatchSplit)
+    assert split.blocks == (model.block,)
+    assert split.bound_after <= limit < split.bound_before
+    x, y = example
+    got, want = F.cross_entropy(model(x), y), F.cross_entropy(twin(x), y)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    got.backward()
+    want.backward()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_blocks_must_be_the_models_own() -> None:
+    with pytest.raises(SplitError, match="blocks must be submodules of the model"):
+        plan_split(Wide(), batch(), F.cross_entropy, sgd, limit=MiB, blocks=[nn.ReLU()], **LOOP)

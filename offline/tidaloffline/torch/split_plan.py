@@ -18,25 +18,33 @@
 3. The step is recorded again: the op-wise bound and peak it really has, beside the bound the
    planner predicted from the first trace.
 
-Ops over the limit that this does not split are reported in `SplitPlan.unsplit`, never
-ignored: ops not independent per sample, convolutions (whose division shrinks their workspace,
-not their blocks: `MicroBatchConv2d` and `tidalplan.workspace`), and attention (wrap the
-layer that makes its q, k and v in `BatchSplit`).
+4. With `blocks` (modules independent per sample: transformer layers), while ops are still
+   over, each block runs in k parts (`BatchSplit`): what it makes inside (q, k, v and the
+   attention's scores, the MLP's hidden and its GELU) is made part by part. k comes from the
+   worst op's excess and the step is recorded again after each choice, until nothing is over,
+   a round does not lower the bound, or k reaches the batch.
+
+Ops over the limit in the first recording that the cross-entropy's split does not cover are
+listed in `SplitPlan.unsplit` with why, never ignored: ops not independent per sample,
+convolutions (whose division shrinks their workspace, not their blocks: `MicroBatchConv2d`
+and `tidalplan.workspace`), attention and the rest (inside `blocks`, if given, step 4 splits
+them; `bound_after` says what is left).
 """
 
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from tidalclient.errors import TidalpoolError
-from tidalclient.torch.microbatch import LinearCrossEntropy
+from tidalclient.torch.microbatch import BatchSplit, LinearCrossEntropy
 from tidalplan import learn
 from tidalplan.autoswap import durations, load, op_bound
+from tidalplan.model import Iteration
 from tidalplan.split import BigOp, big_ops, keeping_persistent, parts_by_kind, split_bound
 from torch import nn
 
@@ -66,6 +74,8 @@ class SplitPlan:
     peak_after: int = 0
     compute_before_ns: int = 0  # the step's op time, unconstrained (roofline)
     compute_after_ns: int = 0  # the same with the split (a split loss computes its head twice)
+    blocks: tuple[BatchSplit, ...] = ()  # the blocks, each now run in `block_parts` parts
+    block_parts: int = 1
 
 
 def plan_split(
@@ -76,6 +86,7 @@ def plan_split(
     *,
     limit: int,
     head: str | None = None,
+    blocks: Sequence[nn.Module] = (),
     keep_persistent: bool = True,
     **record_options: Any,
 ) -> SplitPlan:
@@ -84,6 +95,10 @@ def plan_split(
     persistent blocks it does not touch (weights and optimizer state stay on the device,
     `tidalplan.split.keeping_persistent`), or `limit` alone with `keep_persistent=False` (the
     op-wise bound: everything else swapped out around the op).
+
+    `blocks`: submodules to run in parts while ops are still over (step 4 of the module); they
+    must not contain batch normalisation. `SplitPlan.blocks` are their `BatchSplit`s, to pass
+    as `plan_recompute`'s blocks.
 
     `head`: the qualified name of the `nn.Linear` whose output is the loss's input, needed
     when the cross-entropy must be split; `loss_fn` must then be
@@ -95,6 +110,10 @@ def plan_split(
     `head`, another loss), and ValueError for a limit that is not positive."""
     if limit <= 0:
         raise ValueError(f"plan_split: limit must be positive, got {limit}")
+    own = {id(m) for m in model.modules()}
+    stray = [type(b).__name__ for b in blocks if id(b) not in own or b is model]
+    if stray:
+        raise SplitError(f"plan_split: blocks must be submodules of the model, not {stray[0]}")
     with tempfile.TemporaryDirectory(prefix="tidalpool-split-") as tmp:
         events = record(
             model, example_batch, loss_fn, optimizer, path=Path(tmp) / "plain.csv", **record_options
@@ -112,20 +131,24 @@ def plan_split(
             peak_before=int(load(it).max()),
             compute_before_ns=int(durations(it).sum()),
         )
-        if "cross_entropy" not in parts:
-            plan.bound_after, plan.peak_after = plan.bound_before, plan.peak_before
-            plan.compute_after_ns = plan.compute_before_ns
-            return plan
-        plan.loss_fn = _split_loss(model, loss_fn, head, parts["cross_entropy"])
-        events = record(
-            model,
-            example_batch,
-            plan.loss_fn,
-            optimizer,
-            path=Path(tmp) / "split.csv",
-            **record_options,
-        )
-        it = learn.extract(events, events.marks())
+
+        def again(name: str) -> Iteration:
+            events = record(
+                model,
+                example_batch,
+                plan.loss_fn,
+                optimizer,
+                path=Path(tmp) / f"{name}.csv",
+                **record_options,
+            )
+            return learn.extract(events, events.marks())
+
+        if "cross_entropy" in parts:
+            plan.loss_fn = _split_loss(model, loss_fn, head, parts["cross_entropy"])
+            it = again("split")
+        if blocks:
+            budget = keeping_persistent if keep_persistent else None
+            it = _split_blocks(plan, model, example_batch, blocks, it, limit, budget, again)
         plan.bound_after, plan.peak_after = op_bound(it), int(load(it).max())
         plan.compute_after_ns = int(durations(it).sum())
     return plan
@@ -162,3 +185,47 @@ def _split_loss(
         raise SplitError(f"plan_split: {head!r} is a {type(linear).__name__}, not an nn.Linear")
     model.set_submodule(head, nn.Identity())
     return LinearCrossEntropy(linear, parts, ignore_index=ignore_index, reduction=reduction)
+
+
+_ROUNDS = 4  # recordings with the blocks split, each with more parts than the last
+
+
+def _split_blocks(
+    plan: SplitPlan,
+    model: nn.Module,
+    example_batch: tuple[Any, Any],
+    blocks: Sequence[nn.Module],
+    it: Iteration,
+    limit: int,
+    budget: Callable[[Iteration, int], dict[int, int]] | None,
+    again: Callable[[str], Iteration],
+) -> Iteration:
+    """While ops are still over their budget, `blocks` (modules independent per sample, such as
+    transformer layers) run in k parts each (`BatchSplit`), so what they make inside (q, k, v,
+    scores, the MLP's hidden) is made part by part; k from the worst op's excess, the step
+    recorded again after each choice. Stops when nothing is over, when a round does not lower
+    the bound (the ops over are outside the blocks, or their input and output), or at the
+    batch. Returns the last recording kept."""
+    names = {id(m): n for n, m in model.named_modules()}
+    inputs = example_batch[0]
+    first = inputs[0] if isinstance(inputs, (tuple, list)) and inputs else inputs
+    batch = first.shape[0] if isinstance(first, torch.Tensor) and first.dim() else 1
+    k = 1
+    for _ in range(_ROUNDS):
+        over = big_ops(it, limit, None if budget is None else budget(it, limit))
+        if not over or k >= batch:
+            break
+        need = max(-(-op.touched // max(op.budget, 1)) for op in over)
+        wanted = min(batch, max(k + 1, k * need))
+        for b in blocks:
+            model.set_submodule(names[id(b)], BatchSplit(b, wanted))
+        tried = again(f"blocks{wanted}")
+        if op_bound(tried) >= op_bound(it):
+            for b in blocks:  # no better: the blocks as they were
+                model.set_submodule(names[id(b)], BatchSplit(b, k) if k > 1 else b)
+            break
+        it, k = tried, wanted
+    if k > 1:
+        plan.blocks = tuple(cast(BatchSplit, model.get_submodule(names[id(b)])) for b in blocks)
+        plan.block_parts = k
+    return it
