@@ -2,7 +2,8 @@
 whose planned step fits, before and after, predicted on the meta device without a GPU.
 
     .venv/bin/python bench/split_predict.py [--models gpt2,resnet50] [--memory 8GiB]
-        [--batches gpt2=13,14,16] [--plan gpt2=13,14,16] [--bandwidth 50] [--json PATH]
+        [--batches gpt2=13,14,16] [--plan gpt2=13,14,16] [--bandwidth 50] [--split-blocks]
+        [--json PATH]
 
 The models and training loop of bench/torch_train.py (fp32, AdamW, gradients set to None, the
 output dropped after the loss), recorded on the meta device (`tidalpool.torch.record`, op
@@ -13,7 +14,8 @@ times from an H100's roofline). For each batch:
 - `tidalpool.torch.plan_split(..., limit=--memory, head="head")`: the ops over the memory,
   the parts each separable kind runs in, the bound `tidalplan.split.split_bound` predicts,
   and the bound and peak recorded again with the split applied (GPT-2's head and
-  cross-entropy as `LinearCrossEntropy`, ResNet-50's convolutions as `MicroBatchConv2d`);
+  cross-entropy as `LinearCrossEntropy`; with `--split-blocks`, its transformer layers too, as
+  `BatchSplit`s, while ops inside them are over); ops over the memory not split, with why;
 - for the batches in `--plan`: `plan_recompute(..., place=True)` in --memory on the model as
   it is and on the split model (the blocks to recompute, the rest swapped, the placement
   fitted): feasible or not, the step's overhead and the placed footprint. A model whose
