@@ -91,6 +91,46 @@ def record_training(
     )
 
 
+def gpt2(vocab: int, seq: int, width: int = 768, heads: int = 12, depth: int = 12) -> Any:
+    """GPT-2 from torch.nn: token and position embeddings, `depth` pre-norm causal blocks, a
+    final norm and a head tied to the token embedding; logits flattened for the loss. GPT-2
+    small with the defaults (traces/record.py records it too)."""
+    import torch
+    from torch import nn
+
+    class GPT2(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tokens = nn.Embedding(vocab, width)
+            self.positions = nn.Embedding(seq, width)
+            self.blocks = nn.ModuleList(
+                nn.TransformerEncoderLayer(
+                    width,
+                    heads,
+                    4 * width,
+                    dropout=0.0,
+                    activation="gelu",
+                    batch_first=True,
+                    norm_first=True,
+                )
+                for _ in range(depth)
+            )
+            self.norm = nn.LayerNorm(width)
+            self.head = nn.Linear(width, vocab, bias=False)
+            self.head.weight = self.tokens.weight
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            n = idx.shape[1]
+            x = self.tokens(idx) + self.positions(torch.arange(n, device=idx.device))
+            mask = nn.Transformer.generate_square_subsequent_mask(n, device=idx.device)
+            for block in self.blocks:
+                x = block(x, src_mask=mask, is_causal=True)
+            logits: torch.Tensor = self.head(self.norm(x))
+            return logits.flatten(0, 1)
+
+    return GPT2()
+
+
 def build(name: str, tiny: bool) -> tuple[Any, Callable[[int], tuple[Any, Any]], list[Any]]:
     """(model, batch maker, the blocks to checkpoint) on the CPU."""
     import torch
@@ -98,37 +138,7 @@ def build(name: str, tiny: bool) -> tuple[Any, Callable[[int], tuple[Any, Any]],
 
     if name == "gpt2":
         width, heads, depth, vocab, seq = (64, 4, 2, 97, 32) if tiny else (768, 12, 12, 50257, 1024)
-
-        class GPT2(nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.tokens = nn.Embedding(vocab, width)
-                self.positions = nn.Embedding(seq, width)
-                self.blocks = nn.ModuleList(
-                    nn.TransformerEncoderLayer(
-                        width,
-                        heads,
-                        4 * width,
-                        dropout=0.0,
-                        activation="gelu",
-                        batch_first=True,
-                        norm_first=True,
-                    )
-                    for _ in range(depth)
-                )
-                self.norm = nn.LayerNorm(width)
-                self.head = nn.Linear(width, vocab, bias=False)
-                self.head.weight = self.tokens.weight
-
-            def forward(self, idx: torch.Tensor) -> torch.Tensor:
-                n = idx.shape[1]
-                x = self.tokens(idx) + self.positions(torch.arange(n, device=idx.device))
-                mask = nn.Transformer.generate_square_subsequent_mask(n, device=idx.device)
-                for block in self.blocks:
-                    x = block(x, src_mask=mask, is_causal=True)
-                return self.head(self.norm(x)).flatten(0, 1)
-
-        model = GPT2()
+        model = gpt2(vocab, seq, width, heads, depth)
 
         def batch(b: int) -> tuple[Any, Any]:
             idx = torch.randint(0, vocab, (b, seq))

@@ -31,6 +31,9 @@ from torch import nn
 from torch.nn import functional as F
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "bench"))
+
+from torch_train import gpt2  # noqa: E402  (the benchmarks' GPT-2, at sequence 128 here)
 
 
 @dataclass(frozen=True)
@@ -92,40 +95,6 @@ def resnet18() -> nn.Module:
 GPT2_VOCAB, GPT2_SEQUENCE = 50257, 128
 
 
-class GPT2(nn.Module):
-    """GPT-2 small from torch.nn: token and position embeddings, 12 pre-norm causal blocks,
-    a final norm and a head tied to the token embedding; logits flattened for the loss."""
-
-    def __init__(self, width: int = 768, heads: int = 12, depth: int = 12) -> None:
-        super().__init__()
-        self.tokens = nn.Embedding(GPT2_VOCAB, width)
-        self.positions = nn.Embedding(GPT2_SEQUENCE, width)
-        self.blocks = nn.ModuleList(
-            nn.TransformerEncoderLayer(
-                width,
-                heads,
-                4 * width,
-                dropout=0.0,
-                activation="gelu",
-                batch_first=True,
-                norm_first=True,
-            )
-            for _ in range(depth)
-        )
-        self.norm = nn.LayerNorm(width)
-        self.head = nn.Linear(width, GPT2_VOCAB, bias=False)
-        self.head.weight = self.tokens.weight
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        n = idx.shape[1]
-        x = self.tokens(idx) + self.positions(torch.arange(n, device=idx.device))
-        mask = nn.Transformer.generate_square_subsequent_mask(n, device=idx.device)
-        for block in self.blocks:
-            x = block(x, src_mask=mask, is_causal=True)
-        logits: torch.Tensor = self.head(self.norm(x))
-        return logits.flatten(0, 1)
-
-
 def sgd(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
@@ -149,7 +118,7 @@ SAMPLES = {
     ),
     "gpt2": Sample(
         "gpt2.b4.s128.trace.csv",
-        GPT2,
+        lambda: gpt2(GPT2_VOCAB, GPT2_SEQUENCE),
         lambda: (
             torch.zeros(4, GPT2_SEQUENCE, dtype=torch.long),
             torch.zeros(4 * GPT2_SEQUENCE, dtype=torch.long),
