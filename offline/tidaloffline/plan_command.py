@@ -32,7 +32,7 @@ from tidalplan.model import Problem
 from tidalplan.placement import SMARTPOOL_MAX_BUFFERS, lower_bound, smartpool, solve
 from tidalplan.validate import InvalidPlacement, validate
 
-from tidaloffline.plot import ANNOTATED
+from tidaloffline.plot import ANNOTATED, missing_matplotlib
 
 PROGRESS_AFTER_S = 1.0
 
@@ -177,14 +177,8 @@ def run(
             raise InputError(f"--time-limit must be positive, got {args.time_limit}")
         if args.annotate < 0:
             raise InputError(f"--annotate must be 0 or more, got {args.annotate}")
-        if args.plot is not None:
-            try:
-                import matplotlib  # noqa: F401
-            except ImportError:
-                raise InputError(
-                    f"--plot {args.plot}: drawing needs matplotlib, which is not installed"
-                    " (pip install matplotlib, or the dev extra)"
-                ) from None
+        if args.plot is not None and (why := missing_matplotlib(args.plot)):
+            raise InputError(why)
         loaded = load(args.input, args.alignment)
     except InputError as e:
         print(f"tidalpool plan: {e}", file=err)

@@ -159,6 +159,18 @@ def style(k: int) -> dict[str, Any]:
     }
 
 
+def missing_matplotlib(path: str | Path) -> str | None:
+    """Why `--plot path` cannot draw (matplotlib is not installed), or None when it can."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return (
+            f"--plot {path}: drawing needs matplotlib, which is not installed"
+            " (pip install matplotlib, or the dev extra)"
+        )
+    return None
+
+
 def swaps_figure(
     name: str,
     sweep: Mapping[str, Sequence[tuple[float, float]]],

@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING, Any
 from tidalcore.units import SIZE_HELP, format_size, parse_size
 from tidalplan.model import Iteration
 
+from tidaloffline.plot import missing_matplotlib
+
 if TYPE_CHECKING:
     from rich.console import Console
     from tidalclient.tables import Fitted
@@ -357,14 +359,8 @@ def _options(args: argparse.Namespace) -> tuple[float, float, list[str]]:
                 raise InputError(f"{option} {path}: no such directory {path.parent}")
             if path is not None and path.is_dir():
                 raise InputError(f"{option} {path}: a directory, not a file")
-    if args.plot is not None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise InputError(
-                f"--plot {args.plot}: drawing needs matplotlib, which is not installed"
-                " (pip install matplotlib, or the dev extra)"
-            ) from None
+    if args.plot is not None and (why := missing_matplotlib(args.plot)):
+        raise InputError(why)
     return out_gbps, in_gbps, policies(args.policy)
 
 
