@@ -19,6 +19,7 @@ from tidalcore.v1 import admin_pb2
 from tidalpool.cli import main
 
 from ..conftest import shared_file
+from .test_top import pool
 
 MiB, GiB = 1 << 20, 1 << 30
 WIDTHS = (200, 120, 80, 60, 40)
@@ -103,15 +104,7 @@ def test_folded_headers_stay_distinct() -> None:
 
 
 def _pool() -> admin_pb2.PoolStatusResponse:
-    p = admin_pb2.PoolStatusResponse(
-        backend="sim", mode="memfd", version="9.9", chunk_bytes=2 * MiB
-    )
-    p.started_unix_ns = time.time_ns() - 12 * 10**9
-    p.device.total_bytes, p.device.leased_bytes, p.device.free_bytes = (
-        256 * MiB,
-        64 * MiB,
-        192 * MiB,
-    )
+    p = pool()
     p.host.total_bytes, p.host.free_bytes = 5 * GiB, 5 * GiB
     p.facts["device"] = "sim"
     return p

@@ -25,48 +25,24 @@ from pathlib import Path
 
 import pytest
 from tidalcore.events import Events
-from tidalcore.units import Bytes
 from tidalcore.v1 import common_pb2, pool_pb2
 from tidalplan import combined, wire
 from tidalplan.learn import extract
 from tidalplan.model import Iteration
-from tidalpoold.backends import SimBackend
 from tidalpoold.plan_cache import MAX_PLAN_BYTES, Defect, PlanCache
 from tidalpoold.plan_worker import PlanWorker
 from tidalpoold.sessions import Registry, Session
-from tidalpoold.settings import Settings
 from tidalpoold.trace import decode_chunk
 
+from . import test_plan_worker
 from .test_plan_worker import HIDE, C, chunk, end, session
+
+# Sessions with a device lease of one chunk (C bytes), and a plan worker: test_plan_worker's.
+registry = test_plan_worker.registry
+planner = test_plan_worker.planner
 
 DEADLINE_S = 60.0  # for a plan on a busy machine; a blocked planning thread never makes one
 PERSISTENT = {"W": 300}  # outside the arena: the lease leaves C - 300 bytes for the pieces
-
-
-@pytest.fixture
-def registry(tmp_path: Path) -> Iterator[Registry]:
-    """Sessions with a device lease of one chunk (C bytes), as in test_plan_worker."""
-    settings = Settings(
-        device_pool=Bytes(4 * C),
-        host_pool=Bytes(4 * C),
-        default_device_lease=Bytes(C),
-        default_host_lease=Bytes(C),
-        chunk_size=Bytes(C),
-        socket_dir=tmp_path,
-        plan_cache_dir=tmp_path / "plans",
-        metrics_address="",
-        plan_time_limit_s=1.0,
-    )
-    backend = SimBackend(4 * C, 4 * C, C)
-    yield Registry(settings, backend)
-    backend.close()
-
-
-@pytest.fixture
-def planner(registry: Registry) -> Iterator[PlanWorker]:
-    p = PlanWorker(registry.settings)
-    yield p
-    p.close()
 
 
 @pytest.fixture

@@ -99,6 +99,16 @@ def numbers(s: Session) -> tuple[int, int, int, Counts]:
 
 # -- heartbeats ----------------------------------------------------------------------------------
 
+# The counts a heartbeat carries, each within int64 and never going down.
+COUNTS = (
+    "plan_misses",
+    "swapped_out_bytes",
+    "swapped_in_bytes",
+    "swap_stall_ns",
+    "on_demand_out_bytes",
+    "on_demand_in_bytes",
+)
+
 
 @pytest.mark.parametrize(
     ("field", "value", "message"),
@@ -132,14 +142,7 @@ def numbers(s: Session) -> tuple[int, int, int, Counts]:
                 INT64_MAX + 1,
                 f"heartbeat {name} {INT64_MAX + 1} exceeds the bound of a count ({INT64_MAX})",
             )
-            for name in (
-                "plan_misses",
-                "swapped_out_bytes",
-                "swapped_in_bytes",
-                "swap_stall_ns",
-                "on_demand_out_bytes",
-                "on_demand_in_bytes",
-            )
+            for name in COUNTS
         ),
     ],
 )
@@ -166,14 +169,7 @@ def test_a_heartbeat_past_a_bound_is_refused_whole(
 
 def test_the_bounds_themselves_are_taken(registry: Registry) -> None:
     s = attached(registry)
-    full = {
-        "plan_misses": INT64_MAX,
-        "swapped_out_bytes": INT64_MAX,
-        "swapped_in_bytes": INT64_MAX,
-        "swap_stall_ns": INT64_MAX,
-        "on_demand_out_bytes": INT64_MAX,
-        "on_demand_in_bytes": INT64_MAX,
-    }
+    full = dict.fromkeys(COUNTS, INT64_MAX)
     registry.touch(
         s, Heartbeat(device_used_bytes=2 * C, device_peak_bytes=2 * C, host_used_bytes=C, **full)
     )
@@ -181,17 +177,7 @@ def test_the_bounds_themselves_are_taken(registry: Registry) -> None:
     assert registry.counts == Counts(**full)
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        "plan_misses",
-        "swapped_out_bytes",
-        "swapped_in_bytes",
-        "swap_stall_ns",
-        "on_demand_out_bytes",
-        "on_demand_in_bytes",
-    ],
-)
+@pytest.mark.parametrize("name", COUNTS)
 def test_a_count_going_down_is_refused(registry: Registry, name: str) -> None:
     s = attached(registry)
     registry.touch(s, Heartbeat(**{name: 100}))
