@@ -96,14 +96,22 @@ class BigOp:
         return self.fixed + -(-(self.touched - self.fixed) // self.parts)
 
 
-def touched(it: Iteration) -> dict[int, tuple[int, int]]:
-    """Per op tick: (bytes of the distinct blocks it touches, of those the persistent ones)."""
-    sizes: dict[int, int] = {b.id: int(b.size) for b in it.blocks}
-    persistent: dict[int, int] = {b: int(size) for b, size in it.persistent}
-    sizes.update(persistent)
+def _blocks_by_tick(it: Iteration) -> dict[int, set[int]]:
+    """Per op tick, the distinct blocks it reads or writes."""
     blocks: dict[int, set[int]] = {}
     for a in it.accesses:
         blocks.setdefault(a.tick, set()).add(a.block)
+    return blocks
+
+
+def touched(it: Iteration, blocks: dict[int, set[int]] | None = None) -> dict[int, tuple[int, int]]:
+    """Per op tick: (bytes of the distinct blocks it touches, of those the persistent ones).
+    `blocks`: `_blocks_by_tick(it)`, when the caller has it."""
+    sizes: dict[int, int] = {b.id: int(b.size) for b in it.blocks}
+    persistent: dict[int, int] = {b: int(size) for b, size in it.persistent}
+    sizes.update(persistent)
+    if blocks is None:
+        blocks = _blocks_by_tick(it)
     return {
         tick: (
             sum(sizes.get(b, 0) for b in bs),
@@ -175,16 +183,14 @@ def split_bound(it: Iteration, parts: Mapping[str, int]) -> int:
     gradient (those touching a transient block a cross-entropy op touches) run in parts too."""
     names: dict[int, str] = {op.tick: op.name for op in it.ops}
     persistent = {b for b, _ in it.persistent}
-    by_tick: dict[int, set[int]] = {}
-    for a in it.accesses:
-        by_tick.setdefault(a.tick, set()).add(a.block)
+    by_tick = _blocks_by_tick(it)
     loss_blocks: set[int] = set()
     if "cross_entropy" in parts:
         for tick, blocks in by_tick.items():
             if kind_of(names.get(tick, "")) == "cross_entropy":
                 loss_blocks |= blocks - persistent
     best = 0
-    for tick, (total, fixed) in touched(it).items():
+    for tick, (total, fixed) in touched(it, by_tick).items():
         name = names.get(tick, "")
         kind = kind_of(name) or ""
         k = parts.get(kind, 1) if kind in SPLIT_WITH else 1

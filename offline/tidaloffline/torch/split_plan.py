@@ -210,22 +210,23 @@ def _split_blocks(
     inputs = example_batch[0]
     first = inputs[0] if isinstance(inputs, (tuple, list)) and inputs else inputs
     batch = first.shape[0] if isinstance(first, torch.Tensor) and first.dim() else 1
-    k = 1
+    k, kept = 1, list[nn.Module](blocks)  # what stands in the model for each block
     for _ in range(_ROUNDS):
         over = big_ops(it, limit, None if budget is None else budget(it, limit))
         if not over or k >= batch:
             break
         need = max(-(-op.touched // max(op.budget, 1)) for op in over)
         wanted = min(batch, max(k + 1, k * need))
-        for b in blocks:
-            model.set_submodule(names[id(b)], BatchSplit(b, wanted))
+        split = list[nn.Module](BatchSplit(b, wanted) for b in blocks)
+        for b, wrapped in zip(blocks, split, strict=True):
+            model.set_submodule(names[id(b)], wrapped)
         tried = again(f"blocks{wanted}")
         if op_bound(tried) >= op_bound(it):
-            for b in blocks:  # no better: the blocks as they were
-                model.set_submodule(names[id(b)], BatchSplit(b, k) if k > 1 else b)
+            for b, was in zip(blocks, kept, strict=True):  # no better: as they were
+                model.set_submodule(names[id(b)], was)
             break
-        it, k = tried, wanted
+        it, k, kept = tried, wanted, split
     if k > 1:
-        plan.blocks = tuple(cast(BatchSplit, model.get_submodule(names[id(b)])) for b in blocks)
+        plan.blocks = tuple(cast(list[BatchSplit], kept))
         plan.block_parts = k
     return it
