@@ -41,12 +41,57 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 _RW = mmap.PROT_READ | mmap.PROT_WRITE
 
 
-def _mmap(address: int | None, length: int, prot: int, flags: int, fd: int, what: str) -> int:
-    got = _LIBC.mmap(address, length, prot, flags, fd, 0)
+def _mmap(
+    address: int | None, length: int, prot: int, flags: int, fd: int, what: str, offset: int = 0
+) -> int:
+    got = _LIBC.mmap(address, length, prot, flags, fd, offset)
     if got is None or got == _MAP_FAILED:
         err = ctypes.get_errno()
         raise OSError(err, f"cannot {what}: {os.strerror(err)}")
     return int(got)
+
+
+# -- address-space helpers shared with the client's page spaces (tidalclient.devices.pages) ----
+
+
+def reserve(length: int, alignment: int) -> int:
+    """`length` bytes of PROT_NONE address space starting at a multiple of `alignment` (a
+    multiple of the OS page): over-reserve by `alignment`, then unmap both ends."""
+    anonymous = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
+    base = _mmap(None, length + alignment, _PROT_NONE, anonymous, -1, "reserve address space")
+    start = -(-base // alignment) * alignment
+    if start > base:
+        _LIBC.munmap(base, start - base)
+    end = base + length + alignment
+    if end > start + length:
+        _LIBC.munmap(start + length, end - start - length)
+    return start
+
+
+def map_shared(address: int, length: int, fd: int, offset: int, what: str) -> None:
+    """Map bytes [offset, offset+length) of `fd` read/write and shared at `address`, replacing
+    whatever was mapped there (MAP_FIXED)."""
+    _mmap(address, length, _RW, mmap.MAP_SHARED | _MAP_FIXED, fd, what, offset)
+
+
+def map_none(address: int, length: int, what: str) -> None:
+    """Replace [address, address+length) with PROT_NONE anonymous memory: the range stays
+    reserved and any access to it faults."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE
+    _mmap(address, length, _PROT_NONE, flags, -1, what)
+
+
+def map_zero(address: int, length: int, what: str) -> None:
+    """Replace [address, address+length) with private zero pages (read/write)."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE
+    _mmap(address, length, _RW, flags, -1, what)
+
+
+def unmap(address: int, length: int) -> None:
+    """munmap [address, address+length)."""
+    if _LIBC.munmap(address, length) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"cannot unmap {length} bytes at {address:#x}: {os.strerror(err)}")
 
 
 class ChunkMapping:

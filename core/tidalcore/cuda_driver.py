@@ -99,8 +99,9 @@ class Driver(Protocol):
 
     def address_free(self, ptr: DevicePtr, size: int) -> None: ...
 
-    def mem_map(self, ptr: DevicePtr, size: int, handle: MemHandle) -> None:
-        """cuMemMap of the whole of `handle` (offset 0) at `ptr`."""
+    def mem_map(self, ptr: DevicePtr, size: int, handle: MemHandle, *, offset: int = 0) -> None:
+        """cuMemMap of bytes [offset, offset+size) of `handle` at `ptr`; `offset` (0 unless
+        given) and `size` are multiples of the allocation granularity."""
         ...
 
     def mem_unmap(self, ptr: DevicePtr, size: int) -> None: ...
@@ -325,9 +326,9 @@ class CudaDriver:
     def address_free(self, ptr: DevicePtr, size: int) -> None:
         self._call("cuMemAddressFree", self._ptr(ptr), size)
 
-    def mem_map(self, ptr: DevicePtr, size: int, handle: MemHandle) -> None:
+    def mem_map(self, ptr: DevicePtr, size: int, handle: MemHandle, *, offset: int = 0) -> None:
         handle_obj = self._cu.CUmemGenericAllocationHandle(handle)
-        self._call("cuMemMap", self._ptr(ptr), size, 0, handle_obj, 0)
+        self._call("cuMemMap", self._ptr(ptr), size, offset, handle_obj, 0)
 
     def mem_unmap(self, ptr: DevicePtr, size: int) -> None:
         self._call("cuMemUnmap", self._ptr(ptr), size)
