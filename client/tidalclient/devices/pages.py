@@ -1,0 +1,367 @@
+"""Virtual residency's page layer: a reserved virtual range, with physical pages of the lease
+mapped beneath it on demand and unmapped when a block is swapped out.
+
+    virtual range (reserved once: a block keeps its address for life)
+    address ─▶ | v0 | v1 | v2 | v3 | v4 | v5 | ... |   `page` bytes each; unmapped pages fault
+                      │    │    │
+                      ▼    ▼    ▼          map(offset=1*page, frames=[2, 3, 4])
+    lease      | p0 | p1 | p2 | p3 | p4 | p5 | p6 | p7 |
+               └────── chunk 0 ────┘└────── chunk 1 ────┘   pages_per_chunk = 4
+
+Physical page p of the lease is byte (p % pages_per_chunk) * page of chunk p // pages_per_chunk.
+A `map` call maps each run of frames that is consecutive within one chunk with one system or
+driver call (above: p2-p3 of chunk 0 at v1, then p4 of chunk 1 at v3), and `unmap` undoes
+whole `map` calls only, run by run, because CUDA cannot unmap part of one cuMemMap.
+
+`Frames` is the pool of free physical pages; it decides nothing. `SimPageSpace` maps memfd
+chunks with mmap(MAP_FIXED) into a PROT_NONE reservation; `CudaPageSpace` maps VMM handles at
+page offsets with cuMemMap into a cuMemAddressReserve range. Both follow `PageSpace`.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from abc import abstractmethod
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple, Protocol
+
+from tidalcore.chunks import map_none, map_shared, map_zero, reserve, unmap
+from tidalcore.cuda_driver import DevicePtr, Driver, MemHandle
+
+OS_PAGE = mmap.PAGESIZE
+
+
+class Frames:
+    """The free physical pages of a lease, indexes 0..count-1. `take` hands out the pages
+    given back last first, in the order they were given (so a run given back comes back as a
+    run), then the lowest indexes first."""
+
+    def __init__(self, count: int) -> None:
+        if count < 0:
+            raise ValueError(f"a lease of {count} pages")
+        self.count = count
+        self._stack = list(range(count - 1, -1, -1))  # the next page taken is at the end
+        self._free = bytearray(b"\x01") * count
+
+    @property
+    def free(self) -> int:
+        return len(self._stack)
+
+    def take(self, n: int) -> list[int] | None:
+        """`n` free pages, or None when fewer than `n` are free (nothing is taken then)."""
+        if n < 0:
+            raise ValueError(f"cannot take {n} pages")
+        if n > len(self._stack):
+            return None
+        got = self._stack[len(self._stack) - n :][::-1]
+        del self._stack[len(self._stack) - n :]
+        for p in got:
+            self._free[p] = 0
+        return got
+
+    def give(self, frames: Sequence[int]) -> None:
+        """Return `frames` to the free pages; a page already free (or given twice) is refused
+        before anything changes."""
+        seen: set[int] = set()
+        for p in frames:
+            if not 0 <= p < self.count:
+                raise ValueError(f"page {p} is not a page of this lease (0..{self.count - 1})")
+            if self._free[p] or p in seen:
+                raise ValueError(f"page {p} is already free")
+            seen.add(p)
+        for p in reversed(frames):
+            self._stack.append(p)
+            self._free[p] = 1
+
+
+class PageSpace(Protocol):
+    """A reserved virtual range of `length` bytes at `address`, in pages of `page` bytes, over
+    a lease of `frames` physical pages. Offsets are bytes from `address`, multiples of `page`.
+    Arguments out of bounds, or that would map over a mapped page or map one physical page
+    twice, raise ValueError; any call but `close` on a retired space raises RuntimeError."""
+
+    address: int
+    length: int
+    page: int
+    frames: int
+
+    @property
+    def mapped_pages(self) -> int:
+        """How many virtual pages are mapped now."""
+        ...
+
+    def map(self, offset: int, frames: Sequence[int]) -> None:
+        """Map the len(frames) virtual pages from `offset` onto those physical pages, in order,
+        read/write. All of them or none: on a failure nothing stays mapped."""
+        ...
+
+    def unmap(self, offset: int, count: int) -> None:
+        """Unmap the `count` pages from `offset`; they must be made of whole `map` calls. The
+        addresses stay reserved, and an access to them faults."""
+        ...
+
+    def retire(self) -> None:
+        """Session end: no chunk of the lease stays reachable through the range."""
+        ...
+
+    def close(self) -> None:
+        """Retire, then give the range back (only when no pointer into it is left)."""
+        ...
+
+
+class _Run(NamedTuple):
+    """`pages` pages mapped with one call: virtual page `page` onwards shows pages `first`
+    onwards of chunk `chunk`."""
+
+    page: int
+    chunk: int
+    first: int
+    pages: int
+
+
+def _runs(page: int, frames: Sequence[int], per_chunk: int) -> list[_Run]:
+    """The runs that map `frames` from virtual page `page`: frames consecutive in one chunk."""
+    out: list[_Run] = []
+    i = 0
+    while i < len(frames):
+        j = i + 1
+        while j < len(frames) and frames[j] == frames[j - 1] + 1 and frames[j] % per_chunk:
+            j += 1
+        out.append(_Run(page + i, frames[i] // per_chunk, frames[i] % per_chunk, j - i))
+        i = j
+    return out
+
+
+def _check_geometry(chunks: int, chunk_bytes: int, page: int, length: int) -> None:
+    if chunks <= 0 or chunk_bytes <= 0:
+        raise ValueError(f"a lease of {chunks} chunks of {chunk_bytes} bytes maps nothing")
+    if page <= 0 or chunk_bytes % page:
+        raise ValueError(f"page of {page} bytes does not divide the chunk of {chunk_bytes} bytes")
+    if length <= 0 or length % page:
+        raise ValueError(f"range of {length} bytes is not a positive number of {page}-byte pages")
+
+
+class _PageTable(PageSpace):
+    """What is mapped at each virtual page, the checks of `PageSpace`, and the rollback; the
+    subclasses only map and unmap runs."""
+
+    def __init__(self, address: int, length: int, page: int, chunks: int, chunk_bytes: int) -> None:
+        self.address = address
+        self.length = length
+        self.page = page
+        self.per_chunk = chunk_bytes // page
+        self.frames = chunks * self.per_chunk
+        self.retired = False
+        self._closed = False
+        self._frame = [-1] * (length // page)  # the physical page at each virtual page, or -1
+        self._at = [-1] * self.frames  # the virtual page of each physical page, or -1
+        self._calls: dict[int, int] = {}  # first virtual page of each map call -> its pages
+        self._mapped = 0
+
+    @property
+    def mapped_pages(self) -> int:
+        return self._mapped
+
+    # -- what a backend does -------------------------------------------------------------------
+    @abstractmethod
+    def _map_run(self, run: _Run) -> None:
+        """Map one run with one call (mmap, or cuMemMap)."""
+
+    def _grant(self, page: int, count: int) -> None:
+        """After the runs of one map call: give the device access (CUDA); nothing on sim."""
+
+    @abstractmethod
+    def _unmap_run(self, run: _Run) -> None:
+        """Undo `_map_run(run)`: the pages stay reserved and fault."""
+
+    @abstractmethod
+    def _retire(self) -> None:
+        """Leave no chunk reachable through the range."""
+
+    @abstractmethod
+    def _release(self) -> None:
+        """Give the reserved range back."""
+
+    # -- the interface -------------------------------------------------------------------------
+    def _pages(self, offset: int, count: int) -> int:
+        """The first virtual page of [offset, offset + count pages), checked."""
+        if self.retired:
+            raise RuntimeError("the page space is retired")
+        if offset % self.page:
+            raise ValueError(f"offset {offset} is not a multiple of the page ({self.page} bytes)")
+        if count <= 0:
+            raise ValueError(f"{count} pages at offset {offset}: nothing to do")
+        end = offset + count * self.page
+        if offset < 0 or end > self.length:
+            raise ValueError(f"bytes [{offset}, {end}) are outside the range of {self.length}")
+        return offset // self.page
+
+    def map(self, offset: int, frames: Sequence[int]) -> None:
+        first = self._pages(offset, len(frames))
+        seen: set[int] = set()
+        for k, p in enumerate(frames):
+            v = first + k
+            if self._frame[v] >= 0:
+                raise ValueError(f"page {v} (offset {v * self.page}) is already mapped")
+            if not 0 <= p < self.frames:
+                raise ValueError(f"frame {p} is outside the lease of {self.frames} pages")
+            if p in seen:
+                raise ValueError(f"frame {p} appears twice")
+            if self._at[p] >= 0:
+                raise ValueError(f"frame {p} is already mapped at page {self._at[p]}")
+            seen.add(p)
+        done: list[_Run] = []
+        try:
+            for run in _runs(first, frames, self.per_chunk):
+                self._map_run(run)
+                done.append(run)
+            self._grant(first, len(frames))
+        except BaseException:
+            for run in reversed(done):
+                self._unmap_run(run)
+            raise
+        for k, p in enumerate(frames):
+            self._frame[first + k] = p
+            self._at[p] = first + k
+        self._calls[first] = len(frames)
+        self._mapped += len(frames)
+
+    def unmap(self, offset: int, count: int) -> None:
+        first = self._pages(offset, count)
+        end = first + count
+        calls: list[tuple[int, int]] = []
+        v = first
+        while v < end:
+            n = self._calls.get(v)
+            if n is None:
+                if self._frame[v] < 0:
+                    raise ValueError(f"page {v} (offset {v * self.page}) is not mapped")
+                start = max(s for s in self._calls if s < v)
+                raise ValueError(f"page {v} is inside the map call of page {start}: unmap it all")
+            if v + n > end:
+                raise ValueError(f"pages [{first}, {end}) would split the map call [{v}, {v + n})")
+            calls.append((v, n))
+            v += n
+        for v, n in calls:
+            self._unmap_call(v, n)
+
+    def _unmap_call(self, v: int, n: int) -> None:
+        frames = self._frame[v : v + n]
+        for run in _runs(v, frames, self.per_chunk):
+            self._unmap_run(run)
+        for k, p in enumerate(frames):
+            self._frame[v + k] = -1
+            self._at[p] = -1
+        del self._calls[v]
+        self._mapped -= n
+
+    def _mapped_calls(self) -> Iterator[tuple[int, int]]:
+        """(first page, pages) of each map call still mapped, in address order."""
+        yield from sorted(self._calls.items())
+
+    def retire(self) -> None:
+        if self.retired:
+            return
+        self._retire()
+        self.retired = True
+        self._frame = [-1] * len(self._frame)
+        self._at = [-1] * self.frames
+        self._calls.clear()
+        self._mapped = 0
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self.retire()
+        self._release()
+        self._closed = True
+
+
+class SimPageSpace(_PageTable):
+    """`PageSpace` over memfd chunks: a PROT_NONE reservation aligned to `page`, and pages of the
+    chunk fds mapped shared into it with MAP_FIXED. `chunk_fds` stay the caller's (it keeps
+    duplicates). `page` is a multiple of the OS page and divides `chunk_bytes`.
+
+    An unmapped page is PROT_NONE again, so a stale access faults (SIGSEGV) rather than reading
+    old bytes. `retire()` puts private zero pages over the whole range and closes the fds, as
+    `tidalcore.chunks.ChunkMapping.retire` does: stale pointers read zeros and reach no chunk.
+    """
+
+    def __init__(self, chunk_fds: Sequence[int], chunk_bytes: int, page: int, length: int) -> None:
+        _check_geometry(len(chunk_fds), chunk_bytes, page, length)
+        if page % OS_PAGE:
+            raise ValueError(f"page of {page} bytes is not a multiple of the OS page ({OS_PAGE})")
+        for k, fd in enumerate(chunk_fds):
+            size = os.fstat(fd).st_size
+            if size < chunk_bytes:
+                raise ValueError(f"chunk {k} holds {size} bytes, fewer than {chunk_bytes}")
+        self._fds: list[int] = []
+        try:
+            self._fds.extend(os.dup(fd) for fd in chunk_fds)
+            address = reserve(length, page)
+        except OSError:
+            self._close_fds()
+            raise
+        super().__init__(address, length, page, len(chunk_fds), chunk_bytes)
+
+    def _map_run(self, run: _Run) -> None:
+        at, size = self.address + run.page * self.page, run.pages * self.page
+        what = f"map {run.pages} pages of chunk {run.chunk} at page {run.page}"
+        map_shared(at, size, self._fds[run.chunk], run.first * self.page, what)
+
+    def _unmap_run(self, run: _Run) -> None:
+        at, size = self.address + run.page * self.page, run.pages * self.page
+        map_none(at, size, f"unmap {run.pages} pages at page {run.page}")
+
+    def _retire(self) -> None:
+        map_zero(self.address, self.length, "retire the page space")
+        self._close_fds()
+
+    def _close_fds(self) -> None:
+        while self._fds:
+            os.close(self._fds.pop())
+
+    def _release(self) -> None:
+        unmap(self.address, self.length)
+
+
+class CudaPageSpace(_PageTable):
+    """`PageSpace` over CUDA VMM handles (one per chunk, imported by the caller): a
+    cuMemAddressReserve range aligned to `page`, cuMemMap of each run of a chunk at its page
+    offset, then cuMemSetAccess over the pages of the call. `page` is a multiple of the
+    allocation granularity (2 MiB) and divides `chunk_bytes`.
+
+    The handles stay the caller's: keep them until `retire()` (mapping needs them), release
+    them after. `retire()` unmaps every page; unlike sim, nothing is mapped over the range
+    afterwards (a scratch page under every page of a range of hundreds of GiB would cost one
+    cuMemMap per page), so a stale device pointer faults like any unmapped page.
+    """
+
+    def __init__(
+        self, driver: Driver, handles: Sequence[MemHandle], chunk_bytes: int, page: int, length: int
+    ) -> None:
+        _check_geometry(len(handles), chunk_bytes, page, length)
+        address = int(driver.address_reserve(length, page))
+        super().__init__(address, length, page, len(handles), chunk_bytes)
+        self._driver = driver
+        self._handles = list(handles)
+
+    def _map_run(self, run: _Run) -> None:
+        ptr = DevicePtr(self.address + run.page * self.page)
+        handle = self._handles[run.chunk]
+        self._driver.mem_map(ptr, run.pages * self.page, handle, offset=run.first * self.page)
+
+    def _grant(self, page: int, count: int) -> None:
+        self._driver.set_access(DevicePtr(self.address + page * self.page), count * self.page)
+
+    def _unmap_run(self, run: _Run) -> None:
+        ptr = DevicePtr(self.address + run.page * self.page)
+        self._driver.mem_unmap(ptr, run.pages * self.page)
+
+    def _retire(self) -> None:
+        for v, n in list(self._mapped_calls()):
+            self._unmap_call(v, n)
+
+    def _release(self) -> None:
+        self._driver.address_free(DevicePtr(self.address), self.length)
