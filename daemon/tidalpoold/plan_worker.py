@@ -17,7 +17,10 @@ cached and sent:
         └──▶ fit / unlimited ──▶ wire.encode ──▶ wire.check ──▶ cache ──────────┘
 
 A plan that does not fit the limit, or whose footprint is more than the session's
-device lease, is not sent: the session keeps swapping by its LRU cache. A cached
+device lease, is not sent: the session keeps swapping by its LRU cache, and is told
+why once on its stream (`PlanUnavailable`: under the op-wise bound, with that bound
+as the lowest limit that could work; over the lease; no schedule found; or the
+planner's failure). A cached
 plan is checked the same way before it is used, against the session's lease too,
 and must have been made for the session's limit and bandwidth. The cache is
 another user's to write into: whatever is wrong with an entry (unreadable, not a
@@ -38,7 +41,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tidalcore.units import ALIGNMENT
+from tidalcore import unplanned
+from tidalcore.units import ALIGNMENT, format_size
+from tidalcore.unplanned import PlanUnavailable
 from tidalcore.v1 import pool_pb2
 from tidalplan.model import Iteration, SwapPlan
 
@@ -147,13 +152,16 @@ class PlanWorker:
         self._worker.shutdown(wait=False, cancel_futures=True)
 
     def _plan_quietly(self, session: Session) -> None:
+        """`plan(session)`; a plan that fails leaves the session learning, logged
+        (`plan.failed`) and told why on its stream (`PlanUnavailable`, kind "failed")."""
         try:
             self.plan(session)
-        except Exception as e:  # a plan that fails leaves the session learning, nothing more
+        except Exception as e:
             self.plans_failed += 1
-            log.warning(
-                "plan.failed", extra={"session": session.id, "why": f"{type(e).__name__}: {e}"}
-            )
+            why = " ".join(f"{type(e).__name__}: {e}".split())  # one line
+            log.warning("plan.failed", extra={"session": session.id, "why": why})
+            told = PlanUnavailable(session.swap_limit, unplanned.FAILED, f"planning failed: {why}")
+            session.outbox.put(pool_pb2.ServerMessage(unplanned=told.message()))
 
     def make(
         self, iteration: Iteration, swap_limit: int, gbps: float, lease: int | None = None
@@ -217,7 +225,8 @@ class PlanWorker:
 
     def plan(self, session: Session) -> pool_pb2.PlanUpdate | None:
         """Plan `session`'s steady iteration and put the plan on its stream; None (and the
-        session keeps learning) when its plan does not fit its swap limit or device lease."""
+        session keeps learning) when its plan does not fit its swap limit or device lease,
+        which the stream is told once, with why (`PlanUnavailable`, see `unavailable`)."""
         from tidalcore.events import Events
         from tidalplan.learn import extract, to_problem
         from tidalplan.placement import lower_bound
@@ -242,6 +251,8 @@ class PlanWorker:
                     "rounds": made.rounds,
                 },
             )
+            told = unavailable(made, iteration)
+            session.outbox.put(pool_pb2.ServerMessage(unplanned=told.message()))
             return None
         plan = made.update
         if made.source == "cache":
@@ -274,6 +285,39 @@ class PlanWorker:
             },
         )
         return plan
+
+
+def unavailable(unfit: Unfit, iteration: Iteration) -> PlanUnavailable:
+    """What the session is told of an `unfit` plan of `iteration`: under the op-wise bound
+    (`autoswap.op_bound`, as `tidalpool simulate` and `replay` refuse such a limit) with that
+    bound as the lowest limit that could work, a footprint over the device lease, or no
+    schedule found (the lowest limit not known)."""
+    from tidalplan.autoswap import op_bound
+
+    limit = format_size(unfit.limit)
+    if unfit.beyond == "lease":
+        return PlanUnavailable(
+            unfit.limit,
+            unplanned.OVER_LEASE,
+            f"the plan's footprint {format_size(unfit.footprint or 0)} is more than the"
+            f" session's device lease of {limit}",
+        )
+    bound = op_bound(iteration)
+    if unfit.limit < bound:
+        below, above = limit, format_size(bound)
+        if below == above:  # rounded alike: the bytes tell them apart
+            below, above = f"{unfit.limit} B", f"{bound} B"
+        return PlanUnavailable(
+            unfit.limit,
+            unplanned.UNDER_OP_BOUND,
+            f"swap limit {below} is under the op-wise bound {above}, the bytes one op needs"
+            " on the device at once: no plan fits it",
+            bound,
+        )
+    reason = f"no schedule found for limit {limit}"
+    if unfit.footprint is not None:
+        reason += f" (the one made for it needs {format_size(unfit.footprint)} once placed)"
+    return PlanUnavailable(unfit.limit, unplanned.NO_SCHEDULE, reason)
 
 
 def _checked(

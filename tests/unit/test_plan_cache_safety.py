@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 from tidalcore.events import Events
+from tidalcore.unplanned import OVER_LEASE, PlanUnavailable
 from tidalcore.v1 import common_pb2, pool_pb2
 from tidalplan import combined, wire
 from tidalplan.learn import extract
@@ -35,7 +36,7 @@ from tidalpoold.sessions import Registry, Session
 from tidalpoold.trace import decode_chunk
 
 from . import test_plan_worker
-from .test_plan_worker import HIDE, C, chunk, end, session
+from .test_plan_worker import HIDE, C, chunk, end, session, told
 
 # Sessions with a device lease of one chunk (C bytes), and a plan worker: test_plan_worker's.
 registry = test_plan_worker.registry
@@ -71,7 +72,7 @@ def planned_on_worker(planner: PlanWorker, s: Session) -> pool_pb2.PlanUpdate:
         assert time.monotonic() < deadline, "no plan in time: the planning thread is blocked"
         time.sleep(0.01)
     message = s.outbox.get_nowait()
-    assert message is not None
+    assert message is not None and message.WhichOneof("body") == "plan", message
     return message.plan
 
 
@@ -346,12 +347,19 @@ def test_a_plan_over_the_lease_is_not_sent(
     registry: Registry, planner: PlanWorker, caplog: pytest.LogCaptureFixture
 ) -> None:
     # Two live blocks of 1.5 MiB cannot both lie in a lease of 2 MiB: the trace says more
-    # than the session could hold, and no plan is sent for it.
+    # than the session could hold, and no plan is sent for it; the session is told why.
     steps = [f"a A {3 * C // 4}", "o 100 A", f"a B {3 * C // 4}", "o 100 A B", "f B", "f A"]
     s = session(registry, swap_limit=0, steps=steps)
     with caplog.at_level(logging.INFO, "tidalpoold.planning"):
         assert planner.plan(s) is None
-    assert s.outbox.empty() and s.plan is None
+    assert told(s) == [
+        PlanUnavailable(
+            C,
+            OVER_LEASE,
+            "the plan's footprint 3 MiB is more than the session's device lease of 2 MiB",
+        )
+    ]
+    assert s.plan is None
     assert (planner.plans_made, planner.plans_unfit, planner.plans_failed) == (0, 1, 0)
     (line,) = [r for r in caplog.records if r.getMessage() == "plan.unfit"]
     assert (line.footprint, line.limit, line.beyond) == (3 * C // 2, C, "lease")  # type: ignore[attr-defined]

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 from tidalcore.events import ALLOC, FREE, ITER, OP, READ, WRITE, Events
-from tidalcore.units import Bytes
+from tidalcore.units import Bytes, format_size
+from tidalcore.unplanned import FAILED, NO_SCHEDULE, UNDER_OP_BOUND, PlanUnavailable
 from tidalcore.v1 import pool_pb2
 from tidalplan import wire
 from tidalplan.learn import extract, signature
@@ -107,12 +108,22 @@ def session(
 
 
 def sent(s: Session) -> pool_pb2.PlanUpdate | None:
-    """The plan on the session's stream, if any."""
+    """The plan on the session's stream, if any (nothing else may be there)."""
     if s.outbox.empty():
         return None
     message = s.outbox.get_nowait()
-    assert message is not None
+    assert message is not None and message.WhichOneof("body") == "plan", message
     return message.plan
+
+
+def told(s: Session) -> list[PlanUnavailable]:
+    """Every PlanUnavailable on the session's stream (nothing else may be there)."""
+    out = []
+    while not s.outbox.empty():
+        message = s.outbox.get_nowait()
+        assert message is not None and message.WhichOneof("body") == "unplanned", message
+        out.append(PlanUnavailable.of(message.unplanned))
+    return out
 
 
 def end(registry: Registry, *sessions: Session) -> None:
@@ -170,11 +181,70 @@ def test_a_plan_that_does_not_fit_the_limit_is_not_sent(
     s = session(registry, swap_limit=1000)
     with caplog.at_level(logging.INFO, "tidalpoold.planning"):
         assert planner.plan(s) is None
-    assert sent(s) is None and s.plan is None
+    assert s.plan is None
+    # 1000 is the op-wise bound itself: a schedule is possible, its placement is not.
+    assert told(s) == [
+        PlanUnavailable(
+            1000,
+            NO_SCHEDULE,
+            "no schedule found for limit 1000 B (the one made for it needs 1 KiB once placed)",
+        )
+    ]
     assert (planner.plans_made, planner.plans_unfit, planner.plans_failed) == (0, 1, 0)
     (line,) = [r for r in caplog.records if r.getMessage() == "plan.unfit"]
     assert (line.footprint, line.limit) == (1024, 1000)  # type: ignore[attr-defined]
     assert not (registry.settings.plan_cache_dir).exists()  # nothing cached
+    end(registry, s)
+
+
+@pytest.mark.parametrize(
+    ("persistent", "limit", "bound", "shown"),
+    [
+        ({}, 999, 1000, ("999 B", "1000 B")),  # op1 reads A (1000 B)
+        # op1 reads A and the persistent W: both count; rounded alike, the sizes are exact
+        ({"W": 300}, 1299, 1300, ("1299 B", "1300 B")),
+        ({"W": 300}, 1000, 1300, ("1000 B", "1.3 KiB")),
+    ],
+)
+def test_a_limit_under_the_op_wise_bound_is_told_with_the_bound(
+    registry: Registry,
+    planner: PlanWorker,
+    persistent: dict[str, int],
+    limit: int,
+    bound: int,
+    shown: tuple[str, str],
+) -> None:
+    steps = ["a A 1000", "o 100 A" + (" W" if persistent else ""), *HIDE[2:]]
+    s = session(registry, swap_limit=limit, steps=steps, persistent=persistent)
+    assert planner.plan(s) is None
+    (why,) = told(s)
+    assert why == PlanUnavailable(
+        limit,
+        UNDER_OP_BOUND,
+        f"swap limit {shown[0]} is under the op-wise bound {shown[1]}, the bytes one op needs on"
+        " the device at once: no plan fits it",
+        bound,
+    )
+    assert why.line().endswith(
+        f"; the lowest limit that could work is {format_size(bound)} ({bound} bytes)"
+    )
+    assert (planner.plans_unfit, planner.plans_failed) == (1, 0)
+    end(registry, s)
+
+
+def test_a_failed_plan_is_told_in_one_line(
+    registry: Registry, planner: PlanWorker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def fail(*args: object, **kwargs: object) -> None:
+        raise ValueError("the iteration\nhas no ops")
+
+    monkeypatch.setattr(planner, "make", fail)
+    s = session(registry, swap_limit=1500)
+    planner._plan_quietly(s)
+    assert told(s) == [
+        PlanUnavailable(1500, FAILED, "planning failed: ValueError: the iteration has no ops")
+    ]
+    assert planner.plans_failed == 1
     end(registry, s)
 
 

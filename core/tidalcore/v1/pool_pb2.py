@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tidalcore.v1 import common_pb2 as tidalpool_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tidalpool/v1/pool.proto\x12\x0ctidalpool.v1\x1a\x19tidalpool/v1/common.proto\"a\n\rAttachRequest\x12\x16\n\x0e\x63lient_version\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\r\x12\x18\n\x10swap_limit_bytes\x18\x03 \x01(\x04\x12\x11\n\tcopy_gbps\x18\x04 \x01(\x01\"\x83\x01\n\x0e\x41ttachResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\"\n\x05lease\x18\x02 \x01(\x0b\x32\x13.tidalpool.v1.Lease\x12\x1d\n\x15heartbeat_interval_ms\x18\x03 \x01(\r\x12\x1a\n\x12trace_chunk_events\x18\x04 \x01(\r\"\x98\x01\n\rClientMessage\x12,\n\theartbeat\x18\x01 \x01(\x0b\x32\x17.tidalpool.v1.HeartbeatH\x00\x12)\n\x05trace\x18\x02 \x01(\x0b\x32\x18.tidalpool.v1.TraceChunkH\x00\x12&\n\x04step\x18\x03 \x01(\x0b\x32\x16.tidalpool.v1.StepMarkH\x00\x42\x06\n\x04\x62ody\"\xf4\x01\n\tHeartbeat\x12\x19\n\x11\x64\x65vice_used_bytes\x18\x01 \x01(\x04\x12\x19\n\x11\x64\x65vice_peak_bytes\x18\x02 \x01(\x04\x12\x17\n\x0fhost_used_bytes\x18\x03 \x01(\x04\x12\x13\n\x0bplan_misses\x18\x04 \x01(\x04\x12\x19\n\x11swapped_out_bytes\x18\x05 \x01(\x04\x12\x18\n\x10swapped_in_bytes\x18\x06 \x01(\x04\x12\x15\n\rswap_stall_ns\x18\x07 \x01(\x04\x12\x1b\n\x13on_demand_out_bytes\x18\x08 \x01(\x04\x12\x1a\n\x12on_demand_in_bytes\x18\t \x01(\x04\"\xff\x01\n\nTraceChunk\x12\x13\n\x0b\x66irst_event\x18\x01 \x01(\x04\x12&\n\x05kinds\x18\x02 \x03(\x0e\x32\x17.tidalpool.v1.EventKind\x12\x11\n\tblock_ids\x18\x03 \x03(\x04\x12\r\n\x05sizes\x18\x04 \x03(\x04\x12\x14\n\x0c\x64urations_ns\x18\x05 \x03(\x04\x12\x10\n\x08name_ids\x18\x06 \x03(\r\x12\x39\n\tnew_names\x18\x07 \x03(\x0b\x32&.tidalpool.v1.TraceChunk.NewNamesEntry\x1a/\n\rNewNamesEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"4\n\x08StepMark\x12\x11\n\titeration\x18\x01 \x01(\x04\x12\x15\n\revents_before\x18\x02 \x01(\x04\"\xc4\x01\n\rServerMessage\x12(\n\x04plan\x18\x01 \x01(\x0b\x32\x18.tidalpool.v1.PlanUpdateH\x00\x12*\n\x05quota\x18\x02 \x01(\x0b\x32\x19.tidalpool.v1.QuotaChangeH\x00\x12+\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1a.tidalpool.v1.SessionErrorH\x00\x12(\n\x07goodbye\x18\x04 \x01(\x0b\x32\x15.tidalpool.v1.GoodbyeH\x00\x42\x06\n\x04\x62ody\"\xd5\x03\n\nPlanUpdate\x12\x0f\n\x07plan_id\x18\x01 \x01(\x04\x12\x11\n\tsignature\x18\x02 \x01(\x0c\x12\r\n\x05sizes\x18\x03 \x03(\x04\x12\x0f\n\x07offsets\x18\x04 \x03(\x04\x12\x14\n\x0cheight_bytes\x18\x05 \x01(\x04\x12\x13\n\x0bswap_blocks\x18\x06 \x03(\x04\x12\x17\n\x0fswap_persistent\x18\x07 \x03(\x08\x12\x16\n\x0eswap_out_after\x18\x08 \x03(\r\x12\x12\n\nswap_in_at\x18\t \x03(\r\x12\x16\n\x0eswap_in_before\x18\n \x03(\r\x12\x0f\n\x07version\x18\x0c \x01(\r\x12\x17\n\x0fswap_in_offsets\x18\r \x03(\x04\x12\x18\n\x10recompute_blocks\x18\x0e \x03(\x04\x12\x1c\n\x14recompute_drop_after\x18\x0f \x03(\r\x12\x18\n\x10recompute_before\x18\x10 \x03(\r\x12\x13\n\x0blimit_bytes\x18\x11 \x01(\x04\x12!\n\x19resident_persistent_bytes\x18\x12 \x01(\x04\x12\x30\n\nprediction\x18\x13 \x01(\x0b\x32\x1c.tidalpool.v1.PlanPrediction\x12\x15\n\rswap_in_ticks\x18\x14 \x03(\r\"\xad\x01\n\x0ePlanPrediction\x12\x0f\n\x07step_ns\x18\x01 \x01(\x04\x12\x13\n\x0b\x62\x61seline_ns\x18\x02 \x01(\x04\x12\x11\n\tout_bytes\x18\x03 \x01(\x04\x12\x10\n\x08in_bytes\x18\x04 \x01(\x04\x12\x10\n\x08stall_ns\x18\x05 \x01(\x04\x12\x12\n\npeak_bytes\x18\x06 \x01(\x04\x12\x17\n\x0f\x66ootprint_bytes\x18\x07 \x01(\x04\x12\x11\n\tcopy_gbps\x18\x08 \x01(\x01\"S\n\x0bQuotaChange\x12\x1a\n\x12\x64\x65vice_limit_bytes\x18\x01 \x01(\x04\x12\x18\n\x10host_limit_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\"-\n\x0cSessionError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xa8\x01\n\x07Goodbye\x12,\n\x06reason\x18\x01 \x01(\x0e\x32\x1c.tidalpool.v1.Goodbye.Reason\x12\x0f\n\x07message\x18\x02 \x01(\t\"^\n\x06Reason\x12\x16\n\x12REASON_UNSPECIFIED\x10\x00\x12\x13\n\x0fREASON_DETACHED\x10\x01\x12\x12\n\x0eREASON_EVICTED\x10\x02\x12\x13\n\x0fREASON_SHUTDOWN\x10\x03\"6\n\rDetachRequest\x12%\n\x04last\x18\x01 \x01(\x0b\x32\x17.tidalpool.v1.Heartbeat\"<\n\x0e\x44\x65tachResponse\x12*\n\x07session\x18\x01 \x01(\x0b\x32\x19.tidalpool.v1.SessionInfo\"\x0e\n\x0cStatsRequest\";\n\rStatsResponse\x12*\n\x07session\x18\x01 \x01(\x0b\x32\x19.tidalpool.v1.SessionInfo*\xa5\x01\n\tEventKind\x12\x1a\n\x16\x45VENT_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10\x45VENT_KIND_ALLOC\x10\x01\x12\x13\n\x0f\x45VENT_KIND_FREE\x10\x02\x12\x13\n\x0f\x45VENT_KIND_READ\x10\x03\x12\x14\n\x10\x45VENT_KIND_WRITE\x10\x04\x12\x11\n\rEVENT_KIND_OP\x10\x05\x12\x13\n\x0f\x45VENT_KIND_ITER\x10\x06\x32\x9b\x02\n\x04Pool\x12\x43\n\x06\x41ttach\x12\x1b.tidalpool.v1.AttachRequest\x1a\x1c.tidalpool.v1.AttachResponse\x12G\n\x07Session\x12\x1b.tidalpool.v1.ClientMessage\x1a\x1b.tidalpool.v1.ServerMessage(\x01\x30\x01\x12\x43\n\x06\x44\x65tach\x12\x1b.tidalpool.v1.DetachRequest\x1a\x1c.tidalpool.v1.DetachResponse\x12@\n\x05Stats\x12\x1a.tidalpool.v1.StatsRequest\x1a\x1b.tidalpool.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tidalpool/v1/pool.proto\x12\x0ctidalpool.v1\x1a\x19tidalpool/v1/common.proto\"a\n\rAttachRequest\x12\x16\n\x0e\x63lient_version\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\r\x12\x18\n\x10swap_limit_bytes\x18\x03 \x01(\x04\x12\x11\n\tcopy_gbps\x18\x04 \x01(\x01\"\x83\x01\n\x0e\x41ttachResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\"\n\x05lease\x18\x02 \x01(\x0b\x32\x13.tidalpool.v1.Lease\x12\x1d\n\x15heartbeat_interval_ms\x18\x03 \x01(\r\x12\x1a\n\x12trace_chunk_events\x18\x04 \x01(\r\"\x98\x01\n\rClientMessage\x12,\n\theartbeat\x18\x01 \x01(\x0b\x32\x17.tidalpool.v1.HeartbeatH\x00\x12)\n\x05trace\x18\x02 \x01(\x0b\x32\x18.tidalpool.v1.TraceChunkH\x00\x12&\n\x04step\x18\x03 \x01(\x0b\x32\x16.tidalpool.v1.StepMarkH\x00\x42\x06\n\x04\x62ody\"\xf4\x01\n\tHeartbeat\x12\x19\n\x11\x64\x65vice_used_bytes\x18\x01 \x01(\x04\x12\x19\n\x11\x64\x65vice_peak_bytes\x18\x02 \x01(\x04\x12\x17\n\x0fhost_used_bytes\x18\x03 \x01(\x04\x12\x13\n\x0bplan_misses\x18\x04 \x01(\x04\x12\x19\n\x11swapped_out_bytes\x18\x05 \x01(\x04\x12\x18\n\x10swapped_in_bytes\x18\x06 \x01(\x04\x12\x15\n\rswap_stall_ns\x18\x07 \x01(\x04\x12\x1b\n\x13on_demand_out_bytes\x18\x08 \x01(\x04\x12\x1a\n\x12on_demand_in_bytes\x18\t \x01(\x04\"\xff\x01\n\nTraceChunk\x12\x13\n\x0b\x66irst_event\x18\x01 \x01(\x04\x12&\n\x05kinds\x18\x02 \x03(\x0e\x32\x17.tidalpool.v1.EventKind\x12\x11\n\tblock_ids\x18\x03 \x03(\x04\x12\r\n\x05sizes\x18\x04 \x03(\x04\x12\x14\n\x0c\x64urations_ns\x18\x05 \x03(\x04\x12\x10\n\x08name_ids\x18\x06 \x03(\r\x12\x39\n\tnew_names\x18\x07 \x03(\x0b\x32&.tidalpool.v1.TraceChunk.NewNamesEntry\x1a/\n\rNewNamesEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"4\n\x08StepMark\x12\x11\n\titeration\x18\x01 \x01(\x04\x12\x15\n\revents_before\x18\x02 \x01(\x04\"\xf8\x01\n\rServerMessage\x12(\n\x04plan\x18\x01 \x01(\x0b\x32\x18.tidalpool.v1.PlanUpdateH\x00\x12*\n\x05quota\x18\x02 \x01(\x0b\x32\x19.tidalpool.v1.QuotaChangeH\x00\x12+\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1a.tidalpool.v1.SessionErrorH\x00\x12(\n\x07goodbye\x18\x04 \x01(\x0b\x32\x15.tidalpool.v1.GoodbyeH\x00\x12\x32\n\tunplanned\x18\x05 \x01(\x0b\x32\x1d.tidalpool.v1.PlanUnavailableH\x00\x42\x06\n\x04\x62ody\"\xd5\x03\n\nPlanUpdate\x12\x0f\n\x07plan_id\x18\x01 \x01(\x04\x12\x11\n\tsignature\x18\x02 \x01(\x0c\x12\r\n\x05sizes\x18\x03 \x03(\x04\x12\x0f\n\x07offsets\x18\x04 \x03(\x04\x12\x14\n\x0cheight_bytes\x18\x05 \x01(\x04\x12\x13\n\x0bswap_blocks\x18\x06 \x03(\x04\x12\x17\n\x0fswap_persistent\x18\x07 \x03(\x08\x12\x16\n\x0eswap_out_after\x18\x08 \x03(\r\x12\x12\n\nswap_in_at\x18\t \x03(\r\x12\x16\n\x0eswap_in_before\x18\n \x03(\r\x12\x0f\n\x07version\x18\x0c \x01(\r\x12\x17\n\x0fswap_in_offsets\x18\r \x03(\x04\x12\x18\n\x10recompute_blocks\x18\x0e \x03(\x04\x12\x1c\n\x14recompute_drop_after\x18\x0f \x03(\r\x12\x18\n\x10recompute_before\x18\x10 \x03(\r\x12\x13\n\x0blimit_bytes\x18\x11 \x01(\x04\x12!\n\x19resident_persistent_bytes\x18\x12 \x01(\x04\x12\x30\n\nprediction\x18\x13 \x01(\x0b\x32\x1c.tidalpool.v1.PlanPrediction\x12\x15\n\rswap_in_ticks\x18\x14 \x03(\r\"\xad\x01\n\x0ePlanPrediction\x12\x0f\n\x07step_ns\x18\x01 \x01(\x04\x12\x13\n\x0b\x62\x61seline_ns\x18\x02 \x01(\x04\x12\x11\n\tout_bytes\x18\x03 \x01(\x04\x12\x10\n\x08in_bytes\x18\x04 \x01(\x04\x12\x10\n\x08stall_ns\x18\x05 \x01(\x04\x12\x12\n\npeak_bytes\x18\x06 \x01(\x04\x12\x17\n\x0f\x66ootprint_bytes\x18\x07 \x01(\x04\x12\x11\n\tcopy_gbps\x18\x08 \x01(\x01\"`\n\x0fPlanUnavailable\x12\x13\n\x0blimit_bytes\x18\x01 \x01(\x04\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x1a\n\x12lowest_limit_bytes\x18\x04 \x01(\x04\"S\n\x0bQuotaChange\x12\x1a\n\x12\x64\x65vice_limit_bytes\x18\x01 \x01(\x04\x12\x18\n\x10host_limit_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\"-\n\x0cSessionError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xa8\x01\n\x07Goodbye\x12,\n\x06reason\x18\x01 \x01(\x0e\x32\x1c.tidalpool.v1.Goodbye.Reason\x12\x0f\n\x07message\x18\x02 \x01(\t\"^\n\x06Reason\x12\x16\n\x12REASON_UNSPECIFIED\x10\x00\x12\x13\n\x0fREASON_DETACHED\x10\x01\x12\x12\n\x0eREASON_EVICTED\x10\x02\x12\x13\n\x0fREASON_SHUTDOWN\x10\x03\"6\n\rDetachRequest\x12%\n\x04last\x18\x01 \x01(\x0b\x32\x17.tidalpool.v1.Heartbeat\"<\n\x0e\x44\x65tachResponse\x12*\n\x07session\x18\x01 \x01(\x0b\x32\x19.tidalpool.v1.SessionInfo\"\x0e\n\x0cStatsRequest\";\n\rStatsResponse\x12*\n\x07session\x18\x01 \x01(\x0b\x32\x19.tidalpool.v1.SessionInfo*\xa5\x01\n\tEventKind\x12\x1a\n\x16\x45VENT_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10\x45VENT_KIND_ALLOC\x10\x01\x12\x13\n\x0f\x45VENT_KIND_FREE\x10\x02\x12\x13\n\x0f\x45VENT_KIND_READ\x10\x03\x12\x14\n\x10\x45VENT_KIND_WRITE\x10\x04\x12\x11\n\rEVENT_KIND_OP\x10\x05\x12\x13\n\x0f\x45VENT_KIND_ITER\x10\x06\x32\x9b\x02\n\x04Pool\x12\x43\n\x06\x41ttach\x12\x1b.tidalpool.v1.AttachRequest\x1a\x1c.tidalpool.v1.AttachResponse\x12G\n\x07Session\x12\x1b.tidalpool.v1.ClientMessage\x1a\x1b.tidalpool.v1.ServerMessage(\x01\x30\x01\x12\x43\n\x06\x44\x65tach\x12\x1b.tidalpool.v1.DetachRequest\x1a\x1c.tidalpool.v1.DetachResponse\x12@\n\x05Stats\x12\x1a.tidalpool.v1.StatsRequest\x1a\x1b.tidalpool.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TRACECHUNK_NEWNAMESENTRY']._loaded_options = None
   _globals['_TRACECHUNK_NEWNAMESENTRY']._serialized_options = b'8\001'
-  _globals['_EVENTKIND']._serialized_start=2361
-  _globals['_EVENTKIND']._serialized_end=2526
+  _globals['_EVENTKIND']._serialized_start=2511
+  _globals['_EVENTKIND']._serialized_end=2676
   _globals['_ATTACHREQUEST']._serialized_start=68
   _globals['_ATTACHREQUEST']._serialized_end=165
   _globals['_ATTACHRESPONSE']._serialized_start=168
@@ -51,27 +51,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STEPMARK']._serialized_start=961
   _globals['_STEPMARK']._serialized_end=1013
   _globals['_SERVERMESSAGE']._serialized_start=1016
-  _globals['_SERVERMESSAGE']._serialized_end=1212
-  _globals['_PLANUPDATE']._serialized_start=1215
-  _globals['_PLANUPDATE']._serialized_end=1684
-  _globals['_PLANPREDICTION']._serialized_start=1687
-  _globals['_PLANPREDICTION']._serialized_end=1860
-  _globals['_QUOTACHANGE']._serialized_start=1862
-  _globals['_QUOTACHANGE']._serialized_end=1945
-  _globals['_SESSIONERROR']._serialized_start=1947
-  _globals['_SESSIONERROR']._serialized_end=1992
-  _globals['_GOODBYE']._serialized_start=1995
-  _globals['_GOODBYE']._serialized_end=2163
-  _globals['_GOODBYE_REASON']._serialized_start=2069
-  _globals['_GOODBYE_REASON']._serialized_end=2163
-  _globals['_DETACHREQUEST']._serialized_start=2165
-  _globals['_DETACHREQUEST']._serialized_end=2219
-  _globals['_DETACHRESPONSE']._serialized_start=2221
-  _globals['_DETACHRESPONSE']._serialized_end=2281
-  _globals['_STATSREQUEST']._serialized_start=2283
-  _globals['_STATSREQUEST']._serialized_end=2297
-  _globals['_STATSRESPONSE']._serialized_start=2299
-  _globals['_STATSRESPONSE']._serialized_end=2358
-  _globals['_POOL']._serialized_start=2529
-  _globals['_POOL']._serialized_end=2812
+  _globals['_SERVERMESSAGE']._serialized_end=1264
+  _globals['_PLANUPDATE']._serialized_start=1267
+  _globals['_PLANUPDATE']._serialized_end=1736
+  _globals['_PLANPREDICTION']._serialized_start=1739
+  _globals['_PLANPREDICTION']._serialized_end=1912
+  _globals['_PLANUNAVAILABLE']._serialized_start=1914
+  _globals['_PLANUNAVAILABLE']._serialized_end=2010
+  _globals['_QUOTACHANGE']._serialized_start=2012
+  _globals['_QUOTACHANGE']._serialized_end=2095
+  _globals['_SESSIONERROR']._serialized_start=2097
+  _globals['_SESSIONERROR']._serialized_end=2142
+  _globals['_GOODBYE']._serialized_start=2145
+  _globals['_GOODBYE']._serialized_end=2313
+  _globals['_GOODBYE_REASON']._serialized_start=2219
+  _globals['_GOODBYE_REASON']._serialized_end=2313
+  _globals['_DETACHREQUEST']._serialized_start=2315
+  _globals['_DETACHREQUEST']._serialized_end=2369
+  _globals['_DETACHRESPONSE']._serialized_start=2371
+  _globals['_DETACHRESPONSE']._serialized_end=2431
+  _globals['_STATSREQUEST']._serialized_start=2433
+  _globals['_STATSREQUEST']._serialized_end=2447
+  _globals['_STATSRESPONSE']._serialized_start=2449
+  _globals['_STATSRESPONSE']._serialized_end=2508
+  _globals['_POOL']._serialized_start=2679
+  _globals['_POOL']._serialized_end=2962
 # @@protoc_insertion_point(module_scope)

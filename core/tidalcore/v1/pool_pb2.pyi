@@ -115,16 +115,18 @@ class StepMark(_message.Message):
     def __init__(self, iteration: _Optional[int] = ..., events_before: _Optional[int] = ...) -> None: ...
 
 class ServerMessage(_message.Message):
-    __slots__ = ("plan", "quota", "error", "goodbye")
+    __slots__ = ("plan", "quota", "error", "goodbye", "unplanned")
     PLAN_FIELD_NUMBER: _ClassVar[int]
     QUOTA_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     GOODBYE_FIELD_NUMBER: _ClassVar[int]
+    UNPLANNED_FIELD_NUMBER: _ClassVar[int]
     plan: PlanUpdate
     quota: QuotaChange
     error: SessionError
     goodbye: Goodbye
-    def __init__(self, plan: _Optional[_Union[PlanUpdate, _Mapping]] = ..., quota: _Optional[_Union[QuotaChange, _Mapping]] = ..., error: _Optional[_Union[SessionError, _Mapping]] = ..., goodbye: _Optional[_Union[Goodbye, _Mapping]] = ...) -> None: ...
+    unplanned: PlanUnavailable
+    def __init__(self, plan: _Optional[_Union[PlanUpdate, _Mapping]] = ..., quota: _Optional[_Union[QuotaChange, _Mapping]] = ..., error: _Optional[_Union[SessionError, _Mapping]] = ..., goodbye: _Optional[_Union[Goodbye, _Mapping]] = ..., unplanned: _Optional[_Union[PlanUnavailable, _Mapping]] = ...) -> None: ...
 
 class PlanUpdate(_message.Message):
     __slots__ = ("plan_id", "signature", "sizes", "offsets", "height_bytes", "swap_blocks", "swap_persistent", "swap_out_after", "swap_in_at", "swap_in_before", "version", "swap_in_offsets", "recompute_blocks", "recompute_drop_after", "recompute_before", "limit_bytes", "resident_persistent_bytes", "prediction", "swap_in_ticks")
@@ -187,6 +189,18 @@ class PlanPrediction(_message.Message):
     footprint_bytes: int
     copy_gbps: float
     def __init__(self, step_ns: _Optional[int] = ..., baseline_ns: _Optional[int] = ..., out_bytes: _Optional[int] = ..., in_bytes: _Optional[int] = ..., stall_ns: _Optional[int] = ..., peak_bytes: _Optional[int] = ..., footprint_bytes: _Optional[int] = ..., copy_gbps: _Optional[float] = ...) -> None: ...
+
+class PlanUnavailable(_message.Message):
+    __slots__ = ("limit_bytes", "kind", "reason", "lowest_limit_bytes")
+    LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    LOWEST_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    limit_bytes: int
+    kind: str
+    reason: str
+    lowest_limit_bytes: int
+    def __init__(self, limit_bytes: _Optional[int] = ..., kind: _Optional[str] = ..., reason: _Optional[str] = ..., lowest_limit_bytes: _Optional[int] = ...) -> None: ...
 
 class QuotaChange(_message.Message):
     __slots__ = ("device_limit_bytes", "host_limit_bytes", "reason")
