@@ -1,0 +1,166 @@
+"""Virtual residency in the planner: the layout of a session's range, the paged iteration the
+scheduler sees, and the independent count of mapped pages that makes a plan feasible."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tidalcore.units import Tick
+from tidaloffline.simulate_command import load
+from tidalplan import paged, policies, wire
+from tidalplan.learn import live_bytes
+from tidalplan.model import Iteration, Swap, SwapPlan
+from tidalplan.simulate import simulate
+from tidalplan.validate import InvalidSwapPlan
+
+from .iterations import build
+
+PAGE = 1024
+ROOT = Path(__file__).resolve().parents[2]
+
+# W (persistent, 4 pages) and V (persistent, small); A (2 pages) lives over [0, 4), C (3000
+# bytes: 3 pages wasting 2.4%) over [5, 9); B (1000 bytes, under a page) over [1, 7).
+#   t0 a A   t1 a B   t2 f1 W A >B   t3 o   t4 f A   t5 a C   t6 f2 B >C   t7 f B   t8 f3 W C V
+#   t9 f C
+SMALL = build(
+    [
+        "a A 2048",
+        "a B 1000",
+        "o f1 100 W A >B",
+        "o g 100",
+        "f A",
+        "a C 3000",
+        "o f2 100 B >C",
+        "f B",
+        "o f3 100 W C V",
+        "f C",
+    ],
+    {"W": 4096, "V": 100},
+)
+
+
+def mapped_by_ticks(it: Iteration) -> list[int]:
+    """Device bytes per tick of an iteration as the simulator counts them (no swaps)."""
+    return [int(x) + sum(s for _, s in it.persistent) for x in live_bytes(it)]
+
+
+def test_page_owning_blocks_get_whole_pages_and_the_rest_is_packed_after_them() -> None:
+    lay = paged.layout(SMALL, PAGE, max_waste=0.05)
+    assert lay.owning == (True, False, True)  # A, B, C in allocation order
+    assert lay.persistent_owning == (True, False)  # W, V
+    assert lay.persistent_addresses[0] == 0  # W: pages 0-3
+    # A and C never live together: both at the first page after W.
+    assert lay.addresses[0] == lay.addresses[2] == 4 * PAGE
+    assert lay.packed_start == 7 * PAGE  # C's three pages end the page-owning part
+    assert lay.persistent_addresses[1] == 7 * PAGE  # V, then B after V's aligned bytes
+    assert lay.addresses[1] == 7 * PAGE + 256
+    assert lay.length == 9 * PAGE  # B reaches into page 8
+
+
+def test_a_block_whose_rounding_wastes_too_much_is_packed() -> None:
+    assert paged.owns_pages(3000, PAGE, 0.05)  # 72 bytes of 3000
+    assert not paged.owns_pages(2100, PAGE, 0.05)  # 972 bytes of 2100
+    assert paged.owns_pages(2100, PAGE, 0.5)
+    assert not paged.owns_pages(1000, PAGE, 1.0)  # under a page: never
+    lay = paged.layout(SMALL, PAGE, max_waste=0.01)
+    assert lay.owning == (True, False, False)
+
+
+def test_the_paged_iteration_counts_exactly_the_mapped_pages() -> None:
+    lay = paged.layout(SMALL, PAGE, max_waste=0.05)
+    pit = paged.paged(SMALL, lay)
+    assert [b.size for b in pit.blocks[:3]] == [2048, 0, 3072]
+    assert pit.persistent == ((1, 4096), (2, 0))
+    assert {a.block for a in pit.accesses} == {1, 3, 5}  # W, A, C: B and V never move
+    # The packed pages: page 7 (V's, and B's start) all along, page 8 while B is live.
+    assert [(b.size, b.start, b.end) for b in pit.blocks[3:]] == [(1024, 1, 7), (1024, 0, 10)]
+    counted = paged.validate_pages(
+        SMALL, lay, SwapPlan(), simulate(pit, SwapPlan(), None, 1.0, 1.0), None
+    )
+    assert counted == max(mapped_by_ticks(pit)) == 4096 + 3072 + 2 * 1024  # W, C, both packed
+
+
+def test_a_swapped_out_block_unmaps_its_pages() -> None:
+    lay = paged.layout(SMALL, PAGE, max_waste=0.05)
+    pit = paged.paged(SMALL, lay)
+    # W leaves after f1 (t2) and is back for f3 (t8): 4 pages free while C is live.
+    away = SwapPlan((Swap(block=0, out_after=Tick(2), in_before=Tick(8), persistent=True),))
+    limit = 4096 + 3072 + 1024  # W back beside C once B's packed page is unmapped
+    assert simulate(pit, SwapPlan(), limit, 1.0, 1.0).feasible is False
+    result = simulate(pit, away, limit, 100.0, 100.0)
+    assert result.feasible
+    peak = paged.validate_pages(SMALL, lay, away, result, limit)
+    assert peak == limit
+    with pytest.raises(InvalidSwapPlan, match="bytes mapped > the limit"):
+        paged.validate_pages(SMALL, lay, away, result, peak - PAGE)
+
+
+def test_two_resident_blocks_on_one_page_are_refused() -> None:
+    lay = paged.layout(SMALL, PAGE, max_waste=0.05)
+    pit = paged.paged(SMALL, lay)
+    result = simulate(pit, SwapPlan(), None, 1.0, 1.0)
+    # C over W's pages while W is resident
+    bad = dataclasses.replace(lay, addresses=(lay.addresses[0], lay.addresses[1], 0))
+    with pytest.raises(InvalidSwapPlan, match="both resident on page 0"):
+        paged.validate_pages(SMALL, bad, SwapPlan(), result, None)
+    unaligned = dataclasses.replace(lay, addresses=(lay.addresses[0] + 256, *lay.addresses[1:]))
+    with pytest.raises(InvalidSwapPlan, match="not where it may lie"):
+        paged.validate_pages(SMALL, unaligned, SwapPlan(), result, None)
+
+
+def test_the_profile_blocks_reproduce_any_page_count() -> None:
+    rng = np.random.default_rng(7)
+    for _ in range(50):
+        counts = [int(c) for c in rng.integers(0, 6, size=int(rng.integers(1, 30)))]
+        blocks = paged._profile_blocks(counts, PAGE, 100)
+        level = [0] * len(counts)
+        for b in blocks:
+            for t in range(b.start, b.end):
+                level[t] += b.size // PAGE
+        assert level == counts
+        assert len({b.id for b in blocks}) == len(blocks)
+
+
+@pytest.mark.parametrize("name", ["resnet18.b8", "gpt2.b4.s128"])
+def test_on_a_recorded_trace_the_paged_count_and_the_addresses_agree(name: str) -> None:
+    it = load(ROOT / "traces" / f"{name}.trace.csv")
+    for waste in paged.WASTES:
+        lay = paged.layout(it, 64 << 10, waste)
+        pit = paged.paged(it, lay)
+        result = simulate(pit, SwapPlan(), None, 12.0, 12.0)
+        assert paged.validate_pages(it, lay, SwapPlan(), result, None) == max(mapped_by_ticks(pit))
+
+
+def daemon_policy(it: Iteration, limit: int, out_gbps: float, in_gbps: float) -> SwapPlan:
+    return wire.on_ops(it, policies.swaps_only(it, limit, out_gbps, in_gbps))
+
+
+@pytest.mark.parametrize("fraction", [0.9, 0.7, 0.5])
+def test_a_plan_fits_its_limit_in_mapped_pages_as_it_is_made(fraction: float) -> None:
+    it = load(ROOT / "traces" / "resnet18.b8.trace.csv")
+    peak = max(mapped_by_ticks(it))
+    limit = int(peak * fraction)
+    made = paged.plan(it, daemon_policy, limit, 12.0, 12.0, page=64 << 10)
+    assert made.fits
+    assert made.mapped_peak is not None and made.mapped_peak <= limit
+    assert made.result.feasible and made.schedule.swaps
+    # What the simulator counted is what the addresses map.
+    pit = paged.paged(it, made.layout)
+    assert made.result.peak_bytes == made.mapped_peak
+    assert max(mapped_by_ticks(pit)) > limit  # without its swaps it would not fit
+
+
+def test_no_limit_means_no_schedule() -> None:
+    made = paged.plan(SMALL, daemon_policy, 0, 1.0, 1.0, page=PAGE)
+    assert made.fits and made.schedule == SwapPlan()
+    assert made.mapped_peak == 4096 + 3072 + 2 * 1024
+
+
+def test_a_page_that_is_not_whole_alignments_is_refused() -> None:
+    with pytest.raises(ValueError, match="page of 1000 bytes"):
+        paged.layout(SMALL, 1000)
+    with pytest.raises(ValueError, match="at least one max_waste"):
+        paged.plan(SMALL, daemon_policy, 8192, 1.0, 1.0, page=PAGE, wastes=())
