@@ -1,7 +1,8 @@
 """A session's link to the daemon: Attach, the Session stream, and its two threads.
 
     Attach (gRPC) ──▶ Session stream ──▶ out: heartbeats, trace chunks, step marks (send)
-                                     ◀── in:  plans (on_plan), refusals (errors), goodbye
+                                     ◀── in:  plans (on_plan), why none (on_unplanned),
+                                              refusals (errors), goodbye
                   ──▶ flush: the outbox handed to the stream, then Stats until the daemon has
                              the whole trace ──▶ Detach
 
@@ -94,15 +95,20 @@ class Connection:
     def start(
         self,
         on_plan: Callable[[pool_pb2.PlanUpdate], None],
+        on_unplanned: Callable[[pool_pb2.PlanUnavailable], None],
         on_end: Callable[[], None],
         heartbeat: Callable[[], pool_pb2.Heartbeat],
         interval_s: float,
     ) -> None:
-        """Start the listener (plans to `on_plan`, `on_end()` once the session is over) and the
-        heartbeats (`heartbeat()` every `interval_s`)."""
+        """Start the listener (plans to `on_plan`, the daemon's word that it cannot make one
+        to `on_unplanned`, `on_end()` once the session is over) and the heartbeats
+        (`heartbeat()` every `interval_s`)."""
         self._threads = [
             threading.Thread(
-                target=self._listen, args=(on_plan, on_end), name="tidalpool-listen", daemon=True
+                target=self._listen,
+                args=(on_plan, on_unplanned, on_end),
+                name="tidalpool-listen",
+                daemon=True,
             ),
             threading.Thread(
                 target=self._beat,
@@ -210,7 +216,10 @@ class Connection:
             yield msg
 
     def _listen(
-        self, on_plan: Callable[[pool_pb2.PlanUpdate], None], on_end: Callable[[], None]
+        self,
+        on_plan: Callable[[pool_pb2.PlanUpdate], None],
+        on_unplanned: Callable[[pool_pb2.PlanUnavailable], None],
+        on_end: Callable[[], None],
     ) -> None:
         assert self._responses is not None
         try:
@@ -221,6 +230,8 @@ class Connection:
                     on_end()
                 elif body == "plan":
                     on_plan(msg.plan)
+                elif body == "unplanned":
+                    on_unplanned(msg.unplanned)
                 elif body == "error":
                     self.errors.append(msg.error)
                     log.warning(

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from tidalcore.chunks import ChunkMapping
 from tidalcore.events import OP, READ, WRITE
 from tidalcore.units import parse_size
+from tidalcore.unplanned import PlanUnavailable
 from tidalcore.v1 import pool_pb2
 from tidalcore.wire import HANDLES_SOCKET
 
@@ -83,6 +84,9 @@ class SessionStats:
     footprint_bytes: int  # highest lease byte used in the current iteration so far
     swap: SwapStats | None  # bytes swapped, stall time...; None for a session without swapping
     native: NativeStats | None = None  # the native hot path's counters (allocator="native")
+    # The daemon's word that it cannot plan this session (why, the lowest limit that could
+    # work); None once a plan arrives, or while none has been refused.
+    plan_unavailable: PlanUnavailable | None = None
 
 
 def socket_dir_from_env(socket_dir: str | os.PathLike[str] | None) -> Path:
@@ -181,6 +185,7 @@ def attach(
     session = Session(grant.response.session_id, mapped, connection, recorder, executor, compute)
     connection.start(
         on_plan=session._receive_plan,
+        on_unplanned=session._receive_unplanned,
         on_end=session._ended,
         heartbeat=session._heartbeat,
         interval_s=(reply.heartbeat_interval_ms or 1000) / 1000,
@@ -272,6 +277,8 @@ class Session:
         self.plans_received = 0
         self.plans_rejected = 0
         self.plan: Plan | None = None  # the plan last received (executed from a step() on)
+        # Why the daemon sends no plan, as it last said; None once a plan arrives.
+        self.plan_unavailable: PlanUnavailable | None = None
         self._compute = compute
         self._closed = False  # the session is over: closed here, or ended by the daemon
         self._released = False  # threads joined, channel closed, mappings retired
@@ -439,6 +446,7 @@ class Session:
             footprint_bytes=ex.high_water,
             swap=ex.swap,
             native=ex.native,
+            plan_unavailable=self.plan_unavailable,
         )
 
     @property
@@ -495,7 +503,16 @@ class Session:
             log.warning("tidalpool: ignoring a plan: %s", e)
             return
         self.plan = plan
+        self.plan_unavailable = None  # a plan made after all
         self.plans_received += 1
+
+    def _receive_unplanned(self, message: pool_pb2.PlanUnavailable) -> None:
+        """The daemon cannot plan this session: kept for `stats()` and those waiting for a
+        plan (the session goes on by its LRU cache), and said once in a warning."""
+        told = PlanUnavailable.of(message)
+        if told != self.plan_unavailable:
+            log.warning("tidalpool: session %s: %s", self.id, told.line())
+        self.plan_unavailable = told
 
     def _heartbeat(self) -> pool_pb2.Heartbeat:
         """The session as the daemon's metrics show it: bytes held now, counts since attach."""

@@ -23,6 +23,7 @@ from tidalclient.errors import (
 from tidalclient.executors.base import Block
 from tidalclient.session import Session, SessionStats, attach
 from tidalcore import __version__
+from tidalcore.unplanned import PlanUnavailable
 
 __all__ = [
     "AttachError",
@@ -30,6 +31,7 @@ __all__ = [
     "InvalidBlock",
     "LeaseExceeded",
     "NotHostMemory",
+    "PlanUnavailable",
     "Session",
     "SessionClosed",
     "SessionStats",
