@@ -9,6 +9,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -163,6 +164,7 @@ def test_json_report_of_the_command_with_a_private_daemon(tmp_path: Path) -> Non
         "compute_scale",
         "copy_gbps",
         "outcome",
+        "plan_unavailable",
         "iterations",
         "learning_iterations",
         "steady_iterations",
@@ -180,6 +182,7 @@ def test_json_report_of_the_command_with_a_private_daemon(tmp_path: Path) -> Non
     assert got["op_bound_bytes"] == 10 * MiB  # bwd3: g, a2 and w3
     assert got["limit_bytes"] == int(0.9 * 22 * MiB)
     assert (got["compute_scale"], got["copy_gbps"], got["outcome"]) == (1.0, 4.0, "compared")
+    assert got["plan_unavailable"] is None
     # Five iterations: three learning, the switch and a steady one; or, where the session takes
     # the plan an iteration or two later, up to three more to get a steady one.
     rows = got["per_iteration"]
@@ -263,3 +266,30 @@ def test_no_plan_is_reported_with_what_ran(
     assert got["plan"] is got["measured"] is got["predicted"] is None
     assert got["checks"]["mismatches"] == 0
     assert got["checks"]["stamps_checked"] == 3 * STAMPS_PER_ITERATION
+
+
+def test_a_plan_the_daemon_cannot_make_ends_the_wait_with_its_reason(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # 12 MiB is over the op-wise bound (10 MiB: bwd3's g, a2 and w3), but no schedule for it
+    # leaves a placement under it: the daemon says so, and the run ends without waiting. The
+    # copies' bandwidth is given, so the schedules tried do not depend on the machine's.
+    trace = training_trace(tmp_path / "net.trace.csv")
+    limit = ["--limit", "12MiB", "--copy-gbps", "4", "--plan-timeout", "60"]
+    argv = ["replay", str(trace), *limit, "--json"]
+    started = time.monotonic()
+    assert main(argv) == 2
+    assert time.monotonic() - started < 30  # not the 60 s of --plan-timeout
+    captured = capsys.readouterr()
+    got = json.loads(captured.out)
+    reason = "no schedule found for limit 12 MiB (the one made for it needs 16 MiB once placed)"
+    assert got["plan_unavailable"] == {
+        "limit_bytes": 12 * MiB,
+        "kind": "no_schedule",
+        "reason": reason,
+        "lowest_limit_bytes": 0,
+    }
+    assert got["outcome"] == f"the daemon cannot plan this session: {reason}"
+    assert captured.err.splitlines()[-1] == f"tidalpool replay: {got['outcome']}"
+    assert [r["phase"] for r in got["per_iteration"]] == ["learning"] * 3
+    assert got["plan"] is got["measured"] is None

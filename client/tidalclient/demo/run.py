@@ -9,8 +9,10 @@ with NumPy in host memory on the sim backend, with CuPy on the GPU on cuda
 (a fraction of the network's peak live bytes), the session swaps: the table
 shows the bytes swapped out and in and the time ops waited for copies; the
 demo then waits, once, for the daemon's swap plan so that the rest of the run
-follows it. A limit below what the network's largest op needs at once is refused
-(`limit_problem`). The table is `Fitted`: it fits the terminal or a pipe, never cut.
+follows it, or until the daemon says it cannot make one (the demo prints why, with
+the lowest limit that could work when the daemon knows it). A limit below what
+the network's largest op needs at once is refused (`limit_problem`). The table is
+`Fitted`: it fits the terminal or a pipe, never cut.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import numpy.typing as npt
 from rich.console import Console
 from rich.live import Live
 from tidalcore.units import ALIGNMENT, align_up, format_size
+from tidalcore.unplanned import PlanUnavailable
 
 from tidalclient.demo.net import (
     CupyMemory,
@@ -51,9 +54,14 @@ PLAN_WAIT_S = 15.0
 
 
 def _await_plan(session: Session, timeout_s: float) -> None:
-    """Block until a plan has arrived or `timeout_s` has passed."""
+    """Block until a plan has arrived, the daemon has said it cannot make one, or
+    `timeout_s` has passed."""
     deadline = time.monotonic() + timeout_s
-    while not session.plans_received and time.monotonic() < deadline:
+    while (
+        not session.plans_received
+        and session.plan_unavailable is None
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.02)
 
 
@@ -93,14 +101,29 @@ def limit_problem(limit: float) -> str | None:
     name, need = largest_op(alignment=ALIGNMENT)  # the executor's alignment
     if int(limit * peak) >= need:
         return None
-    lowest = math.ceil(need / peak * 100) / 100
-    while int(lowest * peak) < need:  # a rounding away from the exact share
-        lowest += 0.01
     return (
         f"--limit {limit:g} is too low: the network's op {name} needs {format_size(need)} on the"
         f" device at once, {need / peak:.1%} of its peak of {format_size(peak)} live: use"
-        f" {lowest:.2f} or more (at most 1)"
+        f" {lowest_fraction(need, peak):.2f} or more (at most 1)"
     )
+
+
+def lowest_fraction(need: int, peak: int) -> float:
+    """The least `--limit` in hundredths whose bytes (`int(limit * peak)`, as `run` takes
+    them) are `need` or more."""
+    lowest = math.ceil(need / peak * 100) / 100
+    while int(lowest * peak) < need:  # a rounding away from the exact share
+        lowest += 0.01
+    return lowest
+
+
+def _unplanned_line(told: PlanUnavailable, peak: int) -> str:
+    """The daemon's reason for sending no plan, with the lowest `--limit` that could work
+    when it knows one."""
+    line = f"no plan: {told.line()}"
+    if told.lowest_limit_bytes:
+        line += f": --limit {lowest_fraction(told.lowest_limit_bytes, peak):.2f} or more"
+    return line
 
 
 def run(
@@ -223,6 +246,8 @@ def run(
             f"{rows[-1].plan_misses} plan misses in {rows[-1].plan_hits + rows[-1].plan_misses:,} "
             "allocations"
         )
+    elif (told := rows[-1].plan_unavailable) is not None:
+        console.print(f"{_unplanned_line(told, peak)}; the session kept learning, on the LRU cache")
     elif rows[-1].plans_received and swap is not None:
         console.print(
             "the daemon's plan was not made for this swap limit: the session kept learning; "

@@ -3,9 +3,10 @@
 The first three iterations learn (the daemon plans after three step marks); before the
 fourth, the command waits for the plan (`--plan-timeout`). The first iteration run by the plan
 is the switch (blocks placed while learning move to their places); the ones after it are the
-steady iterations that are averaged. Exit status: 0 compared, 1 the checks found wrong bytes or
-an access off the device, or the plan could not run; 2 bad input, no daemon, or no plan
-executed.
+steady iterations that are averaged. When the daemon says it cannot make a plan
+(`PlanUnavailable`), the wait ends at once and the run ends with its reason. Exit status: 0
+compared, 1 the checks found wrong bytes or an access off the device, or the plan could not run;
+2 bad input, no daemon, or no plan executed (the daemon's refusal included).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -291,7 +293,8 @@ def _iterate(
     say: Callable[[str], None],
 ) -> None:
     """The rule: learn for LEARNING_ITERATIONS iterations; then, until the plan has arrived,
-    wait for it (at most --plan-timeout); run the rest of the N iterations (the first of them
+    wait for it (at most --plan-timeout, and not at all once the daemon has said it cannot
+    make one: the run ends with its reason); run the rest of the N iterations (the first of them
     under the plan is the switch). The session switches once the plan's arena fits under the
     limit, which may take iterations: while none has been steady at the N-th, up to
     EXTRA_ITERATIONS more run."""
@@ -303,8 +306,17 @@ def _iterate(
         if n == LEARNING_ITERATIONS and not session.plans_received:
             say(f"waiting up to {args.plan_timeout:g} s for the daemon's plan")
             deadline = time.monotonic() + args.plan_timeout
-            while not session.plans_received and time.monotonic() < deadline:
+            while (
+                not session.plans_received
+                and session.plan_unavailable is None
+                and time.monotonic() < deadline
+            ):
                 time.sleep(0.02)
+            if not session.plans_received and (told := session.plan_unavailable) is not None:
+                report.records = replayer.records
+                report.plan_unavailable = asdict(told)
+                report.outcome = told.line()  # no plan follows: nothing to wait for
+                return
             if not session.plans_received:
                 report.records = replayer.records
                 report.outcome = (

@@ -34,6 +34,9 @@ class Report:
     unresolved_accesses: int = 0
     missing_accesses: int = 0
     outcome: str = "compared"
+    # The daemon's word that it cannot plan the session (kind, reason, lowest limit that could
+    # work), as a JSON value; None when it said nothing of the kind.
+    plan_unavailable: dict[str, Any] | None = None
 
     def steady(self) -> list[Record]:
         return [r for r in self.records if r.phase == "steady"]
@@ -76,6 +79,7 @@ class Report:
             "compute_scale": self.compute_scale,
             "copy_gbps": self.copy_gbps,
             "outcome": self.outcome,
+            "plan_unavailable": self.plan_unavailable,
             "iterations": len(self.records),
             "learning_iterations": phases.count("learning"),
             "steady_iterations": phases.count("steady"),
