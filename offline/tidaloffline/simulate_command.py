@@ -11,7 +11,8 @@ bound on the step under the limit (`bound.step_bound`), the simulated device
 peak and the placed footprint (both with the persistent blocks: weights,
 optimizer state), bytes copied each way, bytes recomputed, and the stall. The
 `portfolio` row is the best feasible plan of all the policies shown;
-`tidalpool`'s own row is its search alone. The unconstrained peak is the
+`tidalpool`'s own row is its search alone; the `daemon` row is the plan the daemon sends a
+session at this limit, which is what a session runs. The unconstrained peak is the
 persistent bytes plus the iteration's blocks at their most, which is what
 `tidalpool plan` bounds.
 
@@ -114,8 +115,6 @@ class Facts:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `simulate` on an argparse subparsers object; the handler is `run`."""
-    from tidalplan.policies import POLICIES
-
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "simulate",
         help="compare memory policies on a trace under a memory limit",
@@ -154,7 +153,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--policy",
         default="all",
         metavar="NAME|all",
-        help=f"one of {', '.join(POLICIES)}, a comma-separated list, or all (default)",
+        help=f"one of {', '.join(names_known())}, a comma-separated list, or all (default;"
+        f" {DAEMON}: the plan the daemon sends a session)",
     )
     parser.add_argument(
         "--compute-scale",
@@ -269,15 +269,27 @@ def check_limit(text: str, limit: int, facts: Facts) -> None:
     )
 
 
-def policies(text: str) -> list[str]:
+DAEMON = "daemon"
+"""The row of the plan the daemon sends a session (`wire.session_schedule`, placed as the
+daemon places it): what a session really runs, beside the published policies and tidalpool's
+search with recomputation, which no session executes."""
+
+
+def names_known() -> tuple[str, ...]:
+    """The names `--policy` takes: the policies, then the daemon's plan."""
     from tidalplan.policies import POLICIES
 
+    return (*POLICIES, DAEMON)
+
+
+def policies(text: str) -> list[str]:
+    known = names_known()
     if text == "all":
-        return list(POLICIES)
+        return list(known)
     names = [n.strip() for n in text.split(",") if n.strip()]
     for n in names:
-        if n not in POLICIES:
-            raise InputError(f"--policy: unknown policy {n!r}; one of {', '.join(POLICIES)}, all")
+        if n not in known:
+            raise InputError(f"--policy: unknown policy {n!r}; one of {', '.join(known)}, all")
     if not names:
         raise InputError("--policy: no policy named")
     return names
@@ -298,13 +310,15 @@ def evaluate(
     from tidalplan.bound import step_bound
     from tidalplan.combined import fit
     from tidalplan.policies import policy
+    from tidalplan.wire import session_schedule
 
     bound = step_bound(it, limit, out_gbps, in_gbps, compute_scale).ns
     rows = []
     for k, name in enumerate(names):
         if say is not None:
             say(f"{name} ({k + 1}/{len(names)})")
-        made = fit(it, policy(name), limit, out_gbps, in_gbps, compute_scale, time_limit_s=place_s)
+        make = session_schedule if name == DAEMON else policy(name)
+        made = fit(it, make, limit, out_gbps, in_gbps, compute_scale, time_limit_s=place_s)
         rows.append(Row(name, made, bound))
     fitting = [r for r in rows if r.plan.fits]
     if len(rows) > 1 and fitting:
@@ -597,7 +611,8 @@ def _limit_line(limit: int, facts: Facts, step_bound: int | None) -> str:
 
 LEGEND = (
     "peak: the simulated device bytes at their highest; placed: the bytes the placed\n"
-    "plan needs; both include the {persistent} of persistent blocks. —: not feasible."
+    "plan needs; both include the {persistent} of persistent blocks. —: not feasible.\n"
+    "daemon: the plan the daemon sends a session (swaps alone) and the session runs."
 )
 
 

@@ -28,6 +28,7 @@ from tidalcore.v1 import pool_pb2
 from tidalplan.combined import PERSISTENT, SCRATCH, Combined, Plan, split
 from tidalplan.learn import signature, to_problem
 from tidalplan.model import Iteration, Placement, Problem, Recompute, Swap, SwapPlan
+from tidalplan.policies import swaps_only
 from tidalplan.simulate import simulate
 from tidalplan.validate import InvalidPlacement, validate, validate_swaps
 
@@ -52,6 +53,13 @@ def on_ops(it: Iteration, schedule: SwapPlan) -> SwapPlan:
             at = max(in_before - 1, earliest)
         swaps.append(replace(s, in_at=ticks[at]))
     return SwapPlan(tuple(swaps), schedule.recomputes)
+
+
+def session_schedule(it: Iteration, limit: int, out_gbps: float, in_gbps: float) -> SwapPlan:
+    """The schedule the daemon sends a session: tidalpool's search with swaps alone (a
+    session's executor moves blocks but does not rebuild them), its swap-ins issued at op
+    starts as the client issues them (`on_ops`)."""
+    return on_ops(it, swaps_only(it, limit, out_gbps, in_gbps))
 
 
 def encode(it: Iteration, plan: Plan, copy_gbps: float) -> pool_pb2.PlanUpdate:

@@ -114,3 +114,36 @@ def test_bad_inputs_are_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     problem.write_text("id,lower,upper,size\n1,0,2,4\n")
     assert main(["simulate", str(problem)]) == 2
     assert "simulate needs a trace CSV v1" in capsys.readouterr().err
+
+
+def test_the_daemon_row_is_the_plan_the_daemon_sends(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from tidalcore.units import Bytes
+    from tidaloffline.simulate_command import load
+    from tidalpoold.plan_worker import Planned, PlanWorker
+    from tidalpoold.settings import Settings
+
+    trace = Path(__file__).resolve().parents[2] / "traces" / "resnet18.b8.trace.csv"
+    argv = ["simulate", str(trace), "--limit", "0.7", "--bandwidth", "12", "--json"]
+    assert main([*argv, "--policy", "daemon", "--place-time", "1"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    (row,) = got["policies"]
+    assert row["name"] == "daemon" and row["feasible"] and row["recomputes"] == 0
+    settings = Settings(
+        device_pool=Bytes(1 << 30),
+        host_pool=Bytes(2 << 30),
+        socket_dir=tmp_path,
+        plan_cache_dir=tmp_path / "plans",
+        metrics_address="",
+        plan_time_limit_s=1.0,
+    )
+    worker = PlanWorker(settings)
+    try:
+        made = worker.make(load(trace), got["limit_bytes"], 12.0)
+    finally:
+        worker.close()
+    assert isinstance(made, Planned)
+    assert made.update.prediction.step_ns == row["iteration_ns"]
+    assert len(made.update.swap_blocks) == row["swaps"]
+    assert made.update.prediction.footprint_bytes == row["placed_bytes"]
