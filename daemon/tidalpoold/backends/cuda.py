@@ -20,10 +20,8 @@ its pages stay pinned, so punching holes would free nothing).
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import resource
-from dataclasses import dataclass
 
 from tidalcore.chunks import PinnedChunkMapping
 from tidalcore.cuda_driver import (
@@ -43,13 +41,18 @@ from tidalcore.cuda_driver import (
 )
 from tidalcore.units import format_size
 
+from tidalpoold.backends.bandwidth import (
+    NOT_MEASURED,
+    PROBE_BYTES,
+    PROBE_TOTAL,
+    Bandwidth,
+    gbps,
+    repeats_for,
+)
 from tidalpoold.backends.base import Chunk, Pool
 from tidalpoold.backends.memfd import memfd_chunks
 
 MODES = ("auto", "vmm", "ipc")
-_MiB = 1024 * 1024
-PROBE_BYTES = 64 * _MiB  # the span one probe copy moves
-PROBE_TOTAL = 512 * _MiB  # bytes timed in each direction (the span copied repeatedly)
 _FD_SLACK = 256  # fds the daemon needs besides its chunks (sockets, logs, gRPC)
 
 # Export failures that mean "this environment cannot share VMM memory by fd" (containers
@@ -105,22 +108,6 @@ def check_fits(device_bytes: int, facts: DeviceFacts, gpu: int) -> None:
             f"device pool of {_size(device_bytes)} does not fit on GPU {gpu} ({facts.name}):"
             f" {_size(facts.free_bytes)} free of {_size(facts.total_bytes)}"
         )
-
-
-def gbps(nbytes: int, elapsed_ms: float) -> float:
-    """Bandwidth in GB/s (1e9 bytes a second) of `nbytes` moved in `elapsed_ms`."""
-    if not elapsed_ms > 0:
-        raise ValueError(f"a copy of {nbytes} bytes took {elapsed_ms} ms")
-    return nbytes / (elapsed_ms / 1e3) / 1e9
-
-
-@dataclass(frozen=True, slots=True)
-class Bandwidth:
-    """Measured copy bandwidths between pinned host memory and the device."""
-
-    h2d_gbps: float
-    d2h_gbps: float
-    bytes_each_way: int
 
 
 def probe_bandwidth(
@@ -213,7 +200,7 @@ class CudaBackend:
         self.pci_bus_id = ""  # set once the device is open
         self.chunk_bytes = chunk_bytes
         self.granularity = 0
-        self.bandwidth = Bandwidth(0.0, 0.0, 0)
+        self.bandwidth = NOT_MEASURED
         self._undo = contextlib.ExitStack()
         try:
             self._start(device_bytes, host_bytes, mode, probe_bytes, probe_total, driver, nvml)
@@ -262,7 +249,7 @@ class CudaBackend:
 
         span = min(probe_bytes, device_bytes, host_bytes)
         if span > 0:
-            repeats = max(1, math.ceil(probe_total / span))
+            repeats = repeats_for(span, probe_total)
             self.bandwidth = probe_bandwidth(
                 driver, self._device_base, self._host_map.address, span, repeats
             )
