@@ -66,8 +66,9 @@ where the backend measured none."""
 
 def copy_gbps_of(backend: Backend) -> float:
     """The bandwidth to plan unthrottled sessions' swaps at: the slower direction the backend
-    measured (the cuda backend's `h2d_gbps` and `d2h_gbps` facts), else DEFAULT_COPY_GBPS
-    (sim, or a cuda backend whose probe was skipped)."""
+    measured at start, its `h2d_gbps` and `d2h_gbps` facts (cuda: pinned copies over PCIe;
+    sim: memmove between memfd mappings, as its clients copy), else DEFAULT_COPY_GBPS (a
+    backend whose probe was skipped, `probe_bytes=0`, or one that reports no such facts)."""
     facts = backend.facts()
     try:
         slowest = min(float(facts["h2d_gbps"]), float(facts["d2h_gbps"]))

@@ -9,6 +9,8 @@ from tidalclient.executors.base import DEVICE, HOST, LEAVING
 from tidalclient.executors.swapping import Swapping
 from tidalclient.local import LocalDaemon
 
+from .ready import measured_copy_gbps
+
 KiB = 1024
 
 
@@ -109,6 +111,6 @@ def test_the_plan_sent_is_cached_as_checked_with_where_each_swap_in_lands(
         64 * KiB,
         128 * KiB,
         128 * KiB,
-        12.0,
+        measured_copy_gbps(daemon),  # unthrottled: at what the sim backend measured
     )
     assert cached.name.startswith(plan.signature.hex() + "-")  # and what it was made for

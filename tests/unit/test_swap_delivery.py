@@ -59,8 +59,8 @@ def test_unthrottled_sessions_are_planned_at_the_backends_slower_copy_direction(
     cuda = FactsBackend(device="H100", h2d_gbps=25.5, d2h_gbps=21.25)
     assert copy_gbps_of(cuda) == 21.25  # type: ignore[arg-type]
     for no_measure in (
-        FactsBackend(device="sim (memfd chunks)"),  # sim
-        FactsBackend(h2d_gbps=0.0, d2h_gbps=0.0),  # cuda, probe skipped
+        FactsBackend(device="sim (memfd chunks)"),  # no bandwidth facts at all
+        FactsBackend(h2d_gbps=0.0, d2h_gbps=0.0),  # sim or cuda, probe skipped
         FactsBackend(h2d_gbps=25.0),
         FactsBackend(h2d_gbps="n/a", d2h_gbps=20.0),
         FactsBackend(h2d_gbps=float("nan"), d2h_gbps=20.0),
