@@ -10,10 +10,13 @@ within 10%), the bytes moved on demand in steady iterations (goal 0), the stamp 
 Copies are throttled and compute is scaled so the ratio of copy time to compute time is an
 H100's at 50 GB/s each way (the traces' op times are an H100's roofline): K = 50 / G. The
 2-core machine must keep the training thread, the compute worker, two copy streams and the
-daemon going, which is why G is low.
+daemon going, which is why G is low. `--copy-gbps 0` leaves copies unthrottled (memmove
+speed; the daemon plans them at the bandwidth its backend measured), and then `--compute-scale`
+says K (default 1).
 
     .venv/bin/python bench/replay.py [--json PATH] [--traces NAME ...]
-        [--fractions 0.7,0.5] [--copy-gbps 2] [--iterations 8]
+        [--fractions 0.7,0.5] [--copy-gbps 2] [--compute-scale K] [--iterations 8]
+        [--plan-timeout 600]
 """
 
 from __future__ import annotations
@@ -32,12 +35,15 @@ TRACES = ROOT.parent / "shared" / "traces" / "models"
 H100_GBPS = 50.0
 
 
-def run_case(trace: Path, fraction: str, gbps: float, iterations: int) -> dict[str, Any]:
-    scale = H100_GBPS / gbps
+def run_case(
+    trace: Path, fraction: str, gbps: float, scale: float, iterations: int, plan_timeout: float
+) -> dict[str, Any]:
+    """One `tidalpool replay` run; `gbps` 0 leaves its copies unthrottled."""
+    throttle = ("--copy-gbps", str(gbps)) if gbps > 0 else ()
     argv = [
         *(sys.executable, "-m", "tidalpool", "replay", str(trace)),
-        *("--limit", fraction, "--copy-gbps", str(gbps), "--compute-scale", f"{scale:g}"),
-        *("--iterations", str(iterations), "--plan-timeout", "600", "--json"),
+        *("--limit", fraction, *throttle, "--compute-scale", f"{scale:g}"),
+        *("--iterations", str(iterations), "--plan-timeout", f"{plan_timeout:g}", "--json"),
     ]
     started = time.perf_counter()
     done = subprocess.run(argv, capture_output=True, text=True, check=False)
@@ -45,7 +51,7 @@ def run_case(trace: Path, fraction: str, gbps: float, iterations: int) -> dict[s
     case: dict[str, Any] = {
         "trace": trace.name,
         "fraction": float(fraction),
-        "copy_gbps": gbps,
+        "copy_gbps": gbps or None,  # None: unthrottled
         "compute_scale": scale,
         "exit": done.returncode,
         "seconds": round(seconds, 1),
@@ -61,6 +67,7 @@ def run_case(trace: Path, fraction: str, gbps: float, iterations: int) -> dict[s
         outcome=report.get("outcome"),
         plan=report.get("plan"),
         steady_iterations=len(steady),
+        planned_gbps=predicted.get("copy_gbps"),
         predicted_step_ns=predicted.get("step_ns"),
         predicted_out_bytes=predicted.get("out_bytes"),
         predicted_in_bytes=predicted.get("in_bytes"),
@@ -114,9 +121,16 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--traces", nargs="*", default=None)
     parser.add_argument("--fractions", default="0.7,0.5")
-    parser.add_argument("--copy-gbps", type=float, default=2.0)
+    parser.add_argument("--copy-gbps", type=float, default=2.0, help="0: unthrottled")
+    parser.add_argument(
+        "--compute-scale", type=float, default=None, help="default 50 / copy-gbps, or 1"
+    )
     parser.add_argument("--iterations", type=int, default=8)
+    parser.add_argument("--plan-timeout", type=float, default=600.0)
     args = parser.parse_args()
+    scale = args.compute_scale
+    if scale is None:
+        scale = H100_GBPS / args.copy_gbps if args.copy_gbps > 0 else 1.0
     traces = sorted(TRACES.glob("*.trace.csv"))
     if args.traces:
         traces = [t for t in traces if any(t.name.startswith(n) for n in args.traces)]
@@ -124,7 +138,9 @@ def main() -> int:
     for trace in traces:
         for fraction in args.fractions.split(","):
             print(f"{trace.name} at {fraction} ...", file=sys.stderr, flush=True)
-            case = run_case(trace, fraction, args.copy_gbps, args.iterations)
+            case = run_case(
+                trace, fraction, args.copy_gbps, scale, args.iterations, args.plan_timeout
+            )
             print(f"  {case}", file=sys.stderr, flush=True)
             cases.append(case)
     print("\n".join(summary(cases)))
