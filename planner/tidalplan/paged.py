@@ -53,6 +53,10 @@ MAX_WASTE = 0.05
 WASTES = (0.02, 0.05, 0.125)
 """The `max_waste`s `plan` tries, keeping the fastest plan."""
 
+LAST_RESORT = 1.0
+"""The `max_waste` `plan` tries when none of its `wastes` fits: every block of a page or more
+owns its pages, so the most bytes can leave the device (at the most rounding)."""
+
 Policy = Callable[[Iteration, int, float, float], SwapPlan]
 
 
@@ -363,9 +367,10 @@ def plan(
 ) -> PagedPlan:
     """The fastest feasible of `policy`'s plans for `limit` mapped bytes (0: no limit, no
     schedule), one per layout of `wastes` (each a `max_waste`; layouts that give the same
-    blocks pages are made once), each simulated and validated on its paged iteration; when
-    none is feasible, the first. One schedule a layout: whatever fits in mapped pages fits as
-    it is placed, so nothing is made again for a lower limit.
+    blocks pages are made once), then, only when none is feasible, of `LAST_RESORT`'s; each
+    simulated and validated on its paged iteration. When none is feasible, the first. One
+    schedule a layout: whatever fits in mapped pages fits as it is placed, so nothing is made
+    again for a lower limit.
 
     Which blocks should own pages is a trade: rounding to whole pages costs bytes, while a
     packed block can never leave the device. Small wastes suit loose limits (few blocks need to
@@ -375,7 +380,9 @@ def plan(
     cap = limit or None
     best: PagedPlan | None = None
     seen: set[tuple[tuple[bool, ...], tuple[bool, ...]]] = set()
-    for waste in wastes:
+    for waste in [*wastes, LAST_RESORT]:
+        if waste == LAST_RESORT and best is not None and best.fits:
+            break
         lay = layout(it, page, waste, time_limit_s)
         if (lay.owning, lay.persistent_owning) in seen:
             continue
