@@ -45,7 +45,7 @@ from tidalcore import unplanned
 from tidalcore.units import ALIGNMENT, format_size
 from tidalcore.unplanned import PlanUnavailable
 from tidalcore.v1 import pool_pb2
-from tidalplan.model import Iteration, SwapPlan
+from tidalplan.model import Iteration
 
 from tidalpoold import plan_cache
 from tidalpoold.plan_cache import Defect, PlanCache
@@ -182,7 +182,12 @@ class PlanWorker:
         time_limit_s = self.settings.plan_time_limit_s
         if swap_limit:
             plan = combined.fit(
-                iteration, _swaps_on_ops, swap_limit, gbps, gbps, time_limit_s=time_limit_s
+                iteration,
+                wire.session_schedule,
+                swap_limit,
+                gbps,
+                gbps,
+                time_limit_s=time_limit_s,
             )
             if not plan.fits:
                 return Unfit(plan.footprint, swap_limit, int(plan.planned_for), plan.rounds)
@@ -350,11 +355,3 @@ def _checked(
         return Planned(update, wire.check(iteration, update, lease=lease), "cache")
     except Exception as e:  # ValueError and its kin, and what odd values raise (OverflowError)
         return Defect(path, f"refused by wire.check: {type(e).__name__}: {e}")
-
-
-def _swaps_on_ops(it: Iteration, limit: int, out_gbps: float, in_gbps: float) -> SwapPlan:
-    """`policies.swaps_only` (the session's executor moves blocks but cannot rebuild them), its
-    swap-ins issued at op starts as the client issues them (`wire.on_ops`)."""
-    from tidalplan import policies, wire
-
-    return wire.on_ops(it, policies.swaps_only(it, limit, out_gbps, in_gbps))
