@@ -12,8 +12,6 @@ import sys
 import time
 from typing import Any, TextIO
 
-import optuna
-
 # Attributes every LogRecord has; anything else came from `extra`.
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
 
@@ -47,16 +45,11 @@ class TextFormatter(logging.Formatter):
 
 
 def configure(fmt: str, level: str, stream: TextIO = sys.stderr) -> None:
-    """The daemon's logs on `stream`, and the planner's libraries' logs in the same format:
-    Optuna (AutoSwap's tuning) speaks through the daemon's handler, warnings and worse only."""
+    """The daemon's logs on `stream` (its planner logs nothing, and the daemon never runs the
+    published policies' tuning: no library of theirs is imported here)."""
     root = logging.getLogger("tidalpoold")
     root.setLevel(level.upper())  # first: a bad level raises before anything changes
     handler = logging.StreamHandler(stream)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     root.handlers[:] = [handler]
     root.propagate = False
-    optuna.logging.set_verbosity(logging.WARNING)
-    optuna.logging.disable_default_handler()
-    optuna_root = logging.getLogger("optuna")
-    optuna_root.handlers[:] = [handler]
-    optuna_root.propagate = False

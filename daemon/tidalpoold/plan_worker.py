@@ -3,11 +3,11 @@
 Runs on one worker thread of the daemon, never on a request thread: a session
 that marks `plan_after_iterations` iterations is queued once. The worker
 extracts its steady iteration and plans it as `tidalpool simulate` does
-(`tidalplan.combined`): under the session's swap limit, the swap schedule of
+(`tidalplan.placed`): under the session's swap limit, the swap schedule of
 tidalpool's search, swaps only (its executor does not rebuild blocks), split
 into the device pieces it leaves and placed, made for lower limits until the
-footprint fits (`combined.fit`); without one, every block placed whole
-(`combined.unlimited`). The plan is written as a PlanUpdate (`tidalplan.wire`),
+footprint fits (`placed.fit`); without one, every block placed whole
+(`placed.unlimited`). The plan is written as a PlanUpdate (`tidalplan.wire`),
 then that update as a whole is checked again by `wire.check` (schedule
 simulated and validated, placement validated over its pieces) before it is
 cached and sent:
@@ -53,7 +53,7 @@ from tidalpoold.sessions import PlanFootprint, Session
 from tidalpoold.settings import Settings
 
 if TYPE_CHECKING:
-    from tidalplan.combined import Combined
+    from tidalplan.placed import Combined
 
     from tidalpoold.backends import Backend
 
@@ -102,9 +102,9 @@ class Unfit:
 def _import_planner() -> None:
     """Import the planner's modules (a few tenths of a second) on the worker thread, so that
     a session's first plan does not wait for them."""
-    from tidalplan import combined, wire
+    from tidalplan import placed, wire
 
-    del combined, wire
+    del placed, wire
 
 
 class PlanWorker:
@@ -172,7 +172,7 @@ class PlanWorker:
         plan made for the same is there and passes `wire.check`, else planned, encoded,
         checked and cached. Unfit when a swap plan does not fit its limit, or a plan's
         footprint is more than the lease."""
-        from tidalplan import combined, wire
+        from tidalplan import placed, wire
         from tidalplan.learn import signature
 
         name = plan_cache.key(signature(iteration), swap_limit, gbps, wire.VERSION)
@@ -181,7 +181,7 @@ class PlanWorker:
             return cached
         time_limit_s = self.settings.plan_time_limit_s
         if swap_limit:
-            plan = combined.fit(
+            plan = placed.fit(
                 iteration,
                 wire.session_schedule,
                 swap_limit,
@@ -192,7 +192,7 @@ class PlanWorker:
             if not plan.fits:
                 return Unfit(plan.footprint, swap_limit, int(plan.planned_for), plan.rounds)
         else:
-            plan = combined.unlimited(iteration, gbps, gbps, time_limit_s=time_limit_s)
+            plan = placed.unlimited(iteration, gbps, gbps, time_limit_s=time_limit_s)
         assert plan.combined is not None  # it fits
         footprint = int(plan.combined.footprint)
         if lease is not None and footprint > lease:
@@ -295,10 +295,10 @@ class PlanWorker:
 
 def unavailable(unfit: Unfit, iteration: Iteration) -> PlanUnavailable:
     """What the session is told of an `unfit` plan of `iteration`: under the op-wise bound
-    (`autoswap.op_bound`, as `tidalpool simulate` and `replay` refuse such a limit) with that
+    (`profile.op_bound`, as `tidalpool simulate` and `replay` refuse such a limit) with that
     bound as the lowest limit that could work, a footprint over the device lease, or no
     schedule found (the lowest limit not known)."""
-    from tidalplan.autoswap import op_bound
+    from tidalplan.profile import op_bound
 
     limit = format_size(unfit.limit)
     if unfit.beyond == "lease":

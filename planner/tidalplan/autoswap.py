@@ -31,8 +31,12 @@ import numpy as np
 import numpy.typing as npt
 from tidalcore.units import Bytes, Tick
 
-from tidalplan.learn import live_bytes
 from tidalplan.model import Iteration, Swap, SwapPlan
+
+# Re-exported: AutoSwap's load and durations, and the op-wise bound, are named here too.
+from tidalplan.profile import durations as durations
+from tidalplan.profile import load as load
+from tidalplan.profile import op_bound as op_bound
 from tidalplan.simulate import copy_ns, simulate
 
 Score = Literal["doa", "aoa", "wdoa", "swdoa", "combined"]
@@ -58,19 +62,6 @@ class Candidate:
     def crosses(self) -> bool:
         """Whether the gap wraps across the iteration boundary."""
         return self.in_before <= self.out_after
-
-
-def load(it: Iteration) -> npt.NDArray[np.int64]:
-    """Device bytes at each tick with no swaps: persistent bytes plus transient live bytes."""
-    return live_bytes(it) + sum(size for _, size in it.persistent)
-
-
-def durations(it: Iteration) -> npt.NDArray[np.int64]:
-    """ns spent at each tick: the op's duration, 0 for allocs and frees."""
-    d = np.zeros(it.ticks, np.int64)
-    for op in it.ops:
-        d[op.tick] = op.duration_ns
-    return d
 
 
 def _over_gap(v: npt.NDArray[np.int64], out_after: int, in_before: int) -> int:
@@ -384,18 +375,6 @@ def autoswap(
         other = simulate(it, late, limit, out_gbps, in_gbps)
         return late if other.feasible and other.iteration_ns < first.iteration_ns else timed
     return late if simulate(it, late, limit, out_gbps, in_gbps).feasible else timed
-
-
-def op_bound(it: Iteration) -> int:
-    """SuperNeurons' op-wise lower bound max(l_i): the most bytes any single op touches (the
-    distinct blocks it reads or writes, persistent ones included). No swap plan can keep an
-    op's blocks on the device with less."""
-    sizes = {b.id: b.size for b in it.blocks}
-    sizes.update(it.persistent)
-    touched: dict[int, set[int]] = {}
-    for a in it.accesses:
-        touched.setdefault(a.tick, set()).add(a.block)
-    return max((sum(sizes.get(b, 0) for b in bs) for bs in touched.values()), default=0)
 
 
 def load_min(it: Iteration, threshold_bytes: int = 0) -> int:

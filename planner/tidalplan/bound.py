@@ -62,7 +62,7 @@ unbounded ones (T, s, the running sums of the chains) capped at the program's va
 bounds min T over every plan with T ≤ V by weak duality, whatever the solver's
 tolerances; a plan with T > V is slower than the bound anyway. It is evaluated in
 floating point and lowered by more than its rounding error. `ns` is None when an op
-touches more than the limit (`autoswap.op_bound`) or some tick cannot be covered at all
+touches more than the limit (`profile.op_bound`) or some tick cannot be covered at all
 (E_t exceeds the bytes of every gap over it): no plan runs feasibly then.
 """
 
@@ -78,9 +78,9 @@ import numpy.typing as npt
 from scipy.sparse import csr_matrix
 
 from tidalplan import highs
-from tidalplan.autoswap import op_bound
 from tidalplan.learn import live_bytes
 from tidalplan.model import Iteration
+from tidalplan.profile import op_bound
 from tidalplan.simulate import copy_ns
 
 TICKS = 16  # ticks the program constrains, at most

@@ -41,8 +41,8 @@ import numpy as np
 import numpy.typing as npt
 from tidalcore.units import Tick
 
-from tidalplan.autoswap import durations, load
 from tidalplan.model import Iteration, Swap, SwapPlan
+from tidalplan.profile import durations, load
 from tidalplan.simulate import copy_ns
 
 _BEAM = 24  # gaps tried in full at each greedy step

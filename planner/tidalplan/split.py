@@ -1,6 +1,6 @@
 """Ops too big for their step, and how many parts over the batch bring them under it.
 
-SuperNeurons' op-wise bound (`autoswap.op_bound`: the most bytes one op touches) is a floor no
+SuperNeurons' op-wise bound (`profile.op_bound`: the most bytes one op touches) is a floor no
 swap or recomputation plan can go under: an op's blocks must all be on the device while it
 runs. μ-cuDNN divides a convolution's mini-batch into micro-batches run one after another
 (mu-cudnn.txt, 3.1); the same division applies to every op whose work is independent per

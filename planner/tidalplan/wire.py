@@ -1,13 +1,13 @@
-"""A plan on the wire: a `combined.Plan` as the `PlanUpdate` a session executes, and back.
+"""A plan on the wire: a `placed.Plan` as the `PlanUpdate` a session executes, and back.
 
-    combined.Plan ──encode──▶ PlanUpdate (version 2) ──▶ plan cache, session stream
+    placed.Plan ──encode──▶ PlanUpdate (version 2) ──▶ plan cache, session stream
                                   │
                                   └─check─▶ decode ─▶ simulate ─▶ validate_swaps ─▶ split
                                        ─▶ bounds (limit, lease) ─▶ validate (the offsets)
 
 The schedule travels against the iteration's structure: ops by their index in the iteration,
 transient blocks by their allocation index, persistent blocks by their trace id. The placement
-travels as arena offsets of the plan's pieces (`combined.split`): `offsets[i]` is where
+travels as arena offsets of the plan's pieces (`placed.split`): `offsets[i]` is where
 allocation i's first piece lies (so the version-1 fields alone still place the allocations
 consistently), `swap_in_offsets[j]` where the piece that swap j's swap-in starts lies.
 
@@ -25,10 +25,10 @@ from dataclasses import dataclass, replace
 from tidalcore.units import ALIGNMENT, Bytes, Offset, Tick
 from tidalcore.v1 import pool_pb2
 
-from tidalplan.combined import PERSISTENT, SCRATCH, Combined, Plan, split
 from tidalplan.learn import signature, to_problem
 from tidalplan.model import Iteration, Placement, Problem, Recompute, Swap, SwapPlan
-from tidalplan.policies import swaps_only
+from tidalplan.placed import PERSISTENT, SCRATCH, Combined, Plan, split
+from tidalplan.search import search
 from tidalplan.simulate import simulate
 from tidalplan.validate import InvalidPlacement, validate, validate_swaps
 
@@ -56,10 +56,10 @@ def on_ops(it: Iteration, schedule: SwapPlan) -> SwapPlan:
 
 
 def session_schedule(it: Iteration, limit: int, out_gbps: float, in_gbps: float) -> SwapPlan:
-    """The schedule the daemon sends a session: tidalpool's search with swaps alone (a
-    session's executor moves blocks but does not rebuild them), its swap-ins issued at op
-    starts as the client issues them (`on_ops`)."""
-    return on_ops(it, swaps_only(it, limit, out_gbps, in_gbps))
+    """The schedule the daemon sends a session: tidalpool's search with swaps alone
+    (`policies.swaps_only`: a session's executor moves blocks but does not rebuild them), its
+    swap-ins issued at op starts as the client issues them (`on_ops`)."""
+    return on_ops(it, search(it, limit, out_gbps, in_gbps, recompute=False))
 
 
 def encode(it: Iteration, plan: Plan, copy_gbps: float) -> pool_pb2.PlanUpdate:

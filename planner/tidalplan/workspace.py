@@ -31,8 +31,8 @@ from scipy.sparse import csr_matrix
 from tidalcore.units import ALIGNMENT, Bytes, Tick
 
 from tidalplan import highs
-from tidalplan.combined import Combined
 from tidalplan.learn import to_problem
+from tidalplan.placed import Combined
 from tidalplan.validate import validate
 
 BatchPolicy = Literal["all", "powerOfTwo", "undivided"]

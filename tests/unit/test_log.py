@@ -24,9 +24,9 @@ class FixedClock(logging.Filter):
 
 @pytest.fixture(autouse=True)
 def restore_logger() -> Iterator[None]:
-    """configure() rewires the "tidalpoold" and "optuna" loggers: put them back as they were."""
+    """configure() rewires the "tidalpoold" logger: put it back as it was."""
     saved = []
-    for name in ("tidalpoold", "optuna"):
+    for name in ("tidalpoold",):
         root = logging.getLogger(name)
         saved.append((root, root.handlers[:], root.level, root.propagate))
     yield
@@ -184,20 +184,3 @@ def test_unknown_level_is_refused() -> None:
     with pytest.raises(ValueError) as e:
         configure("json", "loud", io.StringIO())
     assert str(e.value) == "Unknown level: 'LOUD'"
-
-
-def test_optuna_speaks_through_the_daemons_handler_warnings_only() -> None:
-    """AutoSwap's tuning (Optuna) logs a line per study it creates: the daemon keeps its own
-    format and drops Optuna's information lines, and the planner configures nothing itself."""
-    import optuna
-
-    out = io.StringIO()
-    configure("json", "info", out)
-    optuna.create_study()  # logs "A new study created ..." at INFO
-    optuna.logging.get_logger("optuna.study").warning("a warning")
-    (line,) = out.getvalue().splitlines()
-    assert {k: v for k, v in json.loads(line).items() if k != "ts"} == {
-        "level": "warning",
-        "logger": "optuna.study",
-        "event": "a warning",
-    }
