@@ -68,3 +68,28 @@ TWO_LAYERS = [
     "f GA",  # 15
     "f X",  # 16
 ]
+
+
+def paged_pair(scale: int = 1) -> Iteration:
+    """An iteration for pages of 1024 × `scale` bytes: W (persistent, 4 pages) and V
+    (persistent, small); A (2 pages) over [0, 4), C (3000 × scale bytes: 3 pages wasting 2.4%)
+    over [5, 9), B (1000 × scale bytes, under a page) over [1, 7):
+
+        t0 a A  t1 a B  t2 f1 W A >B  t3 o  t4 f A  t5 a C  t6 f2 B >C  t7 f B  t8 f3 W C V  t9 f C
+    """
+    n = scale
+    return build(
+        [
+            f"a A {2048 * n}",
+            f"a B {1000 * n}",
+            "o f1 100 W A >B",
+            "o g 100",
+            "f A",
+            f"a C {3000 * n}",
+            "o f2 100 B >C",
+            "f B",
+            "o f3 100 W C V",
+            "f C",
+        ],
+        {"W": 4096 * n, "V": 100 * n},
+    )

@@ -16,30 +16,12 @@ from tidalplan.model import Iteration, Swap, SwapPlan
 from tidalplan.simulate import simulate
 from tidalplan.validate import InvalidSwapPlan
 
-from .iterations import build
+from .iterations import paged_pair
 
 PAGE = 1024
 ROOT = Path(__file__).resolve().parents[2]
 
-# W (persistent, 4 pages) and V (persistent, small); A (2 pages) lives over [0, 4), C (3000
-# bytes: 3 pages wasting 2.4%) over [5, 9); B (1000 bytes, under a page) over [1, 7).
-#   t0 a A   t1 a B   t2 f1 W A >B   t3 o   t4 f A   t5 a C   t6 f2 B >C   t7 f B   t8 f3 W C V
-#   t9 f C
-SMALL = build(
-    [
-        "a A 2048",
-        "a B 1000",
-        "o f1 100 W A >B",
-        "o g 100",
-        "f A",
-        "a C 3000",
-        "o f2 100 B >C",
-        "f B",
-        "o f3 100 W C V",
-        "f C",
-    ],
-    {"W": 4096, "V": 100},
-)
+SMALL = paged_pair()  # its blocks and ticks: tests/unit/iterations.py
 
 
 def mapped_by_ticks(it: Iteration) -> list[int]:

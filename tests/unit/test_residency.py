@@ -19,7 +19,7 @@ from tidalplan import paged
 from tidalplan.model import Swap, SwapPlan
 from tidalplan.simulate import simulate
 
-from .iterations import build
+from .iterations import paged_pair
 
 PAGE = mmap.PAGESIZE * 4
 FRAMES = 8
@@ -202,27 +202,7 @@ def test_run_as_the_planner_counted_it_the_pages_match_its_count(
     """A plan's layout and schedule, executed event by event: the mapped bytes after every
     tick are what `validate_pages` counts for that tick, and never above the limit."""
     r, _, _, _ = parts
-    it = build(
-        [
-            "a A 2048",
-            "a B 1000",
-            "o f1 100 W A >B",
-            "o g 100",
-            "f A",
-            "a C 3000",
-            "o f2 100 B >C",
-            "f B",
-            "o f3 100 W C V",
-            "f C",
-        ],
-        {"W": 4096, "V": 100},
-    )
-    scale = PAGE // 1024  # the iteration in pages of 1 KiB, run in pages of PAGE
-    it = paged.dataclasses.replace(
-        it,
-        blocks=tuple(paged.dataclasses.replace(b, size=b.size * scale) for b in it.blocks),
-        persistent=tuple((pid, size * scale) for pid, size in it.persistent),
-    )
+    it = paged_pair(PAGE // 1024)  # the paged tests' iteration, in pages of PAGE
     lay = paged.layout(it, PAGE, max_waste=0.05)
     limit = (4 + 3 + 1) * PAGE
     plan = SwapPlan((Swap(block=0, out_after=Tick(2), in_before=Tick(8), persistent=True),))
