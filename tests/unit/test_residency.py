@@ -150,8 +150,10 @@ def test_back_before_its_copy_out_ends_it_just_stays(
     gate = Gate(out)
     gates.append(gate)
     assert r.evict(1)
+    with pytest.raises(ValueError, match="block 1 is leaving: restore it first"):
+        r.ready(1)
     assert r.restore(1)  # still leaving: nothing to copy in
-    assert r.where(1) == DEVICE and r.in_bytes == 0
+    assert r.where(1) == DEVICE and r.in_bytes == 0 and r.ready(1) is None
     gate.open()
     r.close()
     assert r.where(1) == DEVICE and r.mapped_bytes == PAGE and read(r, 0, PAGE) == data

@@ -200,10 +200,12 @@ class Residency:
         return True
 
     def ready(self, key: int) -> Completion | None:
-        """The event an op using block `key` waits on (its copy in), None when it is there."""
+        """The event an op using block `key` waits on (its copy in), None when it is there. A
+        block on the host or still leaving must be restored first: an op that wrote a leaving
+        block would lose the write when its pages go."""
         h = self._held[key]
-        if h.where == HOST:
-            raise ValueError(f"block {key} is on the host: restore it first")
+        if h.where in (HOST, LEAVING):
+            raise ValueError(f"block {key} is {h.where}: restore it first")
         return h.event if h.where == ARRIVING else None
 
     # -- completions -----------------------------------------------------------------------
