@@ -1,6 +1,6 @@
 """A plan on the wire: a `placed.Plan` as the `PlanUpdate` a session executes, and back.
 
-    placed.Plan ──encode──▶ PlanUpdate (version 2) ──▶ plan cache, session stream
+    placed.Plan ──encode────▶ PlanUpdate (version 2) ──▶ plan cache, session stream
                                   │
                                   └─check─▶ decode ─▶ simulate ─▶ validate_swaps ─▶ split
                                        ─▶ bounds (limit, lease) ─▶ validate (the offsets)
