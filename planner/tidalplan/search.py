@@ -18,13 +18,17 @@ on the device at that op (no candidate that takes it away over the op may be cho
    exclusion rows keep a block's intervals apart and a recomputation's inputs on the device.
    It is solved relaxed and rounded (`_round`), with a swap covering its whole gap or only the
    ticks its copies leave free when the engines are idle, and, up to `_EXACT_COLUMNS` columns,
-   as an integer program at its root node; the greedy engine-aware covers of
+   as an integer program at its root node; with swaps alone, also relaxed with a swap's
+   copies costing per the share of the iteration its gap lasts (`by_span`: long gaps, whose
+   copies have room to pass, first); the greedy engine-aware covers of
    `gap_cover.construct` are added, and every plan is judged by `simulate`.
    A plain start holds every transient block away over its longest gap (`_longest`).
-2. `_Search`: local search from the best, every move judged by `simulate` (the step time, then
-   bytes moved), kept when it shortens the step, in rounds until none does:
+2. `_Search`: local search from each feasible start, best first, while the budget lasts, every
+   move judged by `simulate` (the step time, then bytes moved), kept when it shortens the
+   step, in rounds until none does:
    - retime: swap-ins as late as possible against the simulated timeline less its waits,
-     back to back, latest deadline first;
+     back to back, latest deadline first; with swaps alone, also as early as the plan's
+     bytes allow, in deadline order (`eager`: where the in-engine is the bottleneck);
    - repair (an infeasible plan): add the column that holds the most bytes per cost over the
      tick where it got stuck;
    - exchange: a swap for a recomputation of the same gap, a recomputation for another of it
@@ -420,10 +424,17 @@ def _round(
 
 
 def cover(
-    cands: _Candidates, tl: _Timeline, weight: float, with_copies: bool, exact: bool
+    cands: _Candidates,
+    tl: _Timeline,
+    weight: float,
+    with_copies: bool,
+    exact: bool,
+    by_span: bool = False,
 ) -> _Choice | None:
     """The cheapest columns whose bytes hold every tick's excess (see the module's docstring);
-    None when HiGHS finds none within its node limit."""
+    None when HiGHS finds none within its node limit. `by_span`: a swap's copies cost per the
+    share of the iteration its gap lasts (the fewest copy seconds per bytes-time away), so
+    that long gaps, whose copies have the most room to pass, are preferred."""
     n = tl.ticks
     every = cands.gaps
     a = np.array([g.a for g in every], np.int64)
@@ -431,6 +442,9 @@ def cover(
     wraps = c <= a
     size = np.array([g.size for g in every], np.int64)
     copies = np.array([g.out_ns + g.in_ns for g in every], np.float64)
+    if by_span:
+        span = tl.start[c] - tl.end_of[a] + np.where(wraps, tl.total, 0)
+        copies = copies * tl.total / np.maximum(span, 1)
     if with_copies:
         ideal = [_ideal_span(tl, g) for g in every]
         lo = np.array([s[0] for s in ideal], np.int64)
@@ -573,7 +587,8 @@ class _Search:
             self.dur[op.tick] = op.duration_ns
         self.spent = 0
         self.progress = progress
-        self.best: tuple[Key, _Choice, Result] | None = None
+        self.best: tuple[Key, _Choice, Result] | None = None  # where the moves start
+        self.top: tuple[Key, _Choice, Result] | None = None  # the best of every start's
         self.seen: dict[_Choice, Key] = {}
 
     def _columns(self, tl: _Timeline) -> None:
@@ -664,7 +679,13 @@ class _Search:
         self.seen[choice] = key
         if self.best is None or key < self.best[0]:
             self.best = (key, choice, r)
+        if self.top is None or key < self.top[0]:
+            self.top = (key, choice, r)
         return key, r
+
+    def restart(self, start: tuple[Key, _Choice, Result]) -> None:
+        """Search on from `start`, a judged plan, whatever its key (the best so far is kept)."""
+        self.best = start
 
     def retime(self, choice: _Choice, result: Result) -> _Choice:
         """Swap-ins issued as late as possible against the simulated timeline, back to back,
@@ -692,6 +713,39 @@ class _Search:
             first = 0 if g.wraps else g.a + 1
             swaps.append((k, max(min(int(at), g.c), first)))
         return _Choice(tuple(swaps), choice.redos)
+
+    def eager(self, choice: _Choice) -> _Choice:
+        """Swap-ins issued as soon as the plan's bytes allow, in deadline order: each after the
+        last tick of its gap where its block must still be away (the plan's columns, away over
+        their whole gaps, hold less than the excess without it). Where the in-engine, not
+        compute, is the bottleneck, a swap-in that waits for its issue wastes engine time; the
+        simulator holds back one that does not fit yet."""
+        if not choice.swaps:
+            return choice
+        slack = self.away(self.taken(choice)) - self.need
+        n = len(self.need)
+        earliest: list[int] = []
+        for k, _ in choice.swaps:
+            g = self.cands.gaps[k]
+            first = 0 if g.wraps else g.a + 1
+            lo, hi = int(self.lo[k]), int(self.hi[k])
+            ticks = np.arange(lo, hi) if hi > lo else np.r_[lo:n, 0:hi]
+            held = ticks[slack[ticks] < self.size[k]]
+            if not len(held):
+                earliest.append(first)
+            elif g.wraps and held[-1] >= lo:  # still held before the boundary: from tick 0
+                earliest.append(0)
+            else:
+                earliest.append(min(int(held[-1]) + 1, int(g.c)))
+        deadline = [int(self.cands.gaps[k].c) for k, _ in choice.swaps]
+        order = sorted(range(len(deadline)), key=lambda i: (deadline[i], i))
+        at = [0] * len(deadline)
+        latest = 0
+        for i in order:
+            latest = max(latest, earliest[i])
+            at[i] = min(latest, deadline[i])
+        swaps = tuple((k, t) for (k, _), t in zip(choice.swaps, at, strict=True))
+        return _Choice(swaps, choice.redos)
 
     def taken(self, choice: _Choice) -> set[int]:
         """The columns of `choice`."""
@@ -880,12 +934,16 @@ class _Search:
 
     def improve(self) -> None:
         """Local search from the best plan until the budget is spent or no round of moves
-        helps: re-time, repair, exchange, drop, nudge (see the module's docstring)."""
+        helps: re-time (late, and with swaps alone early: `eager`; an early swap-in would hold
+        bytes a rebuild waits for), repair, exchange, drop, nudge (see the module's
+        docstring)."""
         assert self.best is not None
         while self.left():
             key, choice, result = self.best
             if key[0] == 0:
                 self.judge(self.retime(choice, result))
+                if self.left() and not self.cands.redo:
+                    self.judge(self.eager(choice))
             for move in (self.repair, self.exchange, self.shift, self.drop, self.nudge):
                 if not self.left():
                     break
@@ -935,15 +993,31 @@ def search(
         made = cover(cands, tl, weight, with_copies, exact)
         if made is not None:
             starts.append(made)
+    # With swaps alone, covers that prefer long gaps (their copies pass where the engines are
+    # free); a recomputation's cost is its writers' time, on no such scale.
+    for with_copies in (False, True) if not recompute else ():
+        made = cover(cands, tl, 1.0, with_copies, False, by_span=True)
+        if made is not None:
+            starts.append(made)
     for rule in RULES:
         starts.append(_from_plan(cands, construct(it, limit, out_gbps, in_gbps, rule)))
     starts.append(_longest(cands))
+    judged: list[tuple[Key, _Choice, Result]] = []
     for choice in starts:
         if s.left():
-            s.judge(choice)
-    if s.best is None:
+            key, result = s.judge(choice)
+            if result is not None:
+                judged.append((key, choice, result))
+    if s.top is None:
         return SwapPlan()
-    s.improve()
+    # Local search from every feasible start, best first, while the budget lasts: the moves
+    # end in a local optimum near where they begin, and the starts differ in kind.
+    judged.sort(key=lambda j: j[0])
+    for n, start in enumerate(judged):
+        if n and (not s.left() or start[0][0] != 0):
+            break
+        s.restart(start)
+        s.improve()
     if progress is not None:
         progress(1.0)
-    return s.best[1].plan(cands)
+    return s.top[1].plan(cands)

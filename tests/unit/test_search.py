@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 from tidalcore.units import Tick
 from tidalplan.autoswap import load, load_min
+from tidalplan.gap_cover import _Timeline
 from tidalplan.model import Iteration, Recompute, Swap, SwapPlan
 from tidalplan.policies import plans
-from tidalplan.search import _Candidates, _Choice, _longest, _Search, search
+from tidalplan.search import _Candidates, _Choice, _longest, _Search, cover, search
 from tidalplan.simulate import no_limit, simulate
 from tidalplan.validate import validate_swaps
 
@@ -295,3 +296,64 @@ def test_on_a_model_trace_no_slower_than_the_baselines(vgg: Iteration, fraction:
     for name, plan in plans(vgg, ["autoswap-swdoa", "vdnn-dyn"], limit, 25.0, 25.0).items():
         r = simulate(vgg, plan, limit, 25.0, 25.0)
         assert not r.feasible or step <= r.iteration_ns, name
+
+
+def test_eager_issues_a_swap_in_once_the_peak_has_passed() -> None:
+    # A (1000 bytes, 1000 ns each way) is out for B's op; 600 ns of compute lie between B's
+    # free and A's use, less than the copy. Issued by default at op 6, op 7 waits 700 ns;
+    # as late as the copy allows it would start before B's malloc and hold its bytes. Issued
+    # at B's free (tick 4) the copy starts there and op 7 waits 400 ns.
+    it = build(
+        [
+            "a A 1000",  # 0
+            "o 100 >A",  # 1
+            "a B 1000",  # 2
+            "o 100 >B",  # 3
+            "f B",  # 4
+            "o 300",  # 5
+            "o 300",  # 6
+            "o 100 A",  # 7
+            "f A",  # 8
+        ]
+    )
+    s = _searcher(it, 1000, 1.0)
+    k = _column(s, 0, 1, 7)
+    s.judge(_Choice(((k, None),), ()))
+    assert _best(s)[1] == 2600
+    s.judge(s.eager(s.current()[1]))
+    feasible, step, plan = _best(s)
+    assert feasible and step == 2300
+    assert plan.swaps == (Swap(0, Tick(1), Tick(7), Tick(4)),)
+
+
+def test_the_span_weighted_cover_prefers_the_longer_gap() -> None:
+    # A's and C's gaps both span B's malloc; C's larger copies cost less a byte, so the plain
+    # cover takes C, whose gap holds 30 ns of compute; A's holds 10,030.
+    it = build(
+        [
+            "a A 1000",  # 0
+            "o 5000 >A",  # 1
+            "o 10000",  # 2
+            "a C 1100",  # 3
+            "o 10 >C",  # 4
+            "a B 1000",  # 5
+            "o 10 >B",  # 6
+            "f B",  # 7
+            "o 10 C",  # 8
+            "f C",  # 9
+            "o 10000",  # 10
+            "o 10 A",  # 11
+            "f A",  # 12
+        ]
+    )
+    cands = _Candidates(it, 1.0, 1.0, ())
+    tl = _Timeline(it, 2100)
+    plain = cover(cands, tl, 1.0, False, False)
+    made = cover(cands, tl, 1.0, False, False, by_span=True)
+    assert plain is not None and made is not None and made.redos == ()
+    assert [(cands.gaps[k].block, cands.gaps[k].a, cands.gaps[k].c) for k, _ in plain.swaps] == [
+        (1, 4, 8)
+    ]
+    assert [(cands.gaps[k].block, cands.gaps[k].a, cands.gaps[k].c) for k, _ in made.swaps] == [
+        (0, 1, 11)
+    ]
