@@ -656,10 +656,13 @@ class _Search:
         return self.best
 
     def attempt(self, trial: _Choice) -> Key:
-        """Judge `trial`, and when it is feasible with swaps, its swap-ins re-timed."""
+        """Judge `trial`, and when it is feasible with swaps, its swap-ins re-timed (late, and
+        with swaps alone early)."""
         key, result = self.judge(trial)
         if result is not None and key[0] == 0 and trial.swaps and self.left():
             key = min(key, self.judge(self.retime(trial, result))[0])
+            if self.left() and not self.cands.redo:
+                key = min(key, self.judge(self.eager(trial))[0])
         return key
 
     def judge(self, choice: _Choice) -> tuple[Key, Result | None]:
