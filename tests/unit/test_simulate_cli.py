@@ -117,12 +117,21 @@ def test_bad_inputs_are_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 
 
 def test_the_daemon_row_is_the_plan_the_daemon_sends(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from tidalcore.units import Bytes
     from tidaloffline.simulate_command import load
+    from tidalplan import placed, placement
+    from tidalplan.model import Placement, Problem
     from tidalpoold.plan_worker import Planned, PlanWorker
     from tidalpoold.settings import Settings
+
+    def first_greedy(problem: Problem, time_limit_s: float = 0.0) -> Placement:
+        """The placement with no time for search: the same on a loaded machine as on an idle
+        one, so that both plans below are placed alike."""
+        return placement.solve(problem, time_limit_s=0.0)
+
+    monkeypatch.setattr(placed, "solve", first_greedy)
 
     trace = Path(__file__).resolve().parents[2] / "traces" / "resnet18.b8.trace.csv"
     argv = ["simulate", str(trace), "--limit", "0.7", "--bandwidth", "12", "--json"]
