@@ -77,9 +77,20 @@ class Residency:
     def _mapped(self) -> None:
         self.peak_mapped_bytes = max(self.peak_mapped_bytes, self.mapped_bytes)
 
-    def _span(self, h: _Held) -> tuple[int, int]:
-        """The first page and the page count an owning block maps."""
-        return h.offset // self.page, -(-h.size // self.page)
+    def _map_own(self, h: _Held) -> bool:
+        """Map free pages beneath owning block `h`'s whole pages; False when too few are free."""
+        got = self._frames.take(-(-h.size // self.page))
+        if got is None:
+            return False
+        self.space.map(h.offset, got)
+        h.frames = got
+        return True
+
+    def _unmap_own(self, h: _Held) -> None:
+        """Unmap owning block `h`'s pages and give their frames back."""
+        self.space.unmap(h.offset, len(h.frames))
+        self._frames.give(h.frames)
+        h.frames = []
 
     def where(self, key: int) -> str:
         return self._held[key].where
@@ -96,12 +107,8 @@ class Residency:
         if owning:
             if offset % self.page:
                 raise ValueError(f"block {key}: a page-owning block at {offset}, not on a page")
-            first, count = self._span(h)
-            got = self._frames.take(count)
-            if got is None:
+            if not self._map_own(h):
                 return False
-            self.space.map(first * self.page, got)
-            h.frames = got
         else:
             first = offset // self.page
             pages = range(first, (offset + size - 1) // self.page + 1)
@@ -134,10 +141,7 @@ class Residency:
             h.host = -1
         if h.owning:
             if h.frames:
-                first, count = self._span(h)
-                self.space.unmap(first * self.page, count)
-                self._frames.give(h.frames)
-                h.frames = []
+                self._unmap_own(h)
             return
         for p in range(h.offset // self.page, (h.offset + h.size - 1) // self.page + 1):
             count, frame = self._packed[p]
@@ -184,13 +188,9 @@ class Residency:
             return True
         if h.where != HOST:
             raise ValueError(f"block {key} is {h.where}, not on the host")
-        first, count = self._span(h)
-        got = self._frames.take(count)
-        if got is None:
+        if not self._map_own(h):
             return False
-        self.space.map(first * self.page, got)
-        h.frames = got
-        nbytes = count * self.page
+        nbytes = len(h.frames) * self.page
         self._in.copy(self.space.address + h.offset, self._host_address + h.host, nbytes)
         h.where, h.event = ARRIVING, self._in.record()
         self._flights.append((key, h))
@@ -233,10 +233,8 @@ class Residency:
         if h.dropped:
             self._let_go(h)
         elif h.where == LEAVING:  # out and still away: the pages go
-            first, count = self._span(h)
-            self.space.unmap(first * self.page, count)
-            self._frames.give(h.frames)
-            h.frames, h.where = [], HOST
+            self._unmap_own(h)
+            h.where = HOST
         else:  # in, or out but kept: the host copy goes
             self._host.release(h.host)
             h.host, h.where = -1, DEVICE
