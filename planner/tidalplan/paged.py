@@ -77,6 +77,10 @@ class Layout:
     packed_start: int  # whole pages
     length: int  # the range: whole pages
     solver: str  # what placed the page-owning transient blocks
+    # Where the transient blocks' part of the range begins (whole pages): 0, or, for persistent
+    # blocks a session placed itself (`layout(persistent_at=)`), past all of their pages. A
+    # session may put that part at any page-aligned address past what it placed before.
+    region_start: int = 0
 
 
 def pages_of(size: int, page: int) -> int:
@@ -112,20 +116,53 @@ def _placed(
     return offsets, int(placement.height), placement.solver
 
 
+def _given(
+    it: Iteration, page: int, persistent_at: Sequence[tuple[int, bool]]
+) -> tuple[list[int], tuple[bool, ...], int]:
+    """The addresses and page ownership of `it`'s persistent blocks as a session placed them,
+    checked, and the first whole page past them all."""
+    if len(persistent_at) != len(it.persistent):
+        raise ValueError(
+            f"{len(persistent_at)} persistent addresses for {len(it.persistent)} persistent blocks"
+        )
+    end = 0
+    for (pid, size), (address, own) in zip(it.persistent, persistent_at, strict=True):
+        if address < 0 or (own and (address % page or size < page)):
+            raise ValueError(
+                f"persistent block {pid} ({size} bytes) at {address} cannot"
+                f" {'own pages' if own else 'lie'} there with pages of {page} bytes"
+            )
+        end = max(end, address + (pages_of(size, page) if own else size))
+    return [a for a, _ in persistent_at], tuple(o for _, o in persistent_at), align_up(end, page)
+
+
 def layout(
-    it: Iteration, page: int = PAGE, max_waste: float = MAX_WASTE, time_limit_s: float = 2.0
+    it: Iteration,
+    page: int = PAGE,
+    max_waste: float = MAX_WASTE,
+    time_limit_s: float = 2.0,
+    persistent_at: Sequence[tuple[int, bool]] | None = None,
 ) -> Layout:
-    """Lay `it` out in a virtual range of pages of `page` bytes (see the module doc)."""
+    """Lay `it` out in a virtual range of pages of `page` bytes (see the module doc).
+
+    `persistent_at`: per persistent block, the address and page ownership a session already
+    gave it (a block keeps its address for life, and persistent blocks are allocated before
+    any plan); the transient blocks are then laid out past them, from `region_start`, in
+    pages of their own."""
     if page < ALIGNMENT or page % ALIGNMENT:
         raise ValueError(f"page of {page} bytes is not a positive multiple of {ALIGNMENT}")
     owning = tuple(owns_pages(b.size, page, max_waste) for b in it.blocks)
-    persistent_owning = tuple(owns_pages(size, page, max_waste) for _, size in it.persistent)
-    address = 0
-    persistent = [0] * len(it.persistent)
-    for k, (_, size) in enumerate(it.persistent):
-        if persistent_owning[k]:
-            persistent[k] = address
-            address += pages_of(size, page)
+    if persistent_at is not None:
+        persistent, persistent_owning, address = _given(it, page, persistent_at)
+    else:
+        persistent_owning = tuple(owns_pages(size, page, max_waste) for _, size in it.persistent)
+        address = 0
+        persistent = [0] * len(it.persistent)
+        for k, (_, size) in enumerate(it.persistent):
+            if persistent_owning[k]:
+                persistent[k] = address
+                address += pages_of(size, page)
+    region_start = address if persistent_at is not None else 0
     own = [i for i, b in enumerate(it.blocks) if owning[i]]
     big, height, solver = _placed(it, own, lambda s: pages_of(s, page), page, time_limit_s)
     addresses = [0] * len(it.blocks)
@@ -133,7 +170,7 @@ def layout(
         addresses[i] = address + off
     packed_start = address = address + height
     for k, (_, size) in enumerate(it.persistent):
-        if not persistent_owning[k]:
+        if not persistent_owning[k] and persistent_at is None:
             persistent[k] = address
             address += align_up(size, ALIGNMENT)
     rest = [i for i, b in enumerate(it.blocks) if not owning[i] and b.size > 0]
@@ -150,6 +187,7 @@ def layout(
         packed_start=packed_start,
         length=align_up(address + packed_height, page),
         solver=solver,
+        region_start=region_start,
     )
 
 
@@ -364,6 +402,7 @@ def plan(
     page: int = PAGE,
     wastes: Sequence[float] = WASTES,
     time_limit_s: float = 2.0,
+    persistent_at: Sequence[tuple[int, bool]] | None = None,
 ) -> PagedPlan:
     """The fastest feasible of `policy`'s plans for `limit` mapped bytes (0: no limit, no
     schedule), one per layout of `wastes` (each a `max_waste`; layouts that give the same
@@ -374,7 +413,7 @@ def plan(
 
     Which blocks should own pages is a trade: rounding to whole pages costs bytes, while a
     packed block can never leave the device. Small wastes suit loose limits (few blocks need to
-    move), larger ones tight limits."""
+    move), larger ones tight limits. `persistent_at`: as `layout`'s."""
     if not wastes:
         raise ValueError("at least one max_waste is needed")
     cap = limit or None
@@ -383,7 +422,7 @@ def plan(
     for waste in [*wastes, LAST_RESORT]:
         if waste == LAST_RESORT and best is not None and best.fits:
             break
-        lay = layout(it, page, waste, time_limit_s)
+        lay = layout(it, page, waste, time_limit_s, persistent_at)
         if (lay.owning, lay.persistent_owning) in seen:
             continue
         seen.add((lay.owning, lay.persistent_owning))

@@ -146,3 +146,26 @@ def test_a_page_that_is_not_whole_alignments_is_refused() -> None:
         paged.layout(SMALL, 1000)
     with pytest.raises(ValueError, match="at least one max_waste"):
         paged.plan(SMALL, daemon_policy, 8192, 1.0, 1.0, page=PAGE, wastes=())
+
+
+def test_persistent_blocks_a_session_placed_keep_their_addresses() -> None:
+    # W owns pages 2-5 and V is packed at 256 bytes into page 0, where the session put them.
+    at = [(2 * PAGE, True), (256, False)]
+    lay = paged.layout(SMALL, PAGE, max_waste=0.05, persistent_at=at)
+    assert lay.persistent_addresses == (2 * PAGE, 256)
+    assert lay.persistent_owning == (True, False)
+    assert lay.region_start == 6 * PAGE  # past W's last page
+    assert lay.addresses[0] == lay.addresses[2] == 6 * PAGE  # A and C, page-owning
+    assert lay.addresses[1] >= lay.packed_start == 9 * PAGE  # B in the transients' packed part
+    pit = paged.paged(SMALL, lay)
+    # V's page 0 all along, plus B's pages while B is live: counted from the addresses.
+    no_swaps = simulate(pit, SwapPlan(), None, 1.0, 1.0)
+    peak = paged.validate_pages(SMALL, lay, SwapPlan(), no_swaps, None)
+    assert peak == max(mapped_by_ticks(pit))
+
+
+def test_persistent_addresses_that_cannot_be_are_refused() -> None:
+    with pytest.raises(ValueError, match="persistent block 1"):  # W owning off a page
+        paged.layout(SMALL, PAGE, persistent_at=[(100, True), (0, False)])
+    with pytest.raises(ValueError, match="2 persistent blocks"):
+        paged.layout(SMALL, PAGE, persistent_at=[(0, True)])

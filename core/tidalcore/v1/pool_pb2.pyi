@@ -26,16 +26,18 @@ EVENT_KIND_OP: EventKind
 EVENT_KIND_ITER: EventKind
 
 class AttachRequest(_message.Message):
-    __slots__ = ("client_version", "pid", "swap_limit_bytes", "copy_gbps")
+    __slots__ = ("client_version", "pid", "swap_limit_bytes", "copy_gbps", "page_bytes")
     CLIENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     SWAP_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
     COPY_GBPS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     client_version: str
     pid: int
     swap_limit_bytes: int
     copy_gbps: float
-    def __init__(self, client_version: _Optional[str] = ..., pid: _Optional[int] = ..., swap_limit_bytes: _Optional[int] = ..., copy_gbps: _Optional[float] = ...) -> None: ...
+    page_bytes: int
+    def __init__(self, client_version: _Optional[str] = ..., pid: _Optional[int] = ..., swap_limit_bytes: _Optional[int] = ..., copy_gbps: _Optional[float] = ..., page_bytes: _Optional[int] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
     __slots__ = ("session_id", "lease", "heartbeat_interval_ms", "trace_chunk_events")
@@ -107,12 +109,18 @@ class TraceChunk(_message.Message):
     def __init__(self, first_event: _Optional[int] = ..., kinds: _Optional[_Iterable[_Union[EventKind, str]]] = ..., block_ids: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ..., durations_ns: _Optional[_Iterable[int]] = ..., name_ids: _Optional[_Iterable[int]] = ..., new_names: _Optional[_Mapping[int, str]] = ...) -> None: ...
 
 class StepMark(_message.Message):
-    __slots__ = ("iteration", "events_before")
+    __slots__ = ("iteration", "events_before", "live_block_ids", "live_addresses", "live_owning")
     ITERATION_FIELD_NUMBER: _ClassVar[int]
     EVENTS_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    LIVE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    LIVE_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    LIVE_OWNING_FIELD_NUMBER: _ClassVar[int]
     iteration: int
     events_before: int
-    def __init__(self, iteration: _Optional[int] = ..., events_before: _Optional[int] = ...) -> None: ...
+    live_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    live_addresses: _containers.RepeatedScalarFieldContainer[int]
+    live_owning: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, iteration: _Optional[int] = ..., events_before: _Optional[int] = ..., live_block_ids: _Optional[_Iterable[int]] = ..., live_addresses: _Optional[_Iterable[int]] = ..., live_owning: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class ServerMessage(_message.Message):
     __slots__ = ("plan", "quota", "error", "goodbye", "unplanned")
@@ -129,7 +137,7 @@ class ServerMessage(_message.Message):
     def __init__(self, plan: _Optional[_Union[PlanUpdate, _Mapping]] = ..., quota: _Optional[_Union[QuotaChange, _Mapping]] = ..., error: _Optional[_Union[SessionError, _Mapping]] = ..., goodbye: _Optional[_Union[Goodbye, _Mapping]] = ..., unplanned: _Optional[_Union[PlanUnavailable, _Mapping]] = ...) -> None: ...
 
 class PlanUpdate(_message.Message):
-    __slots__ = ("plan_id", "signature", "sizes", "offsets", "height_bytes", "swap_blocks", "swap_persistent", "swap_out_after", "swap_in_at", "swap_in_before", "version", "swap_in_offsets", "recompute_blocks", "recompute_drop_after", "recompute_before", "limit_bytes", "resident_persistent_bytes", "prediction", "swap_in_ticks")
+    __slots__ = ("plan_id", "signature", "sizes", "offsets", "height_bytes", "swap_blocks", "swap_persistent", "swap_out_after", "swap_in_at", "swap_in_before", "version", "swap_in_offsets", "recompute_blocks", "recompute_drop_after", "recompute_before", "limit_bytes", "resident_persistent_bytes", "prediction", "swap_in_ticks", "page_bytes", "addresses", "owning", "region_bytes", "mapped_peak_bytes")
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +157,11 @@ class PlanUpdate(_message.Message):
     RESIDENT_PERSISTENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     PREDICTION_FIELD_NUMBER: _ClassVar[int]
     SWAP_IN_TICKS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    OWNING_FIELD_NUMBER: _ClassVar[int]
+    REGION_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAPPED_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
     plan_id: int
     signature: bytes
     sizes: _containers.RepeatedScalarFieldContainer[int]
@@ -168,7 +181,12 @@ class PlanUpdate(_message.Message):
     resident_persistent_bytes: int
     prediction: PlanPrediction
     swap_in_ticks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, plan_id: _Optional[int] = ..., signature: _Optional[bytes] = ..., sizes: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., height_bytes: _Optional[int] = ..., swap_blocks: _Optional[_Iterable[int]] = ..., swap_persistent: _Optional[_Iterable[bool]] = ..., swap_out_after: _Optional[_Iterable[int]] = ..., swap_in_at: _Optional[_Iterable[int]] = ..., swap_in_before: _Optional[_Iterable[int]] = ..., version: _Optional[int] = ..., swap_in_offsets: _Optional[_Iterable[int]] = ..., recompute_blocks: _Optional[_Iterable[int]] = ..., recompute_drop_after: _Optional[_Iterable[int]] = ..., recompute_before: _Optional[_Iterable[int]] = ..., limit_bytes: _Optional[int] = ..., resident_persistent_bytes: _Optional[int] = ..., prediction: _Optional[_Union[PlanPrediction, _Mapping]] = ..., swap_in_ticks: _Optional[_Iterable[int]] = ...) -> None: ...
+    page_bytes: int
+    addresses: _containers.RepeatedScalarFieldContainer[int]
+    owning: _containers.RepeatedScalarFieldContainer[bool]
+    region_bytes: int
+    mapped_peak_bytes: int
+    def __init__(self, plan_id: _Optional[int] = ..., signature: _Optional[bytes] = ..., sizes: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., height_bytes: _Optional[int] = ..., swap_blocks: _Optional[_Iterable[int]] = ..., swap_persistent: _Optional[_Iterable[bool]] = ..., swap_out_after: _Optional[_Iterable[int]] = ..., swap_in_at: _Optional[_Iterable[int]] = ..., swap_in_before: _Optional[_Iterable[int]] = ..., version: _Optional[int] = ..., swap_in_offsets: _Optional[_Iterable[int]] = ..., recompute_blocks: _Optional[_Iterable[int]] = ..., recompute_drop_after: _Optional[_Iterable[int]] = ..., recompute_before: _Optional[_Iterable[int]] = ..., limit_bytes: _Optional[int] = ..., resident_persistent_bytes: _Optional[int] = ..., prediction: _Optional[_Union[PlanPrediction, _Mapping]] = ..., swap_in_ticks: _Optional[_Iterable[int]] = ..., page_bytes: _Optional[int] = ..., addresses: _Optional[_Iterable[int]] = ..., owning: _Optional[_Iterable[bool]] = ..., region_bytes: _Optional[int] = ..., mapped_peak_bytes: _Optional[int] = ...) -> None: ...
 
 class PlanPrediction(_message.Message):
     __slots__ = ("step_ns", "baseline_ns", "out_bytes", "in_bytes", "stall_ns", "peak_bytes", "footprint_bytes", "copy_gbps")
