@@ -68,8 +68,11 @@ class Connection:
         self.goodbye: pool_pb2.Goodbye | None = None  # how the daemon ended the session
         self.errors: list[pool_pb2.SessionError] = []  # messages the daemon refused
 
-    def attach(self, swap_limit: int | None, copy_gbps: float | None) -> pool_pb2.AttachResponse:
-        """Confirm the lease (AttachError when the daemon refuses), then open the stream."""
+    def attach(
+        self, swap_limit: int | None, copy_gbps: float | None, page_bytes: int = 0
+    ) -> pool_pb2.AttachResponse:
+        """Confirm the lease (AttachError when the daemon refuses), then open the stream;
+        `page_bytes` > 0: the session is paged (virtual residency)."""
         try:
             reply: pool_pb2.AttachResponse = self._stub.Attach(
                 pool_pb2.AttachRequest(
@@ -77,6 +80,7 @@ class Connection:
                     pid=os.getpid(),
                     swap_limit_bytes=swap_limit or 0,
                     copy_gbps=copy_gbps or 0.0,
+                    page_bytes=page_bytes,
                 ),
                 metadata=self._metadata,
                 timeout=10,

@@ -165,8 +165,21 @@ class Recompute:
     before: int
 
 
-VERSION = 2
+VERSION = 3
 """The newest `PlanUpdate.version` this client knows (see pool.proto's version rule)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Paging:
+    """A version-3 plan's virtual residency: every allocation keeps one address for life.
+    `table`'s offsets are then the allocations' addresses in the plan's region (`region_bytes`
+    long, whole pages of `page` bytes); `owning[i]`: allocation i has whole pages of its own
+    (only such blocks move); `mapped_peak`: the most bytes the planner counted mapped."""
+
+    page: int
+    owning: tuple[bool, ...]
+    region_bytes: int
+    mapped_peak: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +197,7 @@ class Plan:
     version: int = 1
     limit: int = 0  # the device bytes the plan was made to fit (0: no swap limit)
     prediction: Prediction | None = None
+    paging: Paging | None = None  # version 3: the table's offsets are addresses for life
 
     @property
     def plan_id(self) -> int:
@@ -201,9 +215,19 @@ def decode(update: pool_pb2.PlanUpdate, alignment: int = ALIGNMENT) -> Plan:
     left out, and the placement is kept; so are swap-in offsets that do not match the
     schedule (the swap-ins are then placed here). Fields of a version newer than `VERSION`
     are not read (the version rule: they only add to what the known ones say)."""
-    table = PlanTable.build(
-        update.plan_id, list(update.sizes), list(update.offsets), update.height_bytes, alignment
-    )
+    paging = _paging(update) if update.version >= 3 and update.page_bytes else None
+    if paging is not None:
+        table = PlanTable.build(
+            update.plan_id,
+            list(update.sizes),
+            list(update.addresses),
+            paging.region_bytes,
+            alignment,
+        )
+    else:
+        table = PlanTable.build(
+            update.plan_id, list(update.sizes), list(update.offsets), update.height_bytes, alignment
+        )
     swaps = _swaps(update)
     offsets: tuple[int, ...] = tuple(update.swap_in_offsets)
     if offsets and (
@@ -247,7 +271,31 @@ def decode(update: pool_pb2.PlanUpdate, alignment: int = ALIGNMENT) -> Plan:
         update.version or 1,
         update.limit_bytes,
         prediction,
+        paging,
     )
+
+
+def _paging(update: pool_pb2.PlanUpdate) -> Paging:
+    """The virtual residency of a version-3 update; PlanRejected for one no session can run."""
+    page, region = update.page_bytes, update.region_bytes
+    sizes, addresses, owning = update.sizes, update.addresses, update.owning
+    if page % ALIGNMENT or page & (page - 1) or region % page:
+        raise PlanRejected(
+            f"plan {update.plan_id}: a page of {page} bytes (a power of two, a multiple of"
+            f" {ALIGNMENT}) and a region of {region} bytes (whole pages)"
+        )
+    if not len(sizes) == len(addresses) == len(owning):
+        raise PlanRejected(
+            f"plan {update.plan_id}: {len(sizes)} sizes, {len(addresses)} addresses and"
+            f" {len(owning)} owning flags"
+        )
+    for i, (address, own) in enumerate(zip(addresses, owning, strict=True)):
+        if own and address % page:
+            raise PlanRejected(
+                f"plan {update.plan_id}: allocation {i} owns pages but lies at {address},"
+                f" not on a page of {page} bytes"
+            )
+    return Paging(page, tuple(owning), region, update.mapped_peak_bytes)
 
 
 def _swaps(update: pool_pb2.PlanUpdate) -> tuple[ScheduledSwap, ...]:

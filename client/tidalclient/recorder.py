@@ -10,7 +10,7 @@ and hands them to the session stream, followed by any step marks, in order.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from tidalcore.events import ITER
@@ -26,7 +26,7 @@ class TraceSink(Protocol):
         self, kind: int, block_id: int, size: int = 0, duration_ns: int = 0, name_id: int = 0
     ) -> None: ...
 
-    def step(self, iteration: int) -> None: ...
+    def step(self, iteration: int, live: Sequence[tuple[int, int, bool]] = ()) -> None: ...
 
 
 class Recorder:
@@ -74,12 +74,18 @@ class Recorder:
         with self._lock:
             return self.events_sent + len(self._pending)
 
-    def step(self, iteration: int) -> None:
-        """Mark an iteration boundary after every event recorded so far."""
+    def step(self, iteration: int, live: Sequence[tuple[int, int, bool]] = ()) -> None:
+        """Mark an iteration boundary after every event recorded so far; `live`: under
+        virtual residency, every live block as (id, address, owns whole pages)."""
         self.record(ITER, iteration)
+        mark = pool_pb2.StepMark(iteration=iteration)
+        for block_id, address, owning in live:
+            mark.live_block_ids.append(block_id)
+            mark.live_addresses.append(address)
+            mark.live_owning.append(owning)
         with self._lock:
-            before = self.events_sent + len(self._pending)
-            self._steps.append(pool_pb2.StepMark(iteration=iteration, events_before=before))
+            mark.events_before = self.events_sent + len(self._pending)
+            self._steps.append(mark)
         self._wake.set()
 
     def flush(self) -> None:

@@ -38,10 +38,12 @@ from tidalcore.wire import HANDLES_SOCKET
 
 from tidalclient.connection import Connection
 from tidalclient.devices.lease import CudaLease, DeviceLease, HostLease, MappedLease, map_grant
+from tidalclient.devices.pages import CudaPageSpace, Frames, PageSpace, SimPageSpace
 from tidalclient.devices.streams import Stream
-from tidalclient.errors import InvalidBlock, SessionClosed
+from tidalclient.errors import AttachError, InvalidBlock, SessionClosed
 from tidalclient.executors.base import Block, Executor, SwapStats
 from tidalclient.executors.native import NativeExecutor
+from tidalclient.executors.paged import Paged, range_bytes
 from tidalclient.executors.python import PythonExecutor
 from tidalclient.executors.swapping import Swapping
 from tidalclient.handles import Grant, request_lease
@@ -108,6 +110,7 @@ def attach(
     native_device: int | None = None,
     async_compute: bool = False,
     daemon_users: str | None = None,
+    page_bytes: int | str | None = None,
 ) -> Session:
     """Open a session with the daemon of `socket_dir` and map its lease.
 
@@ -128,6 +131,11 @@ def attach(
     `daemon_users`: the users the daemon may run as (comma-separated names or uids), checked
     before anything is sent to it; None: $TIDALPOOL_DAEMON_USERS, else this process's uid and
     the user "tidalpool" (see `handles.request_lease`).
+    `page_bytes` (with `swap_limit`): virtual residency. Every block keeps one address for
+    life in a range the session reserves, and pages of this size move beneath blocks as they
+    are swapped, so a pointer taken once stays valid and the limit counts mapped pages; the
+    daemon's plans for it are paged (executors/paged.py). A multiple of the OS page that divides
+    the lease's chunks (sim), of the VMM granularity (cuda: 2 MiB).
     Raises AttachError when there is no daemon, it runs as a user not accepted, or it
     refuses (wrong uid, pool exhausted, its GPU not visible here).
     """
@@ -143,15 +151,28 @@ def attach(
         raise ValueError("the native allocator does not swap: drop swap_limit and copy_gbps")
     if allocator == "native" and async_compute:
         raise ValueError("async_compute orders Python ops: the native allocator has none")
+    page = parse_size(page_bytes) if page_bytes is not None else 0
+    if page and swap_bytes is None:
+        raise ValueError("page_bytes pages a session under a limit: give swap_limit too")
+    if page and allocator == "native":
+        raise ValueError("the native allocator does not page: drop page_bytes")
     name = job_name or os.environ.get("TIDALPOOL_JOB_NAME") or Path(sys.argv[0] or "python").name
     grant = request_lease(
         directory / HANDLES_SOCKET, device_bytes, host_bytes, name, daemon_users=daemon_users
     )
     try:
         mapped = map_lease(grant, driver)
+        try:
+            space = _page_space(grant, mapped, page) if page else None
+        except BaseException:
+            mapped.device.retire()
+            mapped.host.retire()
+            raise
     finally:
         grant.close()  # the mappings keep the chunks; the fds are no longer needed
     undo: list[Callable[[], None]] = [mapped.device.retire, mapped.host.retire]
+    if space is not None:
+        undo.append(space.retire)
     try:
         native = None
         if allocator == "native":  # before Attach: a device already in use refuses here
@@ -165,7 +186,7 @@ def attach(
             directory, grant.response.session_id, grant.response.token, grant.daemon_uid
         )
         undo.append(connection.close)
-        reply = connection.attach(swap_bytes, copy_gbps)
+        reply = connection.attach(swap_bytes, copy_gbps, page)
         recorder = Recorder(connection.send, chunk_events=reply.trace_chunk_events or 4096)
         undo.append(recorder.close)
         executor: Executor
@@ -176,13 +197,18 @@ def attach(
         if native is not None:
             native.connect(recorder)
             executor = native
+        elif space is not None:
+            assert swap_bytes is not None
+            executor = _paged_executor(mapped, space, recorder, swap_bytes, copy_gbps, compute)
         else:
             executor = _python_executor(mapped, recorder, swap_bytes, copy_gbps, compute)
     except BaseException:
         for step in reversed(undo):
             step()
         raise
-    session = Session(grant.response.session_id, mapped, connection, recorder, executor, compute)
+    session = Session(
+        grant.response.session_id, mapped, connection, recorder, executor, compute, space
+    )
     connection.start(
         on_plan=session._receive_plan,
         on_unplanned=session._receive_unplanned,
@@ -198,6 +224,53 @@ def map_lease(grant: Grant, driver: Driver | None = None) -> MappedLease:
     daemon's backend wants (devices/lease.py); `driver` maps a cuda lease (default: the
     real one)."""
     return map_grant(grant, driver)
+
+
+def _page_space(grant: Grant, mapped: MappedLease, page: int) -> PageSpace:
+    """The virtual range of a paged session over its device lease's chunks (ValueError names
+    a page the lease cannot be cut into)."""
+    chunk = grant.response.lease.device.chunk_bytes
+    length = range_bytes(mapped.device.length, page)
+    if mapped.cuda is None:
+        return SimPageSpace(grant.device_fds, chunk, page, length)
+    from tidalclient.devices.cuda import CudaDeviceMapping
+
+    if not isinstance(mapped.device, CudaDeviceMapping):
+        raise AttachError(
+            f"the cuda daemon shares device memory by {mapped.cuda.mode!r}: paging needs its"
+            " VMM handles (mode vmm)"
+        )
+    return CudaPageSpace(mapped.cuda.driver, mapped.device.handles, chunk, page, length)
+
+
+def _paged_executor(
+    mapped: MappedLease,
+    space: PageSpace,
+    recorder: Recorder,
+    swap_limit: int,
+    copy_gbps: float | None,
+    compute: Callable[[], Any] | None,
+) -> Paged:
+    """Blocks at addresses for life in `space`, at most `swap_limit` bytes of pages mapped."""
+    streams: dict[str, Any] = {} if compute is None else {"compute": compute}
+    if mapped.cuda is not None:
+        from tidalclient.devices.cuda import compute_stream, swap_streams
+
+        driver = mapped.cuda.driver
+        streams = {
+            "streams": lambda _gbps: swap_streams(driver),
+            "compute": compute or compute_stream(driver),
+        }
+    return Paged(
+        space,
+        Frames(mapped.device.length // space.page),
+        host_address=mapped.host.address,
+        host_capacity=mapped.host.length,
+        limit=swap_limit,
+        trace=recorder,
+        gbps=copy_gbps,
+        **streams,
+    )
 
 
 def _compute_stream(mapped: MappedLease) -> Callable[[], Any]:
@@ -260,6 +333,7 @@ class Session:
         recorder: Recorder,
         executor: Executor,
         compute: Callable[[], Any] | None = None,
+        space: PageSpace | None = None,
     ) -> None:
         self.id = session_id
         self.device: DeviceLease = mapped.device
@@ -268,10 +342,17 @@ class Session:
         self.connection = connection
         self.recorder = recorder
         self.executor = executor
+        # Where the executor's offsets count from: the lease, or a paged session's range.
+        self._base = space.address if space is not None else mapped.device.address
+        self._span = space.length if space is not None else mapped.device.length
+        self.page_bytes = space.page if space is not None else 0  # 0: not paged
         self.views: Views
         if mapped.cuda is None:
             assert isinstance(mapped.device, ChunkMapping)  # a sim lease: memfd chunks
-            self.views = HostViews(mapped.device)
+            if isinstance(space, SimPageSpace):
+                self.views = HostViews(space)
+            else:
+                self.views = HostViews(mapped.device)
         else:
             self.views = CudaViews(self, mapped.cuda)
         self.plans_received = 0
@@ -310,9 +391,17 @@ class Session:
 
     def address(self, block: Block) -> int:
         """The block's address in this process now (sim: host memory). With swapping it holds
-        until the block's next swap-out: use `op` to access a block that is not pinned."""
+        until the block's next swap-out: use `op` to access a block that is not pinned. Paged
+        (`page_bytes`), it holds for the block's life, but its bytes are there only inside an
+        op (or pinned)."""
         self._check_open()
-        return self.device.address + self.executor.offset(block)
+        return self._base + self.executor.offset(block)
+
+    @property
+    def addresses(self) -> tuple[int, int]:
+        """Where this session's blocks lie: (start, length) of the device lease's mapping, or
+        of a paged session's range."""
+        return self._base, self._span
 
     def buffer(self, block: Block) -> memoryview:
         """The block's bytes (sim backend), where they are now (see `address`)."""
@@ -389,7 +478,7 @@ class Session:
         blocks = views.blocks_of(items)
         offsets = self.executor.begin_op(blocks)
         record = self.recorder.record
-        base = self.device.address
+        base = self._base
         yielded: list[Any] = []
         for i, (item, block, offset) in enumerate(zip(items, blocks, offsets, strict=True)):
             record(READ if i < len(reads) else WRITE, block.id)

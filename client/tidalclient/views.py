@@ -18,6 +18,7 @@ from tidalcore.chunks import ChunkMapping
 
 from tidalclient import cupy, numpy
 from tidalclient.devices.lease import CudaLease
+from tidalclient.devices.pages import SimPageSpace
 from tidalclient.errors import NotHostMemory
 from tidalclient.executors.base import Block
 
@@ -38,15 +39,16 @@ class Views(Protocol):
         ...
 
     def buffer(self, block: Block, offset: int) -> memoryview:
-        """The block's bytes at lease `offset` (sim only)."""
+        """The block's bytes at `offset` (sim only): in the lease, or in a paged session's
+        range."""
         ...
 
 
 class HostViews:
     """NumPy arrays over a lease mapped in this process's memory (the sim backend)."""
 
-    def __init__(self, device: ChunkMapping) -> None:
-        self._device = device
+    def __init__(self, device: ChunkMapping | SimPageSpace) -> None:
+        self._device = device  # the lease as one mapping, or a paged session's range
 
     def need_host_memory(self, what: str) -> None:
         """The lease is host memory: nothing to refuse."""

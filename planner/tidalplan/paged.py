@@ -36,6 +36,7 @@ import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+from tidalcore.pages import MAX_WASTE, PAGE, owns_pages, pages_of
 from tidalcore.units import ALIGNMENT, Bytes, Tick, align_up
 
 from tidalplan.learn import to_problem
@@ -43,12 +44,6 @@ from tidalplan.model import Iteration, IterBlock, SwapPlan
 from tidalplan.placement import solve
 from tidalplan.simulate import Result, simulate
 from tidalplan.validate import InvalidSwapPlan, validate, validate_swaps
-
-PAGE = Bytes(2 << 20)
-"""The default page: CUDA's VMM allocation granularity on current GPUs (the sim backend's too)."""
-
-MAX_WASTE = 0.05
-"""The most a page-owning block's rounding to whole pages may add, over its size."""
 
 WASTES = (0.02, 0.05, 0.125)
 """The `max_waste`s `plan` tries, keeping the fastest plan."""
@@ -81,16 +76,6 @@ class Layout:
     # blocks a session placed itself (`layout(persistent_at=)`), past all of their pages. A
     # session may put that part at any page-aligned address past what it placed before.
     region_start: int = 0
-
-
-def pages_of(size: int, page: int) -> int:
-    """The bytes of the whole pages a block of `size` bytes maps when it owns its pages."""
-    return align_up(size, page)
-
-
-def owns_pages(size: int, page: int, max_waste: float = MAX_WASTE) -> bool:
-    """A block of `size` bytes gets whole pages of its own (see the module doc)."""
-    return size >= page and pages_of(size, page) - size <= max_waste * size
 
 
 def _placed(

@@ -52,6 +52,10 @@ PLAN_WAIT_AT = 4
 starts after three step marks; a swap plan weighs every policy and takes about a second)."""
 PLAN_WAIT_S = 15.0
 
+SIM_PAGE = 64 << 10
+"""The page of a demo session under a limit on sim: the demo network's blocks are under the
+cuda page of 2 MiB (they would all share pages, and none could move)."""
+
 
 def _await_plan(session: Session, timeout_s: float) -> None:
     """Block until a plan has arrived, the daemon has said it cannot make one, or
@@ -133,6 +137,7 @@ def run(
     limit: float | None = None,
     copy_gbps: float | None = None,
     backend: str = "sim",
+    page: int | None = None,
 ) -> bool:
     """Run the demo; True when the losses are bit-identical to the same training outside
     tidalpool (plain NumPy on sim, plain CuPy on cuda).
@@ -140,7 +145,8 @@ def run(
     `limit`: swap to keep the device bytes held at or under this fraction of the network's peak
     live bytes; `copy_gbps` throttles the swap copies; `backend`: the daemon to start when none
     answers in `socket_dir`. A `limit` the network cannot train under is a ValueError
-    (`limit_problem`)."""
+    (`limit_problem`). Under a limit the session is paged (virtual residency) with pages of
+    `page` bytes (default: `SIM_PAGE` on sim, the VMM granularity of 2 MiB on cuda)."""
     if limit is not None and (problem := limit_problem(limit)) is not None:
         raise ValueError(problem)
     console = console or Console()
@@ -162,6 +168,8 @@ def run(
         peak = peak_live_bytes()
         lease = align_up(2 * peak, 1 << 20)  # room for best-fit's fragmentation while learning
         swap_limit = None if limit is None else int(limit * peak)
+        if swap_limit is not None and page is None:
+            page = SIM_PAGE if backend == "sim" else 2 << 20
         session = stack.enter_context(
             session_attach(
                 socket_dir,
@@ -170,6 +178,7 @@ def run(
                 job_name="demo",
                 swap_limit=swap_limit,
                 copy_gbps=copy_gbps,
+                page_bytes=page if swap_limit is not None else None,
             )
         )
         baseline: Memory = PlainMemory()
@@ -180,6 +189,7 @@ def run(
             f"session {session.id} ({where}): device lease {format_size(session.device.length)}, "
             f"network peak {format_size(peak)} live"
             + ("" if swap_limit is None else f", swap limit {format_size(swap_limit)} ({limit:g})")
+            + (f", pages of {format_size(session.page_bytes)}" if session.page_bytes else "")
         )
         title = f"training with tidalpool ({where})"
         columns = ["iter", "loss", "mode", "live", "footprint", "plan hits", "misses", "events"]

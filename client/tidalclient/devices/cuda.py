@@ -82,6 +82,11 @@ class CudaDeviceMapping:
             driver.address_free(DevicePtr(self.address), self.length)
             raise
 
+    @property
+    def handles(self) -> tuple[MemHandle, ...]:
+        """The chunks' imported VMM handles, in order (valid until `retire`)."""
+        return tuple(self._handles)
+
     def _chunk(self, k: int) -> DevicePtr:
         return DevicePtr(self.address + k * self.chunk_bytes)
 

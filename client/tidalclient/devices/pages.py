@@ -20,6 +20,7 @@ page offsets with cuMemMap into a cuMemAddressReserve range. Both follow `PageSp
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 from abc import abstractmethod
@@ -304,6 +305,13 @@ class SimPageSpace(_PageTable):
             self._close_fds()
             raise
         super().__init__(address, length, page, len(chunk_fds), chunk_bytes)
+
+    def buffer(self, offset: int, nbytes: int) -> memoryview:
+        """The bytes [offset, offset+nbytes) of the range (their pages must be mapped to be
+        read: an unmapped page faults)."""
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.length:
+            raise ValueError(f"range {offset}+{nbytes} is outside the range of {self.length} bytes")
+        return memoryview((ctypes.c_ubyte * nbytes).from_address(self.address + offset)).cast("B")
 
     def _map_run(self, run: _Run) -> None:
         at, size = self.address + run.page * self.page, run.pages * self.page

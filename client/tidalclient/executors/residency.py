@@ -16,6 +16,11 @@ has completed, unmaps them and gives their frames back (`poll`: never a stall). 
 shares pages with its neighbours; a packed page is mapped while any block on it is live. So the
 mapped bytes here are exactly what `tidalplan.paged.validate_pages` counts for the same layout.
 
+A block freed while compute work that uses it may still run (`drop(after=)`, the compute
+stream's event) keeps its pages mapped until that work is done: its pages are then unmapped by
+`poll`, unless a page-owning block placed at the same pages meanwhile takes them as they are
+(stream order makes that safe). Packed pages simply stay mapped while such a block is on them.
+
 "Does not fit" is a return value: `place` and `restore` return False, changing nothing, when
 the lease has too few free pages; `reclaim` waits for the oldest copy out to free its pages.
 """
@@ -66,6 +71,8 @@ class Residency:
         self._held: dict[int, _Held] = {}
         self._packed: dict[int, tuple[int, int]] = {}  # page index -> (blocks on it, frame)
         self._flights: deque[tuple[int, _Held]] = deque()  # copies in flight, oldest first
+        # Freed blocks whose pages compute work may still use, oldest first.
+        self._freed: deque[tuple[Completion, _Held]] = deque()
         self.peak_mapped_bytes = 0
         self.out_bytes = self.in_bytes = 0
         self.swap_outs = self.swap_ins = 0
@@ -95,6 +102,46 @@ class Residency:
     def where(self, key: int) -> str:
         return self._held[key].where
 
+    def new_pages(self, offset: int, size: int, owning: bool) -> int:
+        """How many pages placing a block of `size` bytes at `offset` would map."""
+        if owning:
+            return 0 if self._reusable(offset, size) is not None else -(-size // self.page)
+        pages = range(offset // self.page, (offset + size - 1) // self.page + 1)
+        return sum(1 for p in pages if p not in self._packed)
+
+    def pages_back(self, key: int) -> int:
+        """How many pages `restore(key)` would map (0 for a block still leaving)."""
+        h = self._held[key]
+        return -(-h.size // self.page) if h.where == HOST else 0
+
+    @property
+    def in_flight(self) -> int:
+        """What `reclaim` can wait for: copies in flight (out and in), and freed blocks whose
+        compute work may still run."""
+        return len(self._flights) + len(self._freed)
+
+    def _reusable(self, offset: int, size: int) -> _Held | None:
+        """A freed page-owning block still mapped at exactly these pages."""
+        pages = -(-size // self.page)
+        for _, f in self._freed:
+            if f.owning and f.offset == offset and len(f.frames) == pages:
+                return f
+        return None
+
+    def _clear(self, offset: int, size: int) -> None:
+        """Let go of the freed page-owning blocks still mapped on [offset, offset + size),
+        once their compute work is done."""
+        end = offset + size
+        for after, f in list(self._freed):
+            if f.owning and f.offset < end and offset < f.offset + len(f.frames) * self.page:
+                after.wait()
+                self._freed.remove((after, f))
+                self._let_go(f)
+
+    @property
+    def host_used_bytes(self) -> int:
+        return self._host.used_bytes
+
     # -- live and dead ---------------------------------------------------------------------
     def place(self, key: int, offset: int, size: int, owning: bool) -> bool:
         """Block `key` becomes live at `offset` (bytes into the range) with pages beneath it;
@@ -107,8 +154,14 @@ class Residency:
         if owning:
             if offset % self.page:
                 raise ValueError(f"block {key}: a page-owning block at {offset}, not on a page")
-            if not self._map_own(h):
-                return False
+            reused = self._reusable(offset, size)
+            if reused is not None:  # its pages, as they are: the new block's work comes after
+                self._freed = deque(x for x in self._freed if x[1] is not reused)
+                h.frames, reused.frames = reused.frames, []
+            else:
+                self._clear(offset, size)
+                if not self._map_own(h):
+                    return False
         else:
             first = offset // self.page
             pages = range(first, (offset + size - 1) // self.page + 1)
@@ -126,12 +179,16 @@ class Residency:
         self._mapped()
         return True
 
-    def drop(self, key: int) -> None:
+    def drop(self, key: int, after: Completion | None = None) -> None:
         """Block `key` is freed: its pages and host bytes go back, at once or, while a copy of
-        it is in flight, once that copy completes (`poll`)."""
+        it is in flight, once that copy completes, or once `after` (the compute work that last
+        used it) has (`poll`)."""
         h = self._held.pop(key)
         if h.event is not None:
             h.dropped = True  # `_land` lets go of it
+            return
+        if after is not None and h.where == DEVICE and not after.query():
+            self._freed.append((after, h))
             return
         self._let_go(h)
 
@@ -216,11 +273,19 @@ class Residency:
         for key, h in list(self._flights):
             if h.event is not None and h.event.query():
                 self._land(key, h)
+        while self._freed and self._freed[0][0].query():
+            self._let_go(self._freed.popleft()[1])
 
     def reclaim(self) -> bool:
-        """Wait for the oldest copy in flight and finish it; False when there is none."""
+        """Wait for the oldest copy in flight and finish it, or else for the oldest freed
+        block's compute work and let go of its pages; False when there is neither."""
         if not self._flights:
-            return False
+            if not self._freed:
+                return False
+            after, h = self._freed.popleft()
+            after.wait()
+            self._let_go(h)
+            return True
         key, h = self._flights[0]
         assert h.event is not None
         h.event.wait()

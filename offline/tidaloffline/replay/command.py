@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import json
 import math
+import mmap
 import shutil
 import sys
 import tempfile
@@ -24,7 +25,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tidalcore.units import align_up, format_size
+from tidalcore.units import align_up, format_size, parse_size
 
 from tidaloffline.replay.compute import Compute, CudaCompute, SimCompute, need_cupy
 from tidaloffline.replay.errors import ReplayError
@@ -44,6 +45,7 @@ MIN_ITERATIONS = LEARNING_ITERATIONS + 2  # the learning ones, the switch, one s
 EXTRA_ITERATIONS = 3  # run beyond N while the session has not switched to the plan
 DEFAULT_PLAN_TIMEOUT_S = 60.0
 CHUNK = 2 << 20  # chunk size of the daemon this command starts
+OS_PAGE = mmap.PAGESIZE
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -87,6 +89,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=None,
         metavar="GBPS",
         help="throttle swap copies to this bandwidth, GB/s (sim; default: memmove speed)",
+    )
+    parser.add_argument(
+        "--page",
+        default=None,
+        metavar="BYTES",
+        help="virtual residency: blocks keep their addresses and pages of this size (e.g."
+        " 64KiB, 2MiB; a power of two dividing the daemon's 2 MiB chunks) move beneath them;"
+        " the limit counts mapped pages (default: a contiguous lease)",
     )
     parser.add_argument(
         "--plan-timeout",
@@ -133,6 +143,16 @@ def _check_options(args: argparse.Namespace) -> None:
         raise InputError("--copy-gbps must be positive")
     if not (math.isfinite(args.plan_timeout) and args.plan_timeout > 0):
         raise InputError("--plan-timeout must be a positive number of seconds")
+    if args.page is not None:
+        try:
+            args.page = parse_size(args.page)
+        except ValueError as e:
+            raise InputError(f"--page: {e}") from None
+        if args.page < OS_PAGE or args.page & (args.page - 1) or CHUNK % args.page:
+            raise InputError(
+                f"--page {args.page} bytes: a power of two from {OS_PAGE} bytes (the OS page)"
+                f" to {format_size(CHUNK)} (the daemon's chunk)"
+            )
 
 
 def lease_bytes(peak: int) -> int:
@@ -172,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
         op_bound_bytes=bound,
         compute_scale=args.compute_scale,
         copy_gbps=args.copy_gbps,
+        page_bytes=args.page or 0,
     )
     say = _say(time.monotonic())
     try:
@@ -246,6 +267,7 @@ def _replay(
             swap_limit=report.limit_bytes,
             copy_gbps=args.copy_gbps,
             async_compute=True,
+            page_bytes=args.page,
         )
     except AttachError as e:
         raise ReplayError(f"the daemon at {directory} refused the session: {e}") from None

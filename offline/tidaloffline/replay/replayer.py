@@ -175,8 +175,8 @@ class Replayer:
     def _op(self, name: str, ns: int, reads: Sequence[_Held], writes: Sequence[_Held]) -> None:
         session = self.session
         where = session.executor.where
-        lo = session.device.address
-        hi = lo + session.device.length
+        lo, span = session.addresses
+        hi = lo + span
         with session.op(
             reads=[h.block for h in reads],
             writes=[h.block for h in writes],

@@ -27,6 +27,7 @@ class Report:
     op_bound_bytes: int
     compute_scale: float
     copy_gbps: float | None
+    page_bytes: int = 0  # virtual residency's page; 0: a contiguous lease
     records: list[Record] = field(default_factory=list)
     plan: dict[str, Any] | None = None
     predicted: dict[str, Any] | None = None
@@ -78,6 +79,7 @@ class Report:
             "op_bound_bytes": self.op_bound_bytes,
             "compute_scale": self.compute_scale,
             "copy_gbps": self.copy_gbps,
+            "page_bytes": self.page_bytes,
             "outcome": self.outcome,
             "plan_unavailable": self.plan_unavailable,
             "iterations": len(self.records),
@@ -105,6 +107,9 @@ def plan_of(session: Session) -> tuple[dict[str, Any] | None, dict[str, Any] | N
         "limit_bytes": plan.limit,
         "swaps": len(plan.swaps),
     }
+    if plan.paging is not None:
+        about["page_bytes"] = plan.paging.page
+        about["mapped_peak_bytes"] = plan.paging.mapped_peak
     p = plan.prediction
     return about, None if p is None else asdict(p)
 
@@ -129,6 +134,7 @@ def render(report: Report, console: Any) -> None:
         f" ({report.limit_bytes / report.peak_bytes:.0%} of the peak"
         f" {format_size(report.peak_bytes)}), compute ×{report.compute_scale:g},"
         f" copies {'unthrottled' if report.copy_gbps is None else f'{report.copy_gbps:g} GB/s'};"
+        + (f" pages of {format_size(report.page_bytes)};" if report.page_bytes else "")
         + (
             f" plan {plan['id']} (version {plan['version']}, {plan['swaps']} swaps)"
             if plan is not None

@@ -1,0 +1,612 @@
+"""Paged: the executor of a session under virtual residency. Every block keeps one address for
+life in a reserved virtual range; under the limit, pages of the lease move beneath the blocks.
+
+    the range (addresses, reserved once)
+    │ page-owning blocks placed  │ packed blocks placed     │ the plan's region: its allocations │
+    │ online (learning, misses)  │ online                   │ at the addresses the plan gave     │
+    0                       quarter                      half                                length
+                 │ pages mapped beneath resident blocks (Residency) │
+    the lease    │ p0 │ p1 │ p2 │ ...                                │  at most `limit` bytes mapped
+
+A block of a page or more whose rounding to whole pages wastes little (`tidalcore.pages.
+owns_pages`) owns whole pages and is the only kind that moves; smaller ones are packed and share
+pages. `limit` counts mapped pages: copies out keep theirs until their event completes.
+
+Learning (no plan): blocks are placed online in the first half of the range, and whenever
+mapping a block's pages would take the mapped bytes over the limit, the least recently used
+page-owning block that no op holds leaves (SuperNeurons' LRU tensor cache), copies out are
+waited for, until it fits. Each `step()` tells the daemon where every live block lies (the
+trace's step mark): a paged plan keeps the persistent ones there.
+
+Planned (a version-3 plan, `plans.Paging`): from the `step()` after `install_plan`, allocation i
+of each iteration lies at the region's start plus the plan's address for it, and the schedule
+runs as the daemon simulated it: block out once op `out_after` ends (its pages go once the copy
+is done, `Residency.poll`), its swap-in issued when op `in_at` begins (as soon as its pages fit
+under the limit, never stalling before op `in_before`), and op `in_before` waits for it. What
+the plan did not foresee (an allocation of another size, a slot still held) is placed online,
+a miss, and the LRU cache makes room when the schedule has not; its traffic is counted apart.
+
+Ops: `begin_op` brings in the op's blocks that are away and waits for their copies (on the host,
+or, with a compute stream, by making that stream wait); `end_op` runs the swap-outs after it.
+Swapped-out blocks keep their addresses: an access to one outside an op faults (sim) rather
+than reading stale bytes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tidalcore.events import ALLOC, FREE
+from tidalcore.pages import MAX_WASTE, owns_pages
+from tidalcore.units import ALIGNMENT, BlockId, Bytes, Offset, align_up
+
+from tidalclient.devices.pages import Frames, PageSpace
+from tidalclient.devices.streams import Completion, CopyStream, Stream
+from tidalclient.errors import InvalidBlock, LeaseExceeded
+from tidalclient.executors.base import (
+    ARRIVING,
+    DEVICE,
+    HOST,
+    LEAVING,
+    Block,
+    ExecutorStats,
+    SwapStats,
+    check_size,
+    describe,
+    executor_ids,
+    size_text,
+)
+from tidalclient.executors.bestfit import BestFit
+from tidalclient.executors.residency import Residency
+from tidalclient.plans import Plan
+from tidalclient.recorder import TraceSink
+
+log = logging.getLogger("tidalpool")
+
+RANGE_PER_LEASE = 16
+"""The range a session reserves, in device leases: a quarter of it for each online part and
+half for a plan's region (addresses cost nothing until pages are mapped beneath them)."""
+
+
+def range_bytes(lease: int, page: int) -> int:
+    """The virtual range reserved for a lease of `lease` bytes, in whole pages."""
+    return align_up(RANGE_PER_LEASE * max(lease, page), 4 * page)
+
+
+@dataclass(slots=True, eq=False)
+class _Live:
+    block: Block
+    owning: bool
+    slot: int = -1  # the plan allocation it is (its address is the plan's), -1: placed online
+    fit: BestFit | None = None  # the online part it was placed in (its bytes go back there)
+    locks: int = 0
+    pinned: bool = False
+
+
+@dataclass(slots=True)
+class _Schedule:
+    """A plan's swaps by op: those out after op k, issued at op k, needed by op k."""
+
+    refs: tuple[tuple[bool, int], ...]  # per swap: (persistent, allocation index or block id)
+    outs_after: dict[int, list[int]]
+    ins_at: dict[int, list[int]]
+    needed_before: dict[int, list[int]]
+
+    @classmethod
+    def of(cls, plan: Plan) -> _Schedule:
+        outs: dict[int, list[int]] = {}
+        ins: dict[int, list[int]] = {}
+        needed: dict[int, list[int]] = {}
+        for j, s in enumerate(plan.swaps):
+            outs.setdefault(s.out_after, []).append(j)
+            ins.setdefault(s.issue_at(), []).append(j)
+            needed.setdefault(s.in_before, []).append(j)
+        return cls(tuple((s.persistent, s.block) for s in plan.swaps), outs, ins, needed)
+
+
+class Paged:
+    """Blocks at addresses for life in `space`, with at most `limit` bytes of the lease's
+    pages (`frames`) mapped beneath them; swapped bytes wait in the host lease at
+    `host_address` (`host_capacity` bytes). `gbps` throttles the sim copy streams;
+    `streams(gbps)` makes the out and in streams instead (cuda); `compute()`, when given, is
+    the stream the ops' work runs on, which copies are ordered against. `trace` gets the
+    allocations, frees and step marks. The executor owns `space` and closes it."""
+
+    def __init__(
+        self,
+        space: PageSpace,
+        frames: Frames,
+        *,
+        host_address: int,
+        host_capacity: int,
+        limit: int,
+        trace: TraceSink | None = None,
+        gbps: float | None = None,
+        streams: Callable[[float | None], tuple[CopyStream, CopyStream]] | None = None,
+        compute: Callable[[], Any] | None = None,
+    ) -> None:
+        page = space.page
+        if page & (page - 1) or page % ALIGNMENT:
+            raise ValueError(f"a page of {page} bytes: not a power of two multiple of {ALIGNMENT}")
+        self._limit_pages = min(limit, frames.count * page) // page
+        if self._limit_pages < 1:
+            raise ValueError(f"a limit of {limit} bytes is under one page of {page} bytes")
+        if space.length % (4 * page):
+            raise ValueError(f"a range of {space.length} bytes is not four parts of whole pages")
+        quarter = space.length // 4
+        self.space = space
+        self.page = page
+        self._session = next(executor_ids)
+        self._own_fit = BestFit(quarter, page)  # at 0
+        self._packed_fit = BestFit(quarter, ALIGNMENT)  # at `quarter`
+        self._packed_base = quarter
+        self._region = 2 * quarter  # the plan's region starts here
+        self._region_bytes = space.length - self._region
+        if streams is None:
+            self._out: CopyStream = Stream("swap-out", gbps)
+            self._in: CopyStream = Stream("swap-in", gbps)
+        else:
+            self._out, self._in = streams(gbps)
+        self._compute = compute
+        self.residency = Residency(space, frames, host_address, host_capacity, self._out, self._in)
+        self._trace = trace
+        self._live: dict[int, _Live] = {}
+        self._lru: OrderedDict[int, _Live] = OrderedDict()  # page-owning, least recent first
+        self._starts: list[int] = []  # the region's live blocks: their addresses, sorted
+        self._ends: dict[int, int] = {}  # address -> end, of the same
+        self._next_id = 1
+        self._iteration = 0
+        self._op_index = 0
+        self._iter_ids: list[int] = []  # this iteration's blocks by allocation index
+        self._pending_plan: Plan | None = None  # from the connection's thread
+        self._plan: Plan | None = None
+        self._schedule: _Schedule | None = None
+        self._waiting_ins: list[int] = []  # swaps issued whose pages did not fit yet
+        self._limit = self._limit_pages * page
+        self.live_bytes = self.peak_live_bytes = 0
+        self.mallocs = self.frees = 0
+        self.plan_hits = self.plan_misses = 0
+        self.planned_out_bytes = self.planned_in_bytes = 0
+        self.schedule_skips = 0
+        self.stall_ns = 0
+        self.plans_refused = 0
+
+    # -- what it is ----------------------------------------------------------------------------
+    @property
+    def session(self) -> int:
+        return self._session
+
+    @property
+    def capacity(self) -> int:
+        return self._limit
+
+    @property
+    def alignment(self) -> int:
+        return ALIGNMENT
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes mapped now (the pages of resident blocks and of copies out in flight)."""
+        return self.residency.mapped_bytes
+
+    @property
+    def largest_free(self) -> int:
+        """Any free pages serve any block: the bytes that may still be mapped."""
+        return self._limit - self.residency.mapped_bytes
+
+    def _mapped_pages(self) -> int:
+        return self.residency.space.mapped_pages
+
+    # -- blocks ------------------------------------------------------------------------------
+    def malloc(self, nbytes: int) -> Block:
+        block = self.try_malloc(nbytes)
+        if block is None:
+            raise LeaseExceeded(
+                f"cannot place {size_text(check_size(nbytes))}: {size_text(self.used_bytes)} are"
+                f" mapped of the limit {size_text(self._limit)}, and no block can leave (every"
+                " page-owning block is held by an op or pinned, or the host lease is full)"
+            )
+        return block
+
+    def try_malloc(self, nbytes: int) -> Block | None:
+        nbytes = check_size(nbytes)
+        self.residency.poll()
+        index = len(self._iter_ids)
+        found = self._planned(index, nbytes)
+        if found is not None:
+            offset, owning, slot = found
+            fit = None
+        else:
+            owning = owns_pages(nbytes, self.page, MAX_WASTE)
+            fit = self._own_fit if owning else self._packed_fit
+            got = fit.allocate(align_up(nbytes, self.page) if owning else nbytes)
+            if got is None:
+                return None  # the range's online part is full: never under a limit
+            offset, slot = got + (0 if owning else self._packed_base), -1
+        block_id = self._next_id
+        if not self._room(self.residency.new_pages(offset, nbytes, owning), block_id):
+            if fit is not None:
+                fit.release(offset - (0 if owning else self._packed_base))
+            return None
+        placed = self.residency.place(block_id, offset, nbytes, owning)
+        assert placed  # `_room` made room
+        self._next_id += 1
+        block = Block(BlockId(block_id), Offset(offset), Bytes(nbytes), self._session)
+        live = _Live(block, owning, slot, fit)
+        self._live[block_id] = live
+        if owning:
+            self._lru[block_id] = live
+        if slot >= 0:
+            self._claim(offset, nbytes)
+            self.plan_hits += 1
+        elif self._plan is not None:
+            self.plan_misses += 1
+        self._iter_ids.append(block_id)
+        self.mallocs += 1
+        self.live_bytes += nbytes
+        self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
+        if self._trace is not None:
+            self._trace.record(ALLOC, block_id, nbytes)
+        self._land_waiting()
+        return block
+
+    def _planned(self, index: int, nbytes: int) -> tuple[int, bool, int] | None:
+        """Where the plan puts allocation `index` of `nbytes`: (offset, owning, slot), or None
+        when there is no plan, it did not foresee this allocation, or its bytes are held."""
+        plan = self._plan
+        if plan is None or plan.paging is None or index >= len(plan.table.sizes):
+            return None
+        if plan.table.sizes[index] != nbytes:
+            return None
+        offset = self._region + plan.table.offsets[index]
+        if self._taken(offset, nbytes):
+            return None
+        return offset, plan.paging.owning[index], index
+
+    def _taken(self, offset: int, nbytes: int) -> bool:
+        """Whether a live block of the region lies on any of [offset, offset + nbytes)."""
+        k = bisect.bisect_left(self._starts, offset + nbytes)
+        return k > 0 and self._ends[self._starts[k - 1]] > offset
+
+    def _claim(self, offset: int, nbytes: int) -> None:
+        bisect.insort(self._starts, offset)
+        self._ends[offset] = offset + nbytes
+
+    def free(self, block: Block) -> None:
+        live = self._live.get(block.id)
+        if block.session != self._session or live is None or live.block != block:
+            raise InvalidBlock(f"{describe(block)} is not live in this session")
+        if live.locks:
+            raise InvalidBlock(f"{describe(block)} is in use by an op")
+        del self._live[block.id]
+        self._lru.pop(block.id, None)
+        # Its pages and host bytes: now, or once its copy or the compute work using it ends.
+        self.residency.drop(block.id, self._after())
+        if live.slot >= 0:
+            self._starts.remove(block.offset)
+            del self._ends[block.offset]
+        elif live.fit is not None:
+            base = 0 if live.owning else self._packed_base
+            live.fit.release(block.offset - base)
+        self.frees += 1
+        self.live_bytes -= block.size
+        if self._trace is not None:
+            self._trace.record(FREE, block.id, 0)
+        self._land_waiting()
+
+    def _entry(self, block: Block) -> _Live:
+        live = self._live.get(block.id)
+        if block.session != self._session or live is None or live.block != block:
+            raise InvalidBlock(f"{describe(block)} is not live in this session")
+        return live
+
+    def pin(self, block: Block) -> None:
+        """Keep the block on the device for good (an array holds its address)."""
+        live = self._entry(block)
+        self._bring([live], on_demand=True)
+        live.locks -= 1
+        live.pinned = True
+        self._lru.pop(block.id, None)
+
+    def offset(self, block: Block) -> int:
+        """The block's address in the range: the same from malloc to free."""
+        return self._entry(block).block.offset
+
+    def where(self, block: Block) -> str:
+        self.residency.poll()
+        return self.residency.where(self._entry(block).block.id)
+
+    def swap_out(self, block: Block) -> bool:
+        """Start copying the block out now; False when it does not own pages, is held by an op
+        or pinned, is not on the device, or the host lease has no room."""
+        live = self._entry(block)
+        if not live.owning or live.locks or live.pinned:
+            return False
+        if self.residency.where(block.id) != DEVICE:
+            return False
+        return self._evict(live)
+
+    def prefetch(self, block: Block) -> None:
+        """Start bringing the block back now when its pages fit under the limit."""
+        live = self._entry(block)
+        if self.residency.where(block.id) in (HOST, LEAVING):
+            self._restore(live, wait=False)
+
+    def vacate(self, block: Block) -> Callable[[], None]:
+        raise TypeError("a paged executor moves pages, not blocks: no adaptor stacks over it")
+
+    def reserve(self, nbytes: int) -> int | None:
+        raise TypeError("a paged executor moves pages, not blocks: no adaptor stacks over it")
+
+    def release(self, offset: int) -> None:
+        raise TypeError("a paged executor moves pages, not blocks: no adaptor stacks over it")
+
+    # -- making room ---------------------------------------------------------------------------
+    def _room(self, pages: int, keep: int = -1) -> bool:
+        """Make the mapped pages plus `pages` fit under the limit: finished copies out give
+        theirs back, then the oldest copy in flight is waited for, then the least recently
+        used page-owning block no op holds leaves (not `keep`). False when nothing can."""
+        res = self.residency
+        while self._mapped_pages() + pages > self._limit_pages:
+            res.poll()
+            if self._mapped_pages() + pages <= self._limit_pages:
+                break
+            if res.in_flight:
+                start = time.perf_counter_ns()
+                res.reclaim()
+                self.stall_ns += time.perf_counter_ns() - start
+                continue
+            victim = next(
+                (
+                    v
+                    for k, v in self._lru.items()
+                    if k != keep and not v.locks and not v.pinned and res.where(k) == DEVICE
+                ),
+                None,
+            )
+            if victim is None or not self._evict(victim):
+                return False
+        return True
+
+    def _after(self) -> Completion | None:
+        """The compute work enqueued so far, which a copy must follow (None: ran on this
+        thread)."""
+        stream = self._compute() if self._compute is not None else None
+        return stream.record() if stream is not None else None
+
+    def _evict(self, live: _Live, planned: bool = False) -> bool:
+        block_id = live.block.id
+        if not self.residency.evict(block_id, self._after()):
+            return False
+        self._lru.pop(block_id, None)
+        if planned:
+            self.planned_out_bytes += align_up(live.block.size, self.page)
+        return True
+
+    def _restore(self, live: _Live, wait: bool, planned: bool = False) -> bool:
+        """Bring a block away back: its pages mapped (making room only when `wait`) and its
+        copy in issued. False when its pages do not fit (and `wait` is False)."""
+        block_id = live.block.id
+        pages = self.residency.pages_back(block_id)
+        if wait:
+            if not self._room(pages, block_id):
+                raise LeaseExceeded(
+                    f"cannot bring back {describe(live.block)}: no room under the limit"
+                    f" {size_text(self._limit)} and no block can leave"
+                )
+        elif self._mapped_pages() + pages > self._limit_pages:
+            self.residency.poll()
+            if self._mapped_pages() + pages > self._limit_pages:
+                return False
+        restored = self.residency.restore(block_id)
+        assert restored
+        if planned and pages:
+            self.planned_in_bytes += pages * self.page
+        if live.owning and not live.pinned:
+            self._lru[block_id] = live
+            self._lru.move_to_end(block_id)
+        return True
+
+    def _bring(self, lives: Sequence[_Live], on_demand: bool) -> None:
+        """Make `lives` resident, locked, and wait for their copies in."""
+        for live in lives:
+            live.locks += 1  # first: bringing one in must not send another out
+        try:
+            for live in lives:
+                if self.residency.where(live.block.id) in (HOST, LEAVING):
+                    self._restore(live, wait=True, planned=not on_demand)
+        except BaseException:
+            for live in lives:
+                live.locks -= 1
+            raise
+        self._wait_for(lives)
+
+    def _wait_for(self, lives: Sequence[_Live]) -> None:
+        stream = self._compute() if self._compute is not None else None
+        for live in lives:
+            event = self.residency.ready(live.block.id)
+            if event is None:
+                continue
+            if stream is not None:
+                stream.wait_event(event)
+            else:
+                start = time.perf_counter_ns()
+                event.wait()
+                self.stall_ns += time.perf_counter_ns() - start
+
+    def _land_waiting(self) -> None:
+        """Issue the scheduled swap-ins that waited for pages, those that fit now."""
+        if not self._waiting_ins or self._schedule is None:
+            return
+        still = []
+        for j in self._waiting_ins:
+            live = self._resolve(j)
+            if live is None or self.residency.where(live.block.id) not in (HOST, LEAVING):
+                continue
+            if not self._restore(live, wait=False, planned=True):
+                still.append(j)
+        self._waiting_ins = still
+
+    def _resolve(self, j: int) -> _Live | None:
+        assert self._schedule is not None
+        persistent, ref = self._schedule.refs[j]
+        if persistent:
+            return self._live.get(ref)
+        ids = self._iter_ids
+        return self._live.get(ids[ref]) if ref < len(ids) else None
+
+    # -- ops ---------------------------------------------------------------------------------
+    def begin_op(self, blocks: Sequence[Block]) -> list[int]:
+        """Hold `blocks` on the device for one op, bringing in and waiting for those away;
+        issue the schedule's swap-ins of this op and wait for those it needs."""
+        lives = [self._entry(b) for b in blocks]
+        self.residency.poll()
+        schedule = self._schedule
+        needed: list[_Live] = []
+        if schedule is not None:
+            k = self._op_index
+            self._land_waiting()
+            for j in schedule.ins_at.get(k, ()):
+                live = self._resolve(j)
+                if live is None or self.residency.where(live.block.id) not in (HOST, LEAVING):
+                    self.schedule_skips += live is None
+                    continue
+                if not self._restore(live, wait=False, planned=True):
+                    self._waiting_ins.append(j)
+            for j in schedule.needed_before.get(k, ()):
+                live = self._resolve(j)
+                if live is None:
+                    self.schedule_skips += 1
+                    continue
+                if j in self._waiting_ins:
+                    self._waiting_ins.remove(j)
+                if self.residency.where(live.block.id) in (HOST, LEAVING):
+                    self._restore(live, wait=True, planned=True)
+                needed.append(live)
+        self._bring(lives, on_demand=True)
+        self._wait_for([n for n in needed if n not in lives])
+        for live in lives:
+            if live.block.id in self._lru:
+                self._lru.move_to_end(live.block.id)
+        return [live.block.offset for live in lives]
+
+    def end_op(self, blocks: Sequence[Block]) -> None:
+        """Release the op's blocks and run the swap-outs after it."""
+        for b in blocks:
+            live = self._live.get(b.id)
+            if live is not None and live.locks:
+                live.locks -= 1
+        schedule = self._schedule
+        if schedule is not None:
+            for j in schedule.outs_after.get(self._op_index, ()):
+                live = self._resolve(j)
+                if live is None or not live.owning or live.locks or live.pinned:
+                    self.schedule_skips += 1
+                    continue
+                where = self.residency.where(live.block.id)
+                if where == ARRIVING:  # still landing: the copy out follows the copy in
+                    event = self.residency.ready(live.block.id)
+                    assert event is not None
+                    event.wait()
+                    self.residency.poll()
+                    where = self.residency.where(live.block.id)
+                if where != DEVICE or not self._evict(live, planned=True):
+                    self.schedule_skips += 1
+        self._op_index += 1
+
+    # -- iterations and plans ----------------------------------------------------------------
+    def install_plan(self, plan: Plan) -> None:
+        """Run this plan from the next `step()` on. Thread-safe: it only replaces a value."""
+        self._pending_plan = plan
+
+    def _usable(self, plan: Plan) -> str | None:
+        """Why this session cannot run `plan`, or None."""
+        paging = plan.paging
+        if paging is None:
+            return "it is not a paged plan (version 3): its offsets are not addresses for life"
+        if paging.page != self.page:
+            return f"its pages are of {paging.page} bytes, this session's of {self.page}"
+        if not 0 < plan.limit <= self._limit:
+            return f"it was made for {plan.limit} bytes, over this session's limit {self._limit}"
+        if paging.region_bytes > self._region_bytes:
+            return (
+                f"its region of {size_text(paging.region_bytes)} is larger than the"
+                f" {size_text(self._region_bytes)} this session reserved for it"
+            )
+        return None
+
+    def step(self) -> int:
+        plan, self._pending_plan = self._pending_plan, None
+        if plan is not None:
+            why = self._usable(plan)
+            if why is not None:
+                self.plans_refused += 1
+                log.warning("tidalpool: plan %d is not run: %s", plan.plan_id, why)
+            else:
+                self._plan = plan
+                self._schedule = _Schedule.of(plan) if plan.swaps else None
+        self.residency.poll()
+        self._waiting_ins.clear()
+        self._op_index = 0
+        self._iter_ids = []
+        self._iteration += 1
+        if self._trace is not None:
+            live = () if self._plan is not None else self.placed()
+            self._trace.step(self._iteration, live)
+        return self._iteration
+
+    def placed(self) -> tuple[tuple[int, int, bool], ...]:
+        """Every live block: (id, address in the range, whether it owns whole pages)."""
+        return tuple((k, v.block.offset, v.owning) for k, v in self._live.items())
+
+    def stats(self) -> ExecutorStats:
+        res = self.residency
+        swapped_out = res.out_bytes
+        swapped_in = res.in_bytes
+        return ExecutorStats(
+            live_bytes=self.live_bytes,
+            peak_live_bytes=self.peak_live_bytes,
+            used_bytes=res.mapped_bytes,
+            live_blocks=len(self._live),
+            mallocs=self.mallocs,
+            frees=self.frees,
+            mode="planned" if self._plan is not None else "learning",
+            plan_hits=self.plan_hits,
+            plan_misses=self.plan_misses,
+            high_water=res.peak_mapped_bytes,
+            swap=SwapStats(
+                limit=self._limit,
+                resident_bytes=res.mapped_bytes,
+                peak_resident_bytes=res.peak_mapped_bytes,
+                swapped_out_bytes=swapped_out,
+                swapped_in_bytes=swapped_in,
+                swap_outs=res.swap_outs,
+                swap_ins=res.swap_ins,
+                stall_ns=self.stall_ns,
+                scheduled_swaps=len(self._schedule.refs) if self._schedule is not None else 0,
+                schedule_skips=self.schedule_skips,
+                host_used_bytes=res.host_used_bytes,
+                planned_out_bytes=self.planned_out_bytes,
+                planned_in_bytes=self.planned_in_bytes,
+                on_demand_out_bytes=swapped_out - self.planned_out_bytes,
+                on_demand_in_bytes=swapped_in - self.planned_in_bytes,
+            ),
+        )
+
+    def synchronize(self) -> None:
+        """Wait for every copy in flight and settle it."""
+        self.residency.close()
+
+    def close(self) -> None:
+        """Finish the copies in flight, stop the streams and retire the range: no page of
+        the lease stays reachable through it. Idempotent."""
+        self.residency.close()
+        self._out.close()
+        self._in.close()
+        self.space.retire()
