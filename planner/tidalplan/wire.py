@@ -5,11 +5,23 @@
                                   └─check─▶ decode ─▶ simulate ─▶ validate_swaps ─▶ split
                                        ─▶ bounds (limit, lease) ─▶ validate (the offsets)
 
+    paged.PagedPlan ──encode_paged──▶ PlanUpdate (version 3) ──▶ plan cache, session stream
+                                           │
+                                           └─check_paged─▶ decode_paged ─▶ Layout (+ the
+                                  session's persistent addresses) ─▶ paged ─▶ simulate
+                                  ─▶ validate_swaps ─▶ validate_pages (the limit)
+
 The schedule travels against the iteration's structure: ops by their index in the iteration,
 transient blocks by their allocation index, persistent blocks by their trace id. The placement
 travels as arena offsets of the plan's pieces (`placed.split`): `offsets[i]` is where
 allocation i's first piece lies (so the version-1 fields alone still place the allocations
 consistently), `swap_in_offsets[j]` where the piece that swap j's swap-in starts lies.
+
+Under virtual residency (version 3, `tidalplan.paged`) every block keeps one address for life:
+the placement travels as `addresses[i]`, bytes from the start of the plan's region (the part of
+the session's range past the persistent blocks it placed itself, `Layout.region_start`), with
+`owning[i]` and the region's length; the persistent blocks' addresses are the session's own
+and do not travel.
 
 A client issues a swap-in when an op begins; `on_ops` makes a schedule say exactly that, and
 only such a schedule is encoded, so that what `check` simulates is what the client runs.
@@ -20,11 +32,13 @@ from __future__ import annotations
 
 import re
 from bisect import bisect_left
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from tidalcore.units import ALIGNMENT, Bytes, Offset, Tick
 from tidalcore.v1 import pool_pb2
 
+from tidalplan import paged
 from tidalplan.learn import signature, to_problem
 from tidalplan.model import Iteration, Placement, Problem, Recompute, Swap, SwapPlan
 from tidalplan.placed import PERSISTENT, SCRATCH, Combined, Plan, split
@@ -34,6 +48,9 @@ from tidalplan.validate import InvalidPlacement, validate, validate_swaps
 
 VERSION = 2
 """The PlanUpdate version `encode` writes and `decode` reads (pool.proto's version rule)."""
+PAGED_VERSION = 3
+"""The PlanUpdate version `encode_paged` writes and `decode_paged` reads: a plan for a session
+under virtual residency, whose blocks keep their addresses (`tidalplan.paged`)."""
 
 
 def on_ops(it: Iteration, schedule: SwapPlan) -> SwapPlan:
@@ -155,6 +172,22 @@ def decode(it: Iteration, update: pool_pb2.PlanUpdate) -> Decoded:
         raise ValueError(f"sizes {list(update.sizes)[:8]}... are not the iteration's allocations")
     if len(update.offsets) != len(sizes):
         raise ValueError(f"{len(update.offsets)} offsets for {len(sizes)} allocations")
+    return Decoded(
+        schedule=_schedule(it, update, "swap_in_offsets"),
+        offsets=tuple(Offset(int(o)) for o in update.offsets),
+        swap_in_offsets=tuple(Offset(int(o)) for o in update.swap_in_offsets),
+        height=Bytes(update.height_bytes),
+        limit=Bytes(update.limit_bytes) if update.limit_bytes else None,
+        resident_persistent=Bytes(update.resident_persistent_bytes),
+        copy_gbps=update.prediction.copy_gbps,
+    )
+
+
+def _schedule(it: Iteration, update: pool_pb2.PlanUpdate, placed_by: str) -> SwapPlan:
+    """The swaps and recomputations `update` carries, on `it`'s ticks; `placed_by`: the column
+    beside the swap columns that must be as long as they are (where each swap-in lands).
+    ValueError names the first value that does not fit `it`."""
+    sizes = len(it.blocks)
     ticks = [op.tick for op in it.ops]
     persistent = {pid: k for k, (pid, _) in enumerate(it.persistent)}
 
@@ -170,14 +203,14 @@ def decode(it: Iteration, update: pool_pb2.PlanUpdate) -> Decoded:
             if value not in persistent:
                 raise ValueError(f"{column}[{k}] = {value}: no persistent block has that id")
             return persistent[value]
-        if not 0 <= value < len(sizes):
-            raise ValueError(f"{column}[{k}] = {value}: the iteration has {len(sizes)} allocations")
+        if not 0 <= value < sizes:
+            raise ValueError(f"{column}[{k}] = {value}: the iteration has {sizes} allocations")
         return value
 
     swap_columns = ("swap_blocks", "swap_persistent", "swap_out_after", "swap_in_at")
     n = len(update.swap_in_before)
-    if {len(getattr(update, c)) for c in (*swap_columns, "swap_in_offsets")} != {n}:
-        raise ValueError("the swap columns (swap_in_offsets included) differ in length")
+    if {len(getattr(update, c)) for c in (*swap_columns, placed_by)} != {n}:
+        raise ValueError(f"the swap columns ({placed_by} included) differ in length")
     swaps = tuple(
         Swap(
             block=block("swap_blocks", k, update.swap_persistent[k]),
@@ -199,15 +232,7 @@ def decode(it: Iteration, update: pool_pb2.PlanUpdate) -> Decoded:
         )
         for k in range(m)
     )
-    return Decoded(
-        schedule=SwapPlan(swaps, recomputes),
-        offsets=tuple(Offset(int(o)) for o in update.offsets),
-        swap_in_offsets=tuple(Offset(int(o)) for o in update.swap_in_offsets),
-        height=Bytes(update.height_bytes),
-        limit=Bytes(update.limit_bytes) if update.limit_bytes else None,
-        resident_persistent=Bytes(update.resident_persistent_bytes),
-        copy_gbps=update.prediction.copy_gbps,
-    )
+    return SwapPlan(swaps, recomputes)
 
 
 def check(
@@ -373,3 +398,280 @@ def _names(
     for j, piece in enumerate(in_pieces):
         names[piece] = f"piece {piece} (swap {j}'s swap-in)"
     return names
+
+
+# -- version 3: virtual residency --------------------------------------------------------------
+
+
+def paged_session_plan(
+    it: Iteration,
+    limit: int,
+    gbps: float,
+    page: int,
+    persistent_at: Sequence[tuple[int, bool]],
+    compute_scale: float = 1.0,
+    time_limit_s: float = 2.0,
+) -> paged.PagedPlan:
+    """The plan the daemon sends a session under virtual residency: `paged.plan` of `it` for
+    `limit` mapped bytes (0: no limit, no schedule) in pages of `page` bytes, with
+    `session_schedule` as its policy and copies at `gbps` each way, the persistent blocks
+    where the session put them (`persistent_at`: address and page ownership per
+    `it.persistent`). Whether it fits is the plan's `fits`."""
+    return paged.plan(
+        it,
+        session_schedule,
+        limit,
+        gbps,
+        gbps,
+        compute_scale,
+        page=page,
+        time_limit_s=time_limit_s,
+        persistent_at=persistent_at,
+    )
+
+
+def encode_paged(it: Iteration, plan: paged.PagedPlan, copy_gbps: float) -> pool_pb2.PlanUpdate:
+    """`plan` (made for `it` by `paged.plan`, simulated at `copy_gbps` each way) as a
+    version-3 PlanUpdate:
+
+    - `sizes[i]`, `addresses[i]` (bytes from `Layout.region_start`), `owning[i]`; `page_bytes`
+      and `region_bytes` (the layout's length past `region_start`, whole pages);
+    - the swap columns as in version 2, `swap_in_ticks[j]` the tick after which swap j's
+      pages are mapped again (the simulated copy starts after it);
+    - `limit_bytes` (0: no limit), `mapped_peak_bytes`, and the simulator's `prediction` on
+      the paged iteration (its footprint: the mapped peak).
+
+    ValueError for a plan that does not fit, one that rebuilds blocks (a paged session does
+    not), or one whose schedule a client would not run as it says (`on_ops` rounds it)."""
+    if not plan.fits or plan.mapped_peak is None:
+        raise ValueError(
+            f"the plan does not fit its limit {plan.limit} in mapped pages: nothing to send"
+        )
+    schedule, lay, r = plan.schedule, plan.layout, plan.result
+    if schedule.recomputes:
+        raise ValueError("the schedule rebuilds blocks: a paged plan only swaps them")
+    if on_ops(it, schedule) != schedule:
+        raise ValueError("the schedule issues swap-ins between ops: round it with on_ops")
+    base = lay.region_start
+    if any(a < base for a in lay.addresses):
+        raise ValueError(f"a block lies before the plan's region, which starts at {base}")
+    index = {op.tick: k for k, op in enumerate(it.ops)}
+    update = pool_pb2.PlanUpdate(
+        version=PAGED_VERSION,
+        signature=signature(it),
+        sizes=[int(b.size) for b in it.blocks],
+        limit_bytes=int(plan.limit),
+        page_bytes=lay.page,
+        addresses=[a - base for a in lay.addresses],
+        owning=list(lay.owning),
+        region_bytes=lay.length - base,
+        mapped_peak_bytes=int(plan.mapped_peak),
+    )
+    for s, (_, back) in zip(schedule.swaps, r.swap_ticks, strict=True):
+        assert s.in_at is not None  # on_ops sets every one
+        update.swap_blocks.append(it.persistent[s.block][0] if s.persistent else s.block)
+        update.swap_persistent.append(s.persistent)
+        update.swap_out_after.append(index[s.out_after])
+        update.swap_in_at.append(index[s.in_at])
+        update.swap_in_before.append(index[s.in_before])
+        update.swap_in_ticks.append(max(back - 1, 0))
+    update.prediction.CopyFrom(
+        pool_pb2.PlanPrediction(
+            step_ns=r.iteration_ns,
+            baseline_ns=r.baseline_ns,
+            out_bytes=int(r.out_bytes),
+            in_bytes=int(r.in_bytes),
+            stall_ns=r.stall_ns,
+            peak_bytes=int(r.peak_bytes),
+            footprint_bytes=int(plan.mapped_peak),
+            copy_gbps=copy_gbps,
+        )
+    )
+    return update
+
+
+@dataclass(frozen=True, slots=True)
+class DecodedPaged:
+    """A version-3 PlanUpdate back on its iteration's ticks and indices."""
+
+    schedule: SwapPlan  # every swap with its `in_at`; no recomputations
+    addresses: tuple[int, ...]  # per allocation: bytes from the start of the plan's region
+    owning: tuple[bool, ...]  # per allocation: it has whole pages of its own
+    region_bytes: int  # the region's length, whole pages
+    page: int
+    limit: Bytes | None  # None: no limit
+    copy_gbps: float
+    mapped_peak: Bytes
+
+
+def decode_paged(it: Iteration, update: pool_pb2.PlanUpdate) -> DecodedPaged:
+    """The schedule and addresses a version-3 `update` carries, on `it`'s ticks. ValueError
+    names the first column that does not fit `it` or the others: the sizes, a page that is
+    not a power of two of at least ALIGNMENT bytes (whole pages are counted by masks), the
+    lengths of `addresses` and `owning`, a region that is not whole pages, an address off
+    ALIGNMENT, a page-owning block off a page, a block past the region's end, a version-2
+    field set, a swap of a block that shares pages (it never moves) or a recomputation."""
+    if update.version != PAGED_VERSION:
+        raise ValueError(f"plan version {update.version}, not {PAGED_VERSION}")
+    sizes = [int(b.size) for b in it.blocks]
+    if list(update.sizes) != sizes:
+        raise ValueError(f"sizes {list(update.sizes)[:8]}... are not the iteration's allocations")
+    page = int(update.page_bytes)
+    if page < ALIGNMENT or page & (page - 1):
+        raise ValueError(f"page_bytes {page} is not a power of two of at least {ALIGNMENT} bytes")
+    for column in ("addresses", "owning"):
+        if len(getattr(update, column)) != len(sizes):
+            raise ValueError(
+                f"{len(getattr(update, column))} {column} for {len(sizes)} allocations"
+            )
+    region = int(update.region_bytes)
+    if region % page:
+        raise ValueError(f"region_bytes {region} is not whole pages of {page} bytes")
+    for i, (address, own, size) in enumerate(
+        zip(update.addresses, update.owning, sizes, strict=True)
+    ):
+        end = address + (_whole_pages(size, page) if own else size)
+        if address % (page if own else ALIGNMENT):
+            raise ValueError(
+                f"addresses[{i}] = {address}: allocation {i}"
+                f" {'owns pages' if own else 'shares pages'} but lies off"
+                f" {'a page' if own else f'{ALIGNMENT}-byte alignment'}"
+            )
+        if end > region:
+            raise ValueError(
+                f"addresses[{i}] = {address}: allocation {i} ends at {end}, past the region's"
+                f" {region} bytes"
+            )
+    for column in ("offsets", "swap_in_offsets", "height_bytes", "resident_persistent_bytes"):
+        if getattr(update, column):
+            raise ValueError(f"{column} is set: version 3 places blocks by their addresses")
+    schedule = _schedule(it, update, "swap_in_ticks")
+    if schedule.recomputes:
+        raise ValueError("recompute_blocks is set: a paged plan only swaps blocks")
+    for k, s in enumerate(schedule.swaps):
+        if not s.persistent and not update.owning[s.block]:
+            raise ValueError(
+                f"swap_blocks[{k}] = {s.block}: the allocation shares pages, and never moves"
+            )
+    return DecodedPaged(
+        schedule=schedule,
+        addresses=tuple(int(a) for a in update.addresses),
+        owning=tuple(update.owning),
+        region_bytes=region,
+        page=page,
+        limit=Bytes(update.limit_bytes) if update.limit_bytes else None,
+        copy_gbps=update.prediction.copy_gbps,
+        mapped_peak=Bytes(update.mapped_peak_bytes),
+    )
+
+
+def check_paged(
+    it: Iteration,
+    update: pool_pb2.PlanUpdate,
+    swap_limit: int,
+    gbps: float,
+    persistent_at: Sequence[tuple[int, bool]],
+    compute_scale: float = 1.0,
+) -> paged.PagedPlan:
+    """Check a version-3 `update` as a whole against `it`, for a session whose swap limit is
+    `swap_limit` (0: none), whose copies run at `gbps` and whose persistent blocks lie at
+    `persistent_at` (address in its range and page ownership, per `it.persistent`), sharing
+    no state with the plan that made it:
+
+    decode it; require it made for that limit and bandwidth, its mapped peak within the
+    limit; rebuild the layout (the region starts at the first page past every persistent
+    block, as `paged.layout` puts it); simulate the schedule on `paged.paged(it, layout)` and
+    require the prediction to be that simulation; `validate_swaps` under `limit_bytes`;
+    count the mapped pages again from the addresses (`paged.validate_pages`) and require the
+    mapped peak to be that count. Returns the plan as checked; ValueError (InvalidSwapPlan)
+    names the problem."""
+    d = decode_paged(it, update)
+    if update.signature != signature(it):
+        raise ValueError("the plan's signature is not the iteration's")
+    if not update.HasField("prediction") or not d.copy_gbps > 0:
+        raise ValueError("the plan has no prediction, or no copy bandwidth to simulate it at")
+    made_for = (int(update.limit_bytes), d.copy_gbps)
+    if made_for != (swap_limit, gbps):
+        raise ValueError(
+            f"made for limit {made_for[0]} at {made_for[1]:g} GB/s, not the session's"
+            f" {swap_limit} at {gbps:g} GB/s"
+        )
+    if d.limit is not None and d.mapped_peak > d.limit:
+        raise ValueError(f"the mapped peak {d.mapped_peak} is over the limit {d.limit}")
+    page = d.page
+    if len(persistent_at) != len(it.persistent):
+        raise ValueError(
+            f"{len(persistent_at)} persistent addresses for {len(it.persistent)} persistent blocks"
+        )
+    region_start = 0
+    for (pid, size), (address, own) in zip(it.persistent, persistent_at, strict=True):
+        if address < 0 or (own and address % page):
+            raise ValueError(
+                f"persistent block {pid} at {address} cannot"
+                f" {'own pages' if own else 'lie'} there with pages of {page} bytes"
+            )
+        end = address + (_whole_pages(size, page) if own else size)
+        region_start = max(region_start, -(-end // page) * page)
+    for k, s in enumerate(d.schedule.swaps):
+        if s.persistent and not persistent_at[s.block][1]:
+            raise ValueError(
+                f"swap_blocks[{k}] = {it.persistent[s.block][0]}: the persistent block shares"
+                " pages, and never moves"
+            )
+    addresses = tuple(region_start + a for a in d.addresses)
+    owned_end = max(
+        (
+            a + _whole_pages(b.size, page)
+            for a, b, own in zip(addresses, it.blocks, d.owning, strict=True)
+            if own
+        ),
+        default=region_start,
+    )
+    lay = paged.Layout(
+        page=page,
+        addresses=addresses,
+        persistent_addresses=tuple(a for a, _ in persistent_at),
+        owning=d.owning,
+        persistent_owning=tuple(o for _, o in persistent_at),
+        packed_start=max(owned_end, region_start),
+        length=region_start + d.region_bytes,
+        solver="wire",
+        region_start=region_start,
+    )
+    pit = paged.paged(it, lay)
+    schedule = d.schedule
+    result = simulate(pit, schedule, d.limit, gbps, gbps, compute_scale)
+    p = update.prediction
+    simulated = (
+        result.iteration_ns,
+        result.baseline_ns,
+        result.out_bytes,
+        result.in_bytes,
+        result.stall_ns,
+        result.peak_bytes,
+    )
+    predicted = (p.step_ns, p.baseline_ns, p.out_bytes, p.in_bytes, p.stall_ns, p.peak_bytes)
+    if not result.feasible or simulated != predicted:
+        raise ValueError(
+            f"the schedule simulates to (step, baseline, out, in, stall, peak) {simulated}"
+            f"{'' if result.feasible else ', infeasibly'}, not the predicted {predicted}"
+        )
+    validate_swaps(pit, schedule, result, d.limit, gbps, compute_scale)
+    starts = [max(back - 1, 0) for _, back in result.swap_ticks]
+    if list(update.swap_in_ticks) != starts:
+        raise ValueError(
+            f"the swap-ins start after ticks {list(update.swap_in_ticks)}; the simulation"
+            f" maps their pages after {starts}"
+        )
+    peak = paged.validate_pages(it, lay, schedule, result, d.limit)
+    if peak != d.mapped_peak or p.footprint_bytes != peak:
+        raise ValueError(
+            f"mapped peak {d.mapped_peak} and footprint {p.footprint_bytes}: the addresses map"
+            f" {peak} bytes at most"
+        )
+    return paged.PagedPlan(schedule, result, lay, Bytes(int(update.limit_bytes)), Bytes(peak))
+
+
+def _whole_pages(size: int, page: int) -> int:
+    """The bytes of the whole pages `size` bytes span from a page's start."""
+    return -(-size // page) * page
