@@ -2,7 +2,9 @@
 
 A plan depends on the iteration (its signature) and on the session's swap limit, the copy
 bandwidth its swaps were planned at and the wire version it is written in; its file is named
-by all four (`key`), so a session with another limit or bandwidth plans anew.
+by all four (`key`), so a session with another limit or bandwidth plans anew. A paged plan
+(virtual residency) depends on the session's page and on where the session put its persistent
+blocks too, and is named by them as well.
 
 The directory may hold what another local user put there, so an entry is read as untrusted:
 opened without following a link and without blocking (a FIFO cannot hold the planning
@@ -26,6 +28,7 @@ import os
 import stat
 import struct
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,10 +49,23 @@ plan measured, and no real plan comes near it."""
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
 
 
-def key(signature: bytes, swap_limit: int, copy_gbps: float, version: int) -> str:
+def key(
+    signature: bytes,
+    swap_limit: int,
+    copy_gbps: float,
+    version: int,
+    page: int = 0,
+    persistent_at: Sequence[tuple[int, bool]] = (),
+) -> str:
     """A plan's name in the cache: the signature in hex, then a hash of the swap limit (0: no
-    swapping), the copy bandwidth in GB/s and the PlanUpdate version."""
+    swapping), the copy bandwidth in GB/s and the PlanUpdate version, and for a paged plan
+    (`page` > 0) of the page and of each persistent block's address and page ownership
+    (`persistent_at`, in the iteration's order)."""
     made_for = hashlib.blake2b(struct.pack("<QdI", swap_limit, copy_gbps, version), digest_size=8)
+    if page:
+        made_for.update(struct.pack("<Q", page))
+        for address, owning in persistent_at:
+            made_for.update(struct.pack("<Q?", address, owning))
     return f"{signature.hex()}-{made_for.hexdigest()}"
 
 

@@ -27,6 +27,14 @@ another user's to write into: whatever is wrong with an entry (unreadable, not a
 regular file, too large, not a plan, or refused by the check) is a defect, logged
 as `plan.cache_defect`, and the iteration is planned as if there were no entry;
 the plan made then replaces it. A defect is never the session's planning failure.
+
+A session under virtual residency (`Session.page_bytes`) is planned the same way with
+`wire.paged_session_plan`, its persistent blocks where its step marks say they are
+(`Session.live_at`): written by `wire.encode_paged` (version 3), checked by
+`wire.check_paged` (its mapped pages under the limit, its mapped peak within the lease),
+and cached under a name that holds the page and those addresses too. While a persistent
+block of its iteration is missing from its latest step mark, it gets no plan: it is
+queued again at its next step.
 """
 
 from __future__ import annotations
@@ -35,11 +43,11 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from tidalcore import unplanned
 from tidalcore.units import ALIGNMENT, format_size
@@ -53,11 +61,14 @@ from tidalpoold.sessions import PlanFootprint, Session
 from tidalpoold.settings import Settings
 
 if TYPE_CHECKING:
+    from tidalplan.paged import PagedPlan
     from tidalplan.placed import Combined
 
     from tidalpoold.backends import Backend
 
 log = logging.getLogger("tidalpoold.planning")
+
+Taken = TypeVar("Taken")
 
 DEFAULT_COPY_GBPS = 12.0
 """Bandwidth the swap planner assumes for a session whose copies are not throttled (PCIe 3 x16),
@@ -88,6 +99,17 @@ class Planned:
 
 
 @dataclass(frozen=True, slots=True)
+class PlannedPaged:
+    """A paged plan ready to send: the version-3 update, the plan `wire.check_paged` rebuilt
+    from it, and where it came from ("cache", or the solver that placed its page-owning
+    blocks)."""
+
+    update: pool_pb2.PlanUpdate
+    checked: PagedPlan
+    source: str
+
+
+@dataclass(frozen=True, slots=True)
 class Unfit:
     """No schedule tried left a placement within the limit, or the plan's footprint is more
     than the session's device lease: nothing to send."""
@@ -102,9 +124,9 @@ class Unfit:
 def _import_planner() -> None:
     """Import the planner's modules (a few tenths of a second) on the worker thread, so that
     a session's first plan does not wait for them."""
-    from tidalplan import placed, wire
+    from tidalplan import paged, placed, wire
 
-    del placed, wire
+    del paged, placed, wire
 
 
 class PlanWorker:
@@ -202,13 +224,69 @@ class PlanWorker:
         self.cache.put(name, update)
         return Planned(update, checked, plan.combined.placement.solver)
 
+    def make_paged(
+        self,
+        iteration: Iteration,
+        swap_limit: int,
+        gbps: float,
+        page: int,
+        persistent_at: list[tuple[int, bool]],
+        lease: int | None = None,
+    ) -> PlannedPaged | Unfit:
+        """The checked paged plan of `iteration` for `swap_limit` mapped bytes with copies at
+        `gbps`, in pages of `page` bytes, its persistent blocks at `persistent_at` (per
+        `iteration.persistent`), mapping at most a device `lease` of that many bytes (None:
+        not bounded): from the cache when a plan made for all of these is there and passes
+        `wire.check_paged`, else planned, encoded, checked and cached. Unfit when no plan
+        fits the limit (planned once per layout, at the limit itself: one round), or its
+        mapped peak is more than the lease."""
+        from tidalplan import wire
+        from tidalplan.learn import signature
+
+        name = plan_cache.key(
+            signature(iteration), swap_limit, gbps, wire.PAGED_VERSION, page, persistent_at
+        )
+        cached = self._from_cache(
+            name,
+            lambda found, path: _checked_paged(
+                found, path, iteration, swap_limit, gbps, page, persistent_at, lease
+            ),
+        )
+        if cached is not None:
+            return cached
+        plan = wire.paged_session_plan(
+            iteration,
+            swap_limit,
+            gbps,
+            page,
+            persistent_at,
+            time_limit_s=self.settings.plan_time_limit_s,
+        )
+        if plan.mapped_peak is None:  # it does not fit
+            return Unfit(None, swap_limit, swap_limit, 1)
+        if lease is not None and plan.mapped_peak > lease:
+            return Unfit(int(plan.mapped_peak), lease, swap_limit, 1, "lease")
+        update = wire.encode_paged(iteration, plan, gbps)
+        checked = wire.check_paged(iteration, update, swap_limit, gbps, persistent_at)
+        self.cache.put(name, update)
+        return PlannedPaged(update, checked, plan.layout.solver)
+
     def _cached(
         self, name: str, iteration: Iteration, swap_limit: int, gbps: float, lease: int | None
     ) -> Planned | None:
         """The plan cached under `name` when it is one made for `iteration`, `swap_limit` and
-        `gbps` that passes `wire.check` within `lease`; None when there is none or it has a
-        defect, which is logged once (`plan.cache_defect`) and counted. Nothing the entry
-        holds raises from here: the caller plans as if there were no entry."""
+        `gbps` that passes `wire.check` within `lease`; None as `_from_cache` says."""
+        return self._from_cache(
+            name, lambda found, path: _checked(found, path, iteration, swap_limit, gbps, lease)
+        )
+
+    def _from_cache(
+        self, name: str, take: Callable[[pool_pb2.PlanUpdate, Path], Taken | Defect]
+    ) -> Taken | None:
+        """The plan cached under `name` as `take` (the update and its path) makes it ready to
+        send; None when there is none or it has a defect (`take` says which), which is logged
+        once (`plan.cache_defect`) and counted. Nothing the entry holds raises from here: the
+        caller plans as if there were no entry."""
         path = self.cache.path(name)
         try:
             found = self.cache.get(name)
@@ -216,11 +294,7 @@ class PlanWorker:
             found = Defect(path, f"cannot be read: {type(e).__name__}: {e}")
         if found is None:
             return None
-        made = (
-            found
-            if isinstance(found, Defect)
-            else _checked(found, path, iteration, swap_limit, gbps, lease)
-        )
+        made = found if isinstance(found, Defect) else take(found, path)
         if isinstance(made, Defect):
             self.cache_defects += 1
             log.warning(
@@ -232,7 +306,8 @@ class PlanWorker:
     def plan(self, session: Session) -> pool_pb2.PlanUpdate | None:
         """Plan `session`'s steady iteration and put the plan on its stream; None (and the
         session keeps learning) when its plan does not fit its swap limit or device lease,
-        which the stream is told once, with why (`PlanUnavailable`, see `unavailable`)."""
+        which the stream is told once, with why (`PlanUnavailable`, see `unavailable`). A
+        paged session's plan is made by `_plan_paged`."""
         from tidalcore.events import Events
         from tidalplan.learn import extract, to_problem
         from tidalplan.placement import lower_bound
@@ -241,24 +316,13 @@ class PlanWorker:
         trace = session.trace
         events = Events.concat(list(trace.chunks), dict(trace.names))
         iteration = extract(events, events.marks())
+        if session.page_bytes:
+            return self._plan_paged(session, iteration, started)
         made = self.make(
             iteration, session.swap_limit, self.swap_gbps(session), session.device.length
         )
         if isinstance(made, Unfit):
-            self.plans_unfit += 1
-            log.warning(
-                "plan.unfit",
-                extra={
-                    "session": session.id,
-                    "footprint": made.footprint,
-                    "limit": made.limit,
-                    "beyond": made.beyond,
-                    "planned_for": made.planned_for,
-                    "rounds": made.rounds,
-                },
-            )
-            told = unavailable(made, iteration)
-            session.outbox.put(pool_pb2.ServerMessage(unplanned=told.message()))
+            self._tell_unfit(session, made, iteration)
             return None
         plan = made.update
         if made.source == "cache":
@@ -291,6 +355,96 @@ class PlanWorker:
             },
         )
         return plan
+
+    def _tell_unfit(self, session: Session, made: Unfit, iteration: Iteration) -> None:
+        """Count and log an unfit plan (`plan.unfit`) and tell the session why (`unavailable`)."""
+        self.plans_unfit += 1
+        log.warning(
+            "plan.unfit",
+            extra={
+                "session": session.id,
+                "footprint": made.footprint,
+                "limit": made.limit,
+                "beyond": made.beyond,
+                "planned_for": made.planned_for,
+                "rounds": made.rounds,
+            },
+        )
+        told = unavailable(made, iteration)
+        session.outbox.put(pool_pb2.ServerMessage(unplanned=told.message()))
+
+    def _plan_paged(
+        self, session: Session, iteration: Iteration, started: float
+    ) -> pool_pb2.PlanUpdate | None:
+        """`plan` for a session under virtual residency: its paged plan, its persistent blocks
+        where its latest step mark put them; None when one of them is not there (the session
+        is queued again at its next step) or no plan fits (the session is told, as `plan`
+        tells it)."""
+        persistent_at, missing = placed_by_session(iteration, session.live_at)
+        if missing:
+            log.debug(
+                "plan.waiting",
+                extra={
+                    "session": session.id,
+                    "missing": missing[:8],
+                    "why": "persistent blocks its step marks have not placed",
+                },
+            )
+            with self._lock:
+                self._queued.discard(session.id)
+            return None
+        made = self.make_paged(
+            iteration,
+            session.swap_limit,
+            self.swap_gbps(session),
+            session.page_bytes,
+            persistent_at,
+            session.device.length,
+        )
+        if isinstance(made, Unfit):
+            self._tell_unfit(session, made, iteration)
+            return None
+        plan = made.update
+        if made.source == "cache":
+            self.plans_cached += 1
+        else:
+            self.plans_made += 1
+        with self._lock:
+            plan.plan_id = self._next_plan_id
+            self._next_plan_id += 1
+        seconds = time.perf_counter() - started
+        session.plan = PlanFootprint(plan.mapped_peak_bytes, plan.mapped_peak_bytes)
+        session.outbox.put(pool_pb2.ServerMessage(plan=plan))
+        if self.on_planned is not None:
+            self.on_planned("cached" if made.source == "cache" else "solved", seconds)
+        log.info(
+            "plan.sent",
+            extra={
+                "session": session.id,
+                "plan": plan.plan_id,
+                "source": made.source,
+                "allocations": len(plan.sizes),
+                "page": plan.page_bytes,
+                "region": plan.region_bytes,
+                "mapped_peak": plan.mapped_peak_bytes,
+                "limit": plan.limit_bytes,
+                "swaps": len(plan.swap_blocks),
+                "predicted_step_ns": plan.prediction.step_ns,
+                "seconds": round(seconds, 3),
+            },
+        )
+        return plan
+
+
+def placed_by_session(
+    iteration: Iteration, live_at: Mapping[int, tuple[int, bool]]
+) -> tuple[list[tuple[int, bool]], list[int]]:
+    """Where the session put `iteration`'s persistent blocks (address, owns pages), in their
+    order, from its latest step mark's live blocks `live_at`; and the ids of those it did not
+    list (a plan waits for them)."""
+    found = [live_at.get(pid) for pid, _ in iteration.persistent]
+    missing = [pid for (pid, _), at in zip(iteration.persistent, found, strict=True) if at is None]
+    return [at for at in found if at is not None], missing
 
 
 def unavailable(unfit: Unfit, iteration: Iteration) -> PlanUnavailable:
@@ -355,3 +509,38 @@ def _checked(
         return Planned(update, wire.check(iteration, update, lease=lease), "cache")
     except Exception as e:  # ValueError and its kin, and what odd values raise (OverflowError)
         return Defect(path, f"refused by wire.check: {type(e).__name__}: {e}")
+
+
+def _checked_paged(
+    update: pool_pb2.PlanUpdate,
+    path: Path,
+    iteration: Iteration,
+    swap_limit: int,
+    gbps: float,
+    page: int,
+    persistent_at: list[tuple[int, bool]],
+    lease: int | None,
+) -> PlannedPaged | Defect:
+    """A cached paged `update` (from `path`) as a plan to send, or the defect that refuses
+    it: its version and page, then `wire.check_paged` (the iteration, limit, bandwidth and
+    persistent addresses it was made for), then its mapped peak within `lease`. The bytes are
+    anyone's: any error they raise is a defect, not a failure."""
+    from tidalplan import wire
+
+    if update.version != wire.PAGED_VERSION:
+        return Defect(path, f"plan version {update.version}, not {wire.PAGED_VERSION}")
+    if update.page_bytes != page:
+        return Defect(
+            path, f"made for pages of {update.page_bytes} bytes, not the session's {page}"
+        )
+    try:
+        checked = wire.check_paged(iteration, update, swap_limit, gbps, persistent_at)
+    except Exception as e:  # ValueError and its kin, and what odd values raise
+        return Defect(path, f"refused by wire.check_paged: {type(e).__name__}: {e}")
+    if lease is not None and update.mapped_peak_bytes > lease:
+        return Defect(
+            path,
+            f"maps {update.mapped_peak_bytes} bytes at most, more than the session's device"
+            f" lease of {lease}",
+        )
+    return PlannedPaged(update, checked, "cache")

@@ -29,6 +29,7 @@ from tidalpoold.sessions import (
     Session,
     clip,
     lease_message,
+    live_blocks,
 )
 
 log = logging.getLogger("tidalpoold.services")
@@ -92,7 +93,7 @@ class PoolService:
                 f"copy_gbps must be 0 (not throttled) or a bandwidth from {MIN_COPY_GBPS:g} to"
                 f" {MAX_COPY_GBPS:g} GB/s, got {gbps:g}"
             )
-        self.registry.attach(session, request.swap_limit_bytes, gbps)
+        self.registry.attach(session, request.swap_limit_bytes, gbps, request.page_bytes)
         s = self.registry.settings
         return pool_pb2.AttachResponse(
             session_id=session.id,
@@ -165,7 +166,10 @@ class PoolService:
             session.trace.add(msg.trace)
             self.registry.touch(session)
         elif body == "step":
+            live = live_blocks(session, msg.step)
             session.trace.step(msg.step)
+            if live is not None:
+                session.live_at = live
             self.registry.touch(session)
             if self.planner is not None:
                 self.planner.on_step(session)

@@ -10,6 +10,10 @@ chunks to their pools and scrubs them, then tells its stream (if any) goodbye.
     handles socket ──open()──▶ pending ──attach()──▶ attached ──end()──▶ (gone)
                                   └──────── reap(): attach timeout ─────▲
 
+A session under virtual residency (`page_bytes` > 0 at attach) keeps every block at one
+address of a range it reserves, and tells the daemon at each step mark, until it has a plan,
+where its live blocks are (`live_at`): its plans keep its persistent blocks there.
+
 What a client reports is checked before it is taken: a heartbeat's bytes lie within the
 session's leases, its counts within int64 and never below the last ones (`check_heartbeat`);
 a heartbeat that breaks a rule is refused whole. A chunk whose scrub fails is *quarantined*:
@@ -25,7 +29,7 @@ import queue
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import TypeAlias
 
@@ -48,6 +52,8 @@ CLIP_CHARS = 64
 """Characters of a client's string kept where an error or a log line repeats it."""
 INT64_MAX = 2**63 - 1
 """The most a heartbeat count may say (the counts are summed as int64 downstream)."""
+HOST_PAGE = 4096
+"""A session's page is a whole number of these: the host's page, the least a mapping moves."""
 
 
 def clip(text: str, limit: int = CLIP_CHARS) -> str:
@@ -101,7 +107,8 @@ _COUNTS = tuple(f.name for f in fields(Counts))
 class PlanFootprint:
     """The height of a session's latest plan (its arena: blocks and the pieces of swapped
     blocks; persistent blocks that never swap are outside) and the lower bound of its
-    placement problem."""
+    placement problem. A paged plan (virtual residency) has no arena: both are the most bytes
+    it maps at once, as its pages are mapped only while blocks on them need them."""
 
     height_bytes: int
     lower_bound_bytes: int
@@ -129,6 +136,11 @@ class Session:
     host_used: int = 0
     swap_limit: int = 0  # device bytes the client keeps itself under by swapping; 0: no swapping
     copy_gbps: float = 0.0  # the client's swap copy bandwidth; 0: not throttled
+    page_bytes: int = 0  # virtual residency: its pages' bytes; 0: contiguous (no pages)
+    # Virtual residency: the blocks live at its latest step mark that carried any, by trace
+    # block id: (address in its range, owns whole pages). Set by the stream's reader, as one
+    # value.
+    live_at: Mapping[int, tuple[int, bool]] = field(default_factory=dict)
     counts: Counts = field(default_factory=Counts)
     plan: PlanFootprint | None = None  # set by the planner's thread, as one value
     ended: bool = False  # end() took it out of the registry: what it reports now is ignored
@@ -174,6 +186,63 @@ def check_heartbeat(session: Session, beat: pool_pb2.Heartbeat) -> None:
                 f" {lease.length} bytes"
             )
     session.counts.check(beat)
+
+
+def check_page(page_bytes: int, swap_limit: int, chunk_bytes: int, granularity: int) -> None:
+    """InvalidArgument naming why a session cannot have pages of `page_bytes` (0: contiguous,
+    always fine): a page is a power of two and a whole number of host pages (HOST_PAGE), whole
+    pages make a chunk of its lease (`chunk_bytes`), whole mapping units of the backend
+    (`granularity`; 0: not known) make a page, and a paged session swaps (`swap_limit`)."""
+    if not page_bytes:
+        return
+    if page_bytes % HOST_PAGE or page_bytes & (page_bytes - 1):
+        raise InvalidArgument(
+            f"page_bytes {page_bytes} is not a power of two of at least {HOST_PAGE} bytes (the"
+            " host page)"
+        )
+    if chunk_bytes % page_bytes:
+        raise InvalidArgument(
+            f"page_bytes {page_bytes} does not divide the lease's chunks of {chunk_bytes} bytes"
+        )
+    if granularity and page_bytes % granularity:
+        raise InvalidArgument(
+            f"page_bytes {page_bytes} is not a multiple of the device's mapping granularity"
+            f" ({granularity} bytes)"
+        )
+    if not swap_limit:
+        raise InvalidArgument(
+            f"page_bytes {page_bytes} needs a swap limit: pages move only under"
+            " swap_limit_bytes, which is 0"
+        )
+
+
+def live_blocks(session: Session, mark: pool_pb2.StepMark) -> dict[int, tuple[int, bool]] | None:
+    """The live blocks a step mark carries, by trace block id: (address, owns whole pages);
+    None when it carries none. InvalidArgument when its three columns differ in length, a
+    block comes twice, a page-owning block lies off a page, or the session is not paged."""
+    ids, addresses, owning = mark.live_block_ids, mark.live_addresses, mark.live_owning
+    if not (ids or addresses or owning):
+        return None
+    if not session.page_bytes:
+        raise InvalidArgument(
+            "step mark carries live blocks, but the session has no pages (page_bytes 0 at attach)"
+        )
+    if not len(ids) == len(addresses) == len(owning):
+        raise InvalidArgument(
+            f"step mark's live columns differ in length: {len(ids)} ids, {len(addresses)}"
+            f" addresses, {len(owning)} owning"
+        )
+    live: dict[int, tuple[int, bool]] = {}
+    for block, address, own in zip(ids, addresses, owning, strict=True):
+        if block in live:
+            raise InvalidArgument(f"step mark lists live block {block} twice")
+        if own and address % session.page_bytes:
+            raise InvalidArgument(
+                f"step mark's live block {block} owns pages at {address}, off the session's"
+                f" pages of {session.page_bytes} bytes"
+            )
+        live[block] = (address, own)
+    return live
 
 
 def lease_message(session: Session, backend: Backend) -> common_pb2.Lease:
@@ -278,13 +347,25 @@ class Registry:
         with self._lock:
             return self._by_token.get(token)
 
-    def attach(self, session: Session, swap_limit: int = 0, copy_gbps: float = 0.0) -> None:
+    def attach(
+        self, session: Session, swap_limit: int = 0, copy_gbps: float = 0.0, page_bytes: int = 0
+    ) -> None:
+        """Attach a pending session; InvalidArgument (`check_page`) when it cannot have pages
+        of `page_bytes`, and it stays pending."""
+        granularity = self.backend.facts().get("granularity_bytes", 0) if page_bytes else 0
         with self._lock:
             if session.state != "pending":
                 raise FailedPrecondition(f"session {session.id} is already attached")
+            check_page(
+                page_bytes,
+                swap_limit,
+                session.device.chunk_bytes,
+                granularity if isinstance(granularity, int) else 0,
+            )
             session.state = "attached"
             session.swap_limit = swap_limit
             session.copy_gbps = copy_gbps
+            session.page_bytes = page_bytes
             session.attached_unix_ns = time.time_ns()
             session.last_seen = self.clock()
             self.attached_total += 1
