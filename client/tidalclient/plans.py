@@ -243,7 +243,7 @@ def decode(update: pool_pb2.PlanUpdate, alignment: int = ALIGNMENT) -> Plan:
         )
         offsets = ()
     ticks: tuple[int, ...] = tuple(update.swap_in_ticks)
-    if len(ticks) != len(offsets):
+    if len(ticks) != (len(swaps) if paging is not None else len(offsets)):
         ticks = ()
     prediction = None
     if update.HasField("prediction"):

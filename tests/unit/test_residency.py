@@ -96,6 +96,30 @@ def test_owning_blocks_map_whole_pages_and_packed_ones_share_theirs(
     assert r.peak_mapped_bytes == 5 * PAGE
 
 
+def test_a_block_placed_where_a_freed_one_was_takes_its_mapping_as_it_is(
+    parts: tuple[Residency, Frames, Stream, Stream],
+) -> None:
+    r, frames, _, _ = parts
+    assert r.place(1, 0, 2 * PAGE, owning=True)
+    data = fill(r, 0, 2 * PAGE, seed=3)
+    r.drop(1)  # its frames are free at once; its addresses stay mapped, stale
+    assert frames.free == FRAMES and r.space.mapped_pages == 2
+    assert r.place(2, 4 * PAGE, 2 * PAGE, owning=True)  # parked frames are handed out last
+    assert r.place(3, 0, 2 * PAGE, owning=True)
+    assert read(r, 0, 2 * PAGE) == data  # the same frames, mapped as they were: no call
+    assert r.space.mapped_pages == 4 and frames.free == FRAMES - 4
+    r.drop(3)
+    r.drop(2)
+    # Page by page: page 1 keeps block 3's stale frame, page 2 gets a free one.
+    assert r.place(4, PAGE, 2 * PAGE, owning=True)
+    assert r.mapped_bytes == 2 * PAGE
+    assert r.space.mapped_pages == 5  # and pages 0, 4 and 5 stale, their frames free
+    assert r.place(5, 8 * PAGE, 6 * PAGE, owning=True)  # every free frame, theirs too
+    assert r.space.mapped_pages == 11
+    r.poll()  # their frames were taken (and no work used them): the stale pages go
+    assert r.space.mapped_pages == 8 and r.mapped_bytes == 8 * PAGE
+
+
 def test_a_block_that_does_not_fit_changes_nothing(
     parts: tuple[Residency, Frames, Stream, Stream],
 ) -> None:
@@ -201,7 +225,7 @@ def test_a_block_freed_while_its_copy_runs_lets_go_once_it_ends(
 def test_run_as_the_planner_counted_it_the_pages_match_its_count(
     parts: tuple[Residency, Frames, Stream, Stream],
 ) -> None:
-    """A plan's layout and schedule, executed event by event: the mapped bytes after every
+    """A plan's layout and schedule, executed event by event: the frames held after every
     tick are what `validate_pages` counts for that tick, and never above the limit."""
     r, _, _, _ = parts
     it = paged_pair(PAGE // 1024)  # the paged tests' iteration, in pages of PAGE

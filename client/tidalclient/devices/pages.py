@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import re
 from abc import abstractmethod
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple, Protocol
@@ -33,37 +34,80 @@ from tidalcore.cuda_driver import DevicePtr, Driver, MemHandle
 OS_PAGE = mmap.PAGESIZE
 
 
+_ANY_FREE = bytes.maketrans(b"\x02", b"\x01")  # parked pages read as free
+
+
 class Frames:
-    """The free physical pages of a lease, indexes 0..count-1. `take` hands out the pages
-    given back last first, in the order they were given (so a run given back comes back as a
-    run), then the lowest indexes first."""
+    """The free physical pages of a lease, indexes 0..count-1. `take` hands out the lowest run
+    of consecutive free pages long enough (one mapping call maps it), and only when there is
+    none, the fewest runs, longest first: every run costs a system or driver call to map and
+    another to unmap. Pages given back `parked` (still mapped at their old addresses, which a
+    block placed there again could take as they are) are handed out last."""
 
     def __init__(self, count: int) -> None:
         if count < 0:
             raise ValueError(f"a lease of {count} pages")
         self.count = count
-        self._stack = list(range(count - 1, -1, -1))  # the next page taken is at the end
-        self._free = bytearray(b"\x01") * count
+        self._free = bytearray(b"\x01") * count  # 0: taken, 1: free, 2: free and parked
+        self._left = count
 
     @property
     def free(self) -> int:
-        return len(self._stack)
+        return self._left
 
-    def take(self, n: int) -> list[int] | None:
-        """`n` free pages, or None when fewer than `n` are free (nothing is taken then)."""
+    def take(self, n: int, parked: bool = True) -> list[int] | None:
+        """`n` free pages, or None when fewer than `n` are free (nothing is taken then);
+        `parked=False`: only pages not parked, one run."""
         if n < 0:
             raise ValueError(f"cannot take {n} pages")
-        if n > len(self._stack):
+        if n > self._left:
             return None
-        got = self._stack[len(self._stack) - n :][::-1]
-        del self._stack[len(self._stack) - n :]
+        if n == 0:
+            return []
+        at = self._free.find(b"\x01" * n)
+        if at >= 0:
+            got = list(range(at, at + n))
+        elif not parked:
+            return None
+        else:
+            free = self._free.translate(_ANY_FREE)
+            at = free.find(b"\x01" * n)
+            if at >= 0:
+                got = list(range(at, at + n))
+            else:
+                runs = sorted(
+                    (m.span() for m in re.finditer(b"\x01+", free)),
+                    key=lambda span: span[0] - span[1],  # longest first
+                )
+                got = []
+                for start, end in runs:
+                    got.extend(range(start, min(end, start + n - len(got))))
+                    if len(got) == n:
+                        break
         for p in got:
             self._free[p] = 0
+        self._left -= n
         return got
 
-    def give(self, frames: Sequence[int]) -> None:
-        """Return `frames` to the free pages; a page already free (or given twice) is refused
-        before anything changes."""
+    def take_these(self, frames: Sequence[int]) -> bool:
+        """Take exactly `frames` when every one is free (True); else take nothing (False)."""
+        if any(not 0 <= p < self.count or not self._free[p] for p in frames):
+            return False
+        if len(set(frames)) != len(frames):
+            return False
+        for p in frames:
+            self._free[p] = 0
+        self._left -= len(frames)
+        return True
+
+    def unpark(self, frame: int) -> None:
+        """A parked free page is an ordinary free page again (nothing shows it any more)."""
+        if self._free[frame] == 2:
+            self._free[frame] = 1
+
+    def give(self, frames: Sequence[int], parked: bool = False) -> None:
+        """Return `frames` to the free pages (`parked`: handed out last); a page already free
+        (or given twice) is refused before anything changes."""
         seen: set[int] = set()
         for p in frames:
             if not 0 <= p < self.count:
@@ -71,16 +115,18 @@ class Frames:
             if self._free[p] or p in seen:
                 raise ValueError(f"page {p} is already free")
             seen.add(p)
-        for p in reversed(frames):
-            self._stack.append(p)
-            self._free[p] = 1
+        for p in frames:
+            self._free[p] = 2 if parked else 1
+        self._left += len(seen)
 
 
 class PageSpace(Protocol):
     """A reserved virtual range of `length` bytes at `address`, in pages of `page` bytes, over
     a lease of `frames` physical pages. Offsets are bytes from `address`, multiples of `page`.
-    Arguments out of bounds, or that would map over a mapped page or map one physical page
-    twice, raise ValueError; any call but `close` on a retired space raises RuntimeError."""
+    Arguments out of bounds, or that would map over a mapped page or one physical page twice
+    in one call, raise ValueError; any call but `close` on a retired space raises RuntimeError.
+    A physical page may be mapped at several addresses at once (a freed block's mapping that
+    work may still use, and the block that took its page next)."""
 
     address: int
     length: int
@@ -156,7 +202,6 @@ class _PageTable(PageSpace):
         self.retired = False
         self._closed = False
         self._frame = [-1] * (length // page)  # the physical page at each virtual page, or -1
-        self._at = [-1] * self.frames  # the virtual page of each physical page, or -1
         self._calls: dict[int, int] = {}  # first virtual page of each map call -> its pages
         self._mapped = 0
 
@@ -209,8 +254,6 @@ class _PageTable(PageSpace):
                 raise ValueError(f"frame {p} is outside the lease of {self.frames} pages")
             if p in seen:
                 raise ValueError(f"frame {p} appears twice")
-            if self._at[p] >= 0:
-                raise ValueError(f"frame {p} is already mapped at page {self._at[p]}")
             seen.add(p)
         done: list[_Run] = []
         try:
@@ -224,7 +267,6 @@ class _PageTable(PageSpace):
             raise
         for k, p in enumerate(frames):
             self._frame[first + k] = p
-            self._at[p] = first + k
         self._calls[first] = len(frames)
         self._mapped += len(frames)
 
@@ -251,9 +293,8 @@ class _PageTable(PageSpace):
         frames = self._frame[v : v + n]
         for run in _runs(v, frames, self.per_chunk):
             self._unmap_run(run)
-        for k, p in enumerate(frames):
+        for k in range(len(frames)):
             self._frame[v + k] = -1
-            self._at[p] = -1
         del self._calls[v]
         self._mapped -= n
 
@@ -267,7 +308,6 @@ class _PageTable(PageSpace):
         self._retire()
         self.retired = True
         self._frame = [-1] * len(self._frame)
-        self._at = [-1] * self.frames
         self._calls.clear()
         self._mapped = 0
 

@@ -21,8 +21,10 @@ trace's step mark): a paged plan keeps the persistent ones there.
 Planned (a version-3 plan, `plans.Paging`): from the `step()` after `install_plan`, allocation i
 of each iteration lies at the region's start plus the plan's address for it, and the schedule
 runs as the daemon simulated it: block out once op `out_after` ends (its pages go once the copy
-is done, `Residency.poll`), its swap-in issued when op `in_at` begins (as soon as its pages fit
-under the limit, never stalling before op `in_before`), and op `in_before` waits for it. What
+is done, `Residency.poll`), its swap-in issued when op `in_at` begins and the event the
+simulated copy started after has happened (counting the iteration's mallocs, frees and ops from
+0, as the trace does), as soon as its pages fit under the limit, and op `in_before` waits for
+it. What
 the plan did not foresee (an allocation of another size, a slot still held) is placed online,
 a miss, and the LRU cache makes room when the schedule has not; its traffic is counted apart.
 
@@ -94,6 +96,7 @@ class _Schedule:
     """A plan's swaps by op: those out after op k, issued at op k, needed by op k."""
 
     refs: tuple[tuple[bool, int], ...]  # per swap: (persistent, allocation index or block id)
+    starts: tuple[int, ...]  # per swap: the event its swap-in starts after; empty: at in_at
     outs_after: dict[int, list[int]]
     ins_at: dict[int, list[int]]
     needed_before: dict[int, list[int]]
@@ -107,7 +110,8 @@ class _Schedule:
             outs.setdefault(s.out_after, []).append(j)
             ins.setdefault(s.issue_at(), []).append(j)
             needed.setdefault(s.in_before, []).append(j)
-        return cls(tuple((s.persistent, s.block) for s in plan.swaps), outs, ins, needed)
+        refs = tuple((s.persistent, s.block) for s in plan.swaps)
+        return cls(refs, plan.swap_in_ticks, outs, ins, needed)
 
 
 class Paged:
@@ -163,12 +167,13 @@ class Paged:
         self._next_id = 1
         self._iteration = 0
         self._op_index = 0
+        self._tick = 0  # events (mallocs, frees, ops) of this iteration so far
         self._iter_ids: list[int] = []  # this iteration's blocks by allocation index
         self._pending_plan: Plan | None = None  # from the connection's thread
         self._plan: Plan | None = None
         self._schedule: _Schedule | None = None
         self._waiting_ins: list[int] = []  # swaps issued whose pages did not fit yet
-        self._limit = self._limit_pages * page
+        self._limit = min(limit, frames.count * page)  # as asked: whole pages count under it
         self.live_bytes = self.peak_live_bytes = 0
         self.mallocs = self.frees = 0
         self.plan_hits = self.plan_misses = 0
@@ -198,10 +203,10 @@ class Paged:
     @property
     def largest_free(self) -> int:
         """Any free pages serve any block: the bytes that may still be mapped."""
-        return self._limit - self.residency.mapped_bytes
+        return self._limit_pages * self.page - self.residency.mapped_bytes
 
     def _mapped_pages(self) -> int:
-        return self.residency.space.mapped_pages
+        return self.residency.held_pages
 
     # -- blocks ------------------------------------------------------------------------------
     def malloc(self, nbytes: int) -> Block:
@@ -248,6 +253,7 @@ class Paged:
         elif self._plan is not None:
             self.plan_misses += 1
         self._iter_ids.append(block_id)
+        self._tick += 1
         self.mallocs += 1
         self.live_bytes += nbytes
         self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
@@ -294,6 +300,7 @@ class Paged:
         elif live.fit is not None:
             base = 0 if live.owning else self._packed_base
             live.fit.release(block.offset - base)
+        self._tick += 1
         self.frees += 1
         self.live_bytes -= block.size
         if self._trace is not None:
@@ -442,14 +449,17 @@ class Paged:
 
     def _land_waiting(self) -> None:
         """Issue the scheduled swap-ins that waited for pages, those that fit now."""
-        if not self._waiting_ins or self._schedule is None:
+        schedule = self._schedule
+        if not self._waiting_ins or schedule is None:
             return
         still = []
         for j in self._waiting_ins:
             live = self._resolve(j)
             if live is None or self.residency.where(live.block.id) not in (HOST, LEAVING):
                 continue
-            if not self._restore(live, wait=False, planned=True):
+            if (schedule.starts and schedule.starts[j] >= self._tick) or not self._restore(
+                live, wait=False, planned=True
+            ):
                 still.append(j)
         self._waiting_ins = still
 
@@ -467,6 +477,7 @@ class Paged:
         issue the schedule's swap-ins of this op and wait for those it needs."""
         lives = [self._entry(b) for b in blocks]
         self.residency.poll()
+        self._tick += 1
         schedule = self._schedule
         needed: list[_Live] = []
         if schedule is not None:
@@ -477,7 +488,9 @@ class Paged:
                 if live is None or self.residency.where(live.block.id) not in (HOST, LEAVING):
                     self.schedule_skips += live is None
                     continue
-                if not self._restore(live, wait=False, planned=True):
+                if (schedule.starts and schedule.starts[j] >= self._tick) or not self._restore(
+                    live, wait=False, planned=True
+                ):
                     self._waiting_ins.append(j)
             for j in schedule.needed_before.get(k, ()):
                 live = self._resolve(j)
@@ -554,6 +567,7 @@ class Paged:
         self.residency.poll()
         self._waiting_ins.clear()
         self._op_index = 0
+        self._tick = 0
         self._iter_ids = []
         self._iteration += 1
         if self._trace is not None:

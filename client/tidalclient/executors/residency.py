@@ -1,28 +1,33 @@
 """Residency: which of a session's blocks have pages beneath them, under virtual residency.
 
 Every block keeps the address its layout gave it (`tidalplan.paged.Layout`) from malloc to free;
-this part owns the physical pages mapped beneath those addresses and the copies that move a
-block's bytes to the host lease and back, nothing else. When a block moves is its caller's
-decision (the plan runner, or an LRU fallback): the pool apart from the policy.
+this part owns the physical pages (frames of the lease) mapped beneath those addresses and the
+copies that move a block's bytes to the host lease and back, nothing else. When a block moves
+is its caller's decision (the plan runner, or an LRU fallback): the pool apart from the policy.
 
     place ─▶ DEVICE ──evict: copy out on the out stream──▶ LEAVING ──its event done (poll)──▶ HOST
-               ▲  ◀──── restore before the copy ends: kept, the pages were never unmapped ──┘  │
-               └──── its event done (poll): host bytes freed ◀── ARRIVING ◀── restore: pages ──┘
+               ▲  ◀──── restore before the copy ends: kept, its frames were never given up ─┘  │
+               └──── its event done (poll): host bytes freed ◀── ARRIVING ◀── restore: frames ─┘
                                                                             mapped, copy in
 
 A page-owning block (`owning`) maps whole pages of its own, in one mapping, and is the only kind
 that moves: a swap copies its whole pages (what the planner counted) and, once the copy's event
-has completed, unmaps them and gives their frames back (`poll`: never a stall). A packed block
-shares pages with its neighbours; a packed page is mapped while any block on it is live. So the
-mapped bytes here are exactly what `tidalplan.paged.validate_pages` counts for the same layout.
+has completed, gives its frames back (`poll`: never a stall). A packed block shares pages with
+its neighbours; a packed page holds a frame while any block on it is live. So the frames held
+here (`mapped_bytes`) are exactly what `tidalplan.paged.validate_pages` counts for the same
+layout, tick by tick.
 
-A block freed while compute work that uses it may still run (`drop(after=)`, the compute
-stream's event) keeps its pages mapped until that work is done: its pages are then unmapped by
-`poll`, unless a page-owning block placed at the same pages meanwhile takes them as they are
-(stream order makes that safe). Packed pages simply stay mapped while such a block is on them.
+Frames are reused in stream order, as a caching allocator reuses bytes: a block freed while the
+compute work that used it may still run (`drop(after=)`, an event of the compute stream) gives
+its frames back at once. A block placed on them next is written by compute work enqueued later
+on that stream; a copy into them (a swap-in) first waits for `after`. The freed block's
+addresses stay mapped, *stale*, until that work is done (unmapping them earlier would fault
+it): `poll` unmaps stale addresses whose work is done once another block took their frames,
+and a block placed at a stale address whose frames are still free takes the mapping as it is,
+with no call to map it (as a plan places the next iteration's blocks).
 
 "Does not fit" is a return value: `place` and `restore` return False, changing nothing, when
-the lease has too few free pages; `reclaim` waits for the oldest copy out to free its pages.
+the lease has too few free frames; `reclaim` waits for the oldest copy to free its frames.
 """
 
 from __future__ import annotations
@@ -42,10 +47,11 @@ class _Held:
     size: int
     owning: bool
     where: str = DEVICE
-    frames: list[int] = field(default_factory=list)  # an owning block's pages while mapped
+    frames: list[int] = field(default_factory=list)  # an owning block's frames while it has them
     host: int = -1  # host offset while LEAVING, HOST or ARRIVING
     event: Completion | None = None  # its copy in flight (LEAVING, ARRIVING)
     dropped: bool = False  # freed while a copy was in flight: let go once it completes
+    after: Completion | None = None  # when dropped: the compute work that last used it
 
 
 class Residency:
@@ -71,81 +77,138 @@ class Residency:
         self._held: dict[int, _Held] = {}
         self._packed: dict[int, tuple[int, int]] = {}  # page index -> (blocks on it, frame)
         self._flights: deque[tuple[int, _Held]] = deque()  # copies in flight, oldest first
-        # Freed blocks whose pages compute work may still use, oldest first.
-        self._freed: deque[tuple[Completion, _Held]] = deque()
+        # Stale pages: page -> (the frame it still shows, the work that may still use it).
+        self._stale: dict[int, tuple[int, Completion | None]] = {}
+        self._stale_frame: dict[int, int] = {}  # a free frame a stale page shows -> the page
+        self._doomed: set[int] = set()  # stale pages whose frames another block took
+        self._fences: dict[int, Completion] = {}  # frame -> compute work that may still use it
         self.peak_mapped_bytes = 0
         self.out_bytes = self.in_bytes = 0
         self.swap_outs = self.swap_ins = 0
 
     @property
     def mapped_bytes(self) -> int:
-        return self.space.mapped_pages * self.page
+        """The frames held: beneath live blocks, and by copies out still running."""
+        return (self._frames.count - self._frames.free) * self.page
+
+    @property
+    def held_pages(self) -> int:
+        return self._frames.count - self._frames.free
 
     def _mapped(self) -> None:
         self.peak_mapped_bytes = max(self.peak_mapped_bytes, self.mapped_bytes)
 
-    def _map_own(self, h: _Held) -> bool:
-        """Map free pages beneath owning block `h`'s whole pages; False when too few are free."""
-        got = self._frames.take(-(-h.size // self.page))
-        if got is None:
-            return False
-        self.space.map(h.offset, got)
-        h.frames = got
-        return True
-
-    def _unmap_own(self, h: _Held) -> None:
-        """Unmap owning block `h`'s pages and give their frames back."""
-        self.space.unmap(h.offset, len(h.frames))
-        self._frames.give(h.frames)
-        h.frames = []
-
     def where(self, key: int) -> str:
         return self._held[key].where
 
-    def new_pages(self, offset: int, size: int, owning: bool) -> int:
-        """How many pages placing a block of `size` bytes at `offset` would map."""
-        if owning:
-            return 0 if self._reusable(offset, size) is not None else -(-size // self.page)
-        pages = range(offset // self.page, (offset + size - 1) // self.page + 1)
-        return sum(1 for p in pages if p not in self._packed)
-
-    def pages_back(self, key: int) -> int:
-        """How many pages `restore(key)` would map (0 for a block still leaving)."""
-        h = self._held[key]
-        return -(-h.size // self.page) if h.where == HOST else 0
-
     @property
     def in_flight(self) -> int:
-        """What `reclaim` can wait for: copies in flight (out and in), and freed blocks whose
-        compute work may still run."""
-        return len(self._flights) + len(self._freed)
-
-    def _reusable(self, offset: int, size: int) -> _Held | None:
-        """A freed page-owning block still mapped at exactly these pages."""
-        pages = -(-size // self.page)
-        for _, f in self._freed:
-            if f.owning and f.offset == offset and len(f.frames) == pages:
-                return f
-        return None
-
-    def _clear(self, offset: int, size: int) -> None:
-        """Let go of the freed page-owning blocks still mapped on [offset, offset + size),
-        once their compute work is done."""
-        end = offset + size
-        for after, f in list(self._freed):
-            if f.owning and f.offset < end and offset < f.offset + len(f.frames) * self.page:
-                after.wait()
-                self._freed.remove((after, f))
-                self._let_go(f)
+        """Copies in flight (out and in): what `reclaim` can wait for."""
+        return len(self._flights)
 
     @property
     def host_used_bytes(self) -> int:
         return self._host.used_bytes
 
+    # -- frames and mappings -----------------------------------------------------------------
+    def new_pages(self, offset: int, size: int, owning: bool) -> int:
+        """How many free frames placing a block of `size` bytes at `offset` would take."""
+        if owning:
+            return -(-size // self.page)
+        pages = range(offset // self.page, (offset + size - 1) // self.page + 1)
+        return sum(1 for p in pages if p not in self._packed)
+
+    def pages_back(self, key: int) -> int:
+        """How many free frames `restore(key)` would take (0 for a block still leaving)."""
+        h = self._held[key]
+        return -(-h.size // self.page) if h.where == HOST else 0
+
+    def _give(self, frames: list[int], after: Completion | None) -> None:
+        """Frames back to the free ones, parked (their mapping stays, stale); `after`: the
+        work that may still use them."""
+        self._frames.give(frames, parked=True)
+        if after is not None:
+            for f in frames:
+                self._fences[f] = after
+
+    def _taken(self, frames: list[int], copied: bool) -> None:
+        """`frames` were taken for a block: a copy into them (`copied`, on the in stream)
+        first waits for the work that last used them; a block's compute comes after it in
+        stream order anyway."""
+        events = {id(e): e for f in frames if (e := self._fences.pop(f, None)) is not None}
+        if copied:
+            for event in events.values():
+                self._in.wait_event(event)
+
+    def _map(self, page: int, count: int, copied: bool) -> list[int] | None:
+        """A frame mapped at each of the `count` pages from `page`, one call a page: a stale
+        page whose frame is still free keeps it as it is (no call); another page gets a free
+        frame, once a stale mapping there is unmapped (when its work is done). None when too
+        few frames are free (nothing changed)."""
+        if count > self._frames.free:
+            return None
+        got: list[int] = []
+        for p in range(page, page + count):
+            stale = self._stale.get(p)
+            if stale is not None and p not in self._doomed and self._frames.take_these(stale[:1]):
+                self._forget(p)
+                got.append(stale[0])
+                continue
+            fresh = self._frames.take(1, parked=False)
+            if fresh is None:  # every free frame is a stale page's: the longest stale goes
+                frame, shown = next(iter(self._stale_frame.items()))
+                taken = self._frames.take_these([frame])
+                assert taken
+                fresh = [frame]
+                self._doomed.add(shown)  # that stale page must go once its work is done
+                del self._stale_frame[frame]
+            if stale is not None:
+                self._unmap_stale(p)
+            self.space.map(p * self.page, fresh)
+            got.append(fresh[0])
+        self._taken(got, copied)
+        return got
+
+    def _forget(self, p: int) -> tuple[int, Completion | None]:
+        """Drop stale page `p` from the books (it is unmapped, or its mapping taken)."""
+        stale = self._stale.pop(p)
+        self._doomed.discard(p)
+        if self._stale_frame.get(stale[0]) == p:
+            del self._stale_frame[stale[0]]
+        return stale
+
+    def _unmap_stale(self, p: int) -> None:
+        frame, after = self._stale[p]
+        shown = self._stale_frame.get(frame) == p  # its frame is free still, parked for it
+        self._forget(p)
+        if after is not None:
+            after.wait()
+        self.space.unmap(p * self.page, 1)
+        if shown:
+            self._frames.unpark(frame)
+
+    def _clear(self, page: int, count: int) -> None:
+        """A block freed on pages [page, page + count) while a copy of it runs is let go
+        once the copy ends (its pages are then stale, for `_map`)."""
+        start, end = page * self.page, (page + count) * self.page
+        for key, h in list(self._flights):
+            if h.dropped and h.frames and h.offset < end and start < h.offset + h.size:
+                assert h.event is not None
+                h.event.wait()
+                self._land(key, h)
+
+    def _unmapped(self, page: int, frames: list[int], after: Completion | None) -> None:
+        """Pages from `page` no longer hold `frames`: the frames go back at once, each page
+        stays mapped, stale, until `after` is done and its frame is taken."""
+        self._give(frames, after)
+        for k, f in enumerate(frames):
+            self._stale[page + k] = (f, after)
+            self._stale_frame[f] = page + k
+
     # -- live and dead ---------------------------------------------------------------------
     def place(self, key: int, offset: int, size: int, owning: bool) -> bool:
-        """Block `key` becomes live at `offset` (bytes into the range) with pages beneath it;
-        False, with nothing changed, when the lease has too few free pages."""
+        """Block `key` becomes live at `offset` (bytes into the range) with frames beneath it;
+        False, with nothing changed, when the lease has too few free frames."""
         if key in self._held:
             raise ValueError(f"block {key} is already placed")
         if size <= 0 or offset < 0 or offset + size > self.space.length:
@@ -154,24 +217,21 @@ class Residency:
         if owning:
             if offset % self.page:
                 raise ValueError(f"block {key}: a page-owning block at {offset}, not on a page")
-            reused = self._reusable(offset, size)
-            if reused is not None:  # its pages, as they are: the new block's work comes after
-                self._freed = deque(x for x in self._freed if x[1] is not reused)
-                h.frames, reused.frames = reused.frames, []
-            else:
-                self._clear(offset, size)
-                if not self._map_own(h):
-                    return False
+            self._clear(offset // self.page, -(-size // self.page))
+            got = self._map(offset // self.page, -(-size // self.page), copied=False)
+            if got is None:
+                return False
+            h.frames = got
         else:
             first = offset // self.page
             pages = range(first, (offset + size - 1) // self.page + 1)
             new = [p for p in pages if p not in self._packed]
-            got = self._frames.take(len(new))
-            if got is None:
+            if len(new) > self._frames.free:
                 return False
-            for p, frame in zip(new, got, strict=True):
-                self.space.map(p * self.page, [frame])
-                self._packed[p] = (0, frame)
+            for p in new:
+                got = self._map(p, 1, copied=False)
+                assert got is not None
+                self._packed[p] = (0, got[0])
             for p in pages:
                 count, frame = self._packed[p]
                 self._packed[p] = (count + 1, frame)
@@ -180,25 +240,23 @@ class Residency:
         return True
 
     def drop(self, key: int, after: Completion | None = None) -> None:
-        """Block `key` is freed: its pages and host bytes go back, at once or, while a copy of
-        it is in flight, once that copy completes, or once `after` (the compute work that last
-        used it) has (`poll`)."""
+        """Block `key` is freed (`after`: the compute work that last used it): its frames and
+        host bytes go back at once or, while a copy of it is in flight, once that copy
+        completes (`poll`)."""
         h = self._held.pop(key)
         if h.event is not None:
-            h.dropped = True  # `_land` lets go of it
+            h.dropped, h.after = True, after  # `_land` lets go of it
             return
-        if after is not None and h.where == DEVICE and not after.query():
-            self._freed.append((after, h))
-            return
-        self._let_go(h)
+        self._let_go(h, after)
 
-    def _let_go(self, h: _Held) -> None:
+    def _let_go(self, h: _Held, after: Completion | None) -> None:
         if h.host >= 0:
             self._host.release(h.host)
             h.host = -1
         if h.owning:
             if h.frames:
-                self._unmap_own(h)
+                self._unmapped(h.offset // self.page, h.frames, after)
+                h.frames = []
             return
         for p in range(h.offset // self.page, (h.offset + h.size - 1) // self.page + 1):
             count, frame = self._packed[p]
@@ -206,13 +264,12 @@ class Residency:
                 self._packed[p] = (count - 1, frame)
                 continue
             del self._packed[p]
-            self.space.unmap(p * self.page, 1)
-            self._frames.give([frame])
+            self._unmapped(p, [frame], after)
 
     # -- moves -----------------------------------------------------------------------------
     def evict(self, key: int, after: Completion | None = None) -> bool:
         """Copy block `key`'s pages to the host lease on the out stream (after `after`, the
-        compute work that last wrote it, when given); its pages are unmapped once the copy is
+        compute work that last wrote it, when given); its frames go back once the copy is
         done. False when the host lease has no room for it (nothing changed)."""
         h = self._held[key]
         if not h.owning:
@@ -236,17 +293,19 @@ class Residency:
         return True
 
     def restore(self, key: int) -> bool:
-        """Bring block `key` back: pages mapped at its address and its bytes copied in on the
+        """Bring block `key` back: frames mapped at its address and its bytes copied in on the
         in stream (`ready` gives the copy's event); a block still leaving just stays. False,
-        with nothing changed, when the lease has too few free pages (see `reclaim`)."""
+        with nothing changed, when the lease has too few free frames (see `reclaim`)."""
         h = self._held[key]
         if h.where == LEAVING:
-            h.where = DEVICE  # its pages were never unmapped; the host bytes go when the copy ends
+            h.where = DEVICE  # its frames were never given up; the host bytes go when the copy ends
             return True
         if h.where != HOST:
             raise ValueError(f"block {key} is {h.where}, not on the host")
-        if not self._map_own(h):
+        got = self._map(h.offset // self.page, -(-h.size // self.page), copied=True)
+        if got is None:
             return False
+        h.frames = got
         nbytes = len(h.frames) * self.page
         self._in.copy(self.space.address + h.offset, self._host_address + h.host, nbytes)
         h.where, h.event = ARRIVING, self._in.record()
@@ -259,7 +318,7 @@ class Residency:
     def ready(self, key: int) -> Completion | None:
         """The event an op using block `key` waits on (its copy in), None when it is there. A
         block on the host or still leaving must be restored first: an op that wrote a leaving
-        block would lose the write when its pages go."""
+        block would lose the write when its frames go."""
         h = self._held[key]
         if h.where in (HOST, LEAVING):
             raise ValueError(f"block {key} is {h.where}: restore it first")
@@ -267,25 +326,21 @@ class Residency:
 
     # -- completions -----------------------------------------------------------------------
     def poll(self) -> None:
-        """Finish every copy whose event has completed: a copy out's pages are unmapped and
-        their frames freed (unless the block came back meanwhile), a copy in's host bytes
-        freed. Never waits."""
+        """Finish every copy whose event has completed (a copy out's frames go back, unless
+        the block came back meanwhile; a copy in's host bytes go), and unmap the stale
+        mappings whose work is done and whose frames another block took. Never waits."""
         for key, h in list(self._flights):
             if h.event is not None and h.event.query():
                 self._land(key, h)
-        while self._freed and self._freed[0][0].query():
-            self._let_go(self._freed.popleft()[1])
+        for p in list(self._doomed):
+            after = self._stale[p][1]
+            if after is None or after.query():
+                self._unmap_stale(p)
 
     def reclaim(self) -> bool:
-        """Wait for the oldest copy in flight and finish it, or else for the oldest freed
-        block's compute work and let go of its pages; False when there is neither."""
+        """Wait for the oldest copy in flight and finish it; False when there is none."""
         if not self._flights:
-            if not self._freed:
-                return False
-            after, h = self._freed.popleft()
-            after.wait()
-            self._let_go(h)
-            return True
+            return False
         key, h = self._flights[0]
         assert h.event is not None
         h.event.wait()
@@ -296,15 +351,18 @@ class Residency:
         self._flights.remove((key, h))
         h.event = None
         if h.dropped:
-            self._let_go(h)
-        elif h.where == LEAVING:  # out and still away: the pages go
-            self._unmap_own(h)
+            self._let_go(h, h.after)
+        elif h.where == LEAVING:  # out and still away: its frames go (the copy read them last)
+            self._unmapped(h.offset // self.page, h.frames, None)
+            h.frames = []
             h.where = HOST
         else:  # in, or out but kept: the host copy goes
             self._host.release(h.host)
             h.host, h.where = -1, DEVICE
 
     def close(self) -> None:
-        """Wait for every copy in flight and finish it."""
+        """Wait for every copy in flight and finish it, then unmap every stale mapping."""
         while self.reclaim():
             pass
+        for p in list(self._stale):
+            self._unmap_stale(p)
