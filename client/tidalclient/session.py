@@ -508,6 +508,17 @@ class Session:
         self._check_open()
         self.executor.step()
 
+    def wait_for_plan(self, timeout_s: float) -> Plan | None:
+        """Block until the daemon's plan has arrived (it runs from the next `step()`), the
+        daemon has said it cannot make one (`plan_unavailable`), or `timeout_s` has passed;
+        the plan, or None. The daemon plans once it has seen a few iterations (`step()`s)."""
+        deadline = time.monotonic() + timeout_s
+        while self.plan is None and self.plan_unavailable is None and not self._closed:
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.01)
+        return self.plan
+
     # -- views ------------------------------------------------------------------------
     def stats(self) -> SessionStats:
         received = -1

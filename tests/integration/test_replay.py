@@ -140,6 +140,47 @@ def test_replay_after_the_switch_moves_the_plans_bytes_and_keeps_its_time(
     assert 0.75 * want <= step <= 1.25 * want + OPS * PER_OP_ALLOWANCE_NS, (step, want)
 
 
+@pytest.mark.parametrize("limit", ["0.7", "0.5"])
+def test_a_paged_replay_runs_the_plan_in_pages_and_keeps_its_time(
+    limit: str,
+    start_daemon: StartDaemon,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Virtual residency (`--page`): the daemon's version-3 plan runs from the switch on, its
+    mapped pages never above the limit, the bytes it moves exactly the prediction's, nothing
+    on demand, every stamp right, and the step as the contiguous replay's is held to (above).
+    At 0.5 of the peak every block but the weights' packed neighbours is swapped at some point
+    (five swaps, 14 MiB each way), which a contiguous lease places only by refitting below the
+    limit."""
+    daemon = start_daemon()
+    trace = training_trace(tmp_path / "net.trace.csv")
+    argv = ["replay", str(trace), "--limit", limit, "--copy-gbps", "2", "--compute-scale", "2"]
+    argv += ["--iterations", "8", "--page", "64KiB", "--socket-dir", str(daemon.socket_dir)]
+    status = main([*argv, "--json"])
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    got = json.loads(captured.out)
+    assert got["outcome"] == "compared" and got["page_bytes"] == 64 * 1024
+    plan = got["plan"]
+    assert plan["version"] == 3 and plan["page_bytes"] == 64 * 1024
+    assert plan["swaps"] > 0 and plan["mapped_peak_bytes"] <= got["limit_bytes"]
+    assert got["peak_resident_bytes"] <= got["limit_bytes"]
+    predicted = got["predicted"]
+    steady = [r for r in got["per_iteration"] if r["phase"] == "steady"]
+    assert steady
+    for r in steady:
+        assert r["planned_out_bytes"] == predicted["out_bytes"] > 0, r
+        assert r["planned_in_bytes"] == predicted["in_bytes"], r
+        assert r["on_demand_out_bytes"] == r["on_demand_in_bytes"] == 0, r
+        assert r["mismatches"] == r["not_resident"] == 0, r
+        assert r["stamps_checked"] == STAMPS_PER_ITERATION, r
+    assert got["checks"]["mismatches"] == got["checks"]["not_resident"] == 0
+    step = statistics.median(r["step_ns"] for r in steady)
+    want = predicted["step_ns"]
+    assert 0.75 * want <= step <= 1.25 * want + OPS * PER_OP_ALLOWANCE_NS, (step, want)
+
+
 def test_json_report_of_the_command_with_a_private_daemon(tmp_path: Path) -> None:
     """The console command as a user runs it, starting its own daemon: every field of the JSON
     report, progress on stderr."""

@@ -20,7 +20,6 @@ from __future__ import annotations
 import importlib
 import math
 import tempfile
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -52,21 +51,11 @@ PLAN_WAIT_AT = 4
 starts after three step marks; a swap plan weighs every policy and takes about a second)."""
 PLAN_WAIT_S = 15.0
 
-SIM_PAGE = 64 << 10
-"""The page of a demo session under a limit on sim: the demo network's blocks are under the
-cuda page of 2 MiB (they would all share pages, and none could move)."""
-
-
-def _await_plan(session: Session, timeout_s: float) -> None:
-    """Block until a plan has arrived, the daemon has said it cannot make one, or
-    `timeout_s` has passed."""
-    deadline = time.monotonic() + timeout_s
-    while (
-        not session.plans_received
-        and session.plan_unavailable is None
-        and time.monotonic() < deadline
-    ):
-        time.sleep(0.02)
+SIM_PAGE = 4 << 10
+"""The page of a demo session under a limit on sim (virtual residency): the OS page. The demo
+network's blocks are of a few KiB to 256 KiB, all under the cuda page of 2 MiB (in pages of
+2 MiB they would all share pages and none could move), and at 0.5 of its peak a plan has a few
+KiB to spare, which larger pages' rounding would take."""
 
 
 class SessionMemory:
@@ -145,8 +134,9 @@ def run(
     `limit`: swap to keep the device bytes held at or under this fraction of the network's peak
     live bytes; `copy_gbps` throttles the swap copies; `backend`: the daemon to start when none
     answers in `socket_dir`. A `limit` the network cannot train under is a ValueError
-    (`limit_problem`). Under a limit the session is paged (virtual residency) with pages of
-    `page` bytes (default: `SIM_PAGE` on sim, the VMM granularity of 2 MiB on cuda)."""
+    (`limit_problem`). Under a limit on sim the session is paged (virtual residency) with pages
+    of `page` bytes (default `SIM_PAGE`); on cuda its lease stays contiguous unless `page` is
+    given (the network's blocks are all under the 2 MiB VMM granularity)."""
     if limit is not None and (problem := limit_problem(limit)) is not None:
         raise ValueError(problem)
     console = console or Console()
@@ -168,8 +158,8 @@ def run(
         peak = peak_live_bytes()
         lease = align_up(2 * peak, 1 << 20)  # room for best-fit's fragmentation while learning
         swap_limit = None if limit is None else int(limit * peak)
-        if swap_limit is not None and page is None:
-            page = SIM_PAGE if backend == "sim" else 2 << 20
+        if swap_limit is not None and page is None and backend == "sim":
+            page = SIM_PAGE
         session = stack.enter_context(
             session_attach(
                 socket_dir,
@@ -203,7 +193,7 @@ def run(
 
         def add_row(i: int, loss: float) -> None:
             if swap_limit is not None and i == PLAN_WAIT_AT and i + 1 < iterations:
-                _await_plan(session, PLAN_WAIT_S)  # so the rest of the run follows the plan
+                session.wait_for_plan(PLAN_WAIT_S)  # so the rest of the run follows the plan
             s = session.stats()  # sends what is recorded, asks the daemon what it has
             rows.append(s)
             row = [
