@@ -14,9 +14,12 @@ daemon going, which is why G is low. `--copy-gbps 0` leaves copies unthrottled (
 speed; the daemon plans them at the bandwidth its backend measured), and then `--compute-scale`
 says K (default 1).
 
-    .venv/bin/python bench/replay.py [--json PATH] [--traces NAME ...]
+    .venv/bin/python bench/replay.py [--json PATH] [--traces NAME ...] [--dir DIR]
         [--fractions 0.7,0.5] [--copy-gbps 2] [--compute-scale K] [--iterations 8]
-        [--plan-timeout 600]
+        [--plan-timeout 600] [--page BYTES]
+
+`--page` runs every case paged (virtual residency, `tidalpool replay --page`); `--dir traces`
+replays this repository's sample traces instead of the model traces.
 """
 
 from __future__ import annotations
@@ -36,13 +39,20 @@ H100_GBPS = 50.0
 
 
 def run_case(
-    trace: Path, fraction: str, gbps: float, scale: float, iterations: int, plan_timeout: float
+    trace: Path,
+    fraction: str,
+    gbps: float,
+    scale: float,
+    iterations: int,
+    plan_timeout: float,
+    page: str | None = None,
 ) -> dict[str, Any]:
-    """One `tidalpool replay` run; `gbps` 0 leaves its copies unthrottled."""
+    """One `tidalpool replay` run; `gbps` 0 leaves its copies unthrottled; `page`: paged."""
     throttle = ("--copy-gbps", str(gbps)) if gbps > 0 else ()
+    paging = ("--page", page) if page else ()
     argv = [
         *(sys.executable, "-m", "tidalpool", "replay", str(trace)),
-        *("--limit", fraction, *throttle, "--compute-scale", f"{scale:g}"),
+        *("--limit", fraction, *throttle, "--compute-scale", f"{scale:g}", *paging),
         *("--iterations", str(iterations), "--plan-timeout", f"{plan_timeout:g}", "--json"),
     ]
     started = time.perf_counter()
@@ -53,6 +63,7 @@ def run_case(
         "fraction": float(fraction),
         "copy_gbps": gbps or None,  # None: unthrottled
         "compute_scale": scale,
+        "page": page,
         "exit": done.returncode,
         "seconds": round(seconds, 1),
     }
@@ -80,6 +91,8 @@ def run_case(
         stamps_checked=report.get("checks", {}).get("stamps_checked"),
         peak_resident_bytes=report.get("peak_resident_bytes"),
         limit_bytes=report.get("limit_bytes"),
+        mapped_peak_bytes=(report.get("plan") or {}).get("mapped_peak_bytes"),
+        plan_unavailable=report.get("plan_unavailable"),
     )
     if case["measured_step_ns"] and case["predicted_step_ns"]:
         case["step_ratio"] = case["measured_step_ns"] / case["predicted_step_ns"]
@@ -104,6 +117,11 @@ def summary(cases: list[dict[str, Any]]) -> list[str]:
             f"  {c.get('on_demand_bytes', '-'):>9}  {c.get('piece_misses', '-'):>6}"
             f"  {c.get('mismatches', '-'):>10}  {'yes' if exact else 'no':>25}"
             + (f"  ({c['error']})" if "error" in c else "")
+            + (
+                f"  (no plan: {c['plan_unavailable']['reason']})"
+                if c.get("plan_unavailable")
+                else ""
+            )
         )
     ratios = [c["step_ratio"] for c in cases if "step_ratio" in c]
     if ratios:
@@ -127,11 +145,13 @@ def main() -> int:
     )
     parser.add_argument("--iterations", type=int, default=8)
     parser.add_argument("--plan-timeout", type=float, default=600.0)
+    parser.add_argument("--page", default=None, help="replay paged, in pages of this size")
+    parser.add_argument("--dir", type=Path, default=TRACES, help="where the traces are")
     args = parser.parse_args()
     scale = args.compute_scale
     if scale is None:
         scale = H100_GBPS / args.copy_gbps if args.copy_gbps > 0 else 1.0
-    traces = sorted(TRACES.glob("*.trace.csv"))
+    traces = sorted(args.dir.glob("*.trace.csv"))
     if args.traces:
         traces = [t for t in traces if any(t.name.startswith(n) for n in args.traces)]
     cases = []
@@ -139,7 +159,13 @@ def main() -> int:
         for fraction in args.fractions.split(","):
             print(f"{trace.name} at {fraction} ...", file=sys.stderr, flush=True)
             case = run_case(
-                trace, fraction, args.copy_gbps, scale, args.iterations, args.plan_timeout
+                trace,
+                fraction,
+                args.copy_gbps,
+                scale,
+                args.iterations,
+                args.plan_timeout,
+                args.page,
             )
             print(f"  {case}", file=sys.stderr, flush=True)
             cases.append(case)

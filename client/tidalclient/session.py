@@ -19,6 +19,7 @@ reason, and freeing is a no-op: the blocks went with the lease.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import sys
 import time
@@ -152,6 +153,11 @@ def attach(
     if allocator == "native" and async_compute:
         raise ValueError("async_compute orders Python ops: the native allocator has none")
     page = parse_size(page_bytes) if page_bytes is not None else 0
+    if page_bytes is not None and (page < mmap.PAGESIZE or page & (page - 1)):
+        raise ValueError(
+            f"page_bytes {page_bytes!r} ({page} bytes): a power of two, at least the OS page"
+            f" ({mmap.PAGESIZE} bytes)"
+        )
     if page and swap_bytes is None:
         raise ValueError("page_bytes pages a session under a limit: give swap_limit too")
     if page and allocator == "native":
@@ -230,6 +236,11 @@ def _page_space(grant: Grant, mapped: MappedLease, page: int) -> PageSpace:
     """The virtual range of a paged session over its device lease's chunks (ValueError names
     a page the lease cannot be cut into)."""
     chunk = grant.response.lease.device.chunk_bytes
+    if chunk % page:
+        raise AttachError(
+            f"pages of {page} bytes do not divide the daemon's chunks of {chunk} bytes:"
+            " give page_bytes a divisor of them"
+        )
     length = range_bytes(mapped.device.length, page)
     if mapped.cuda is None:
         return SimPageSpace(grant.device_fds, chunk, page, length)
