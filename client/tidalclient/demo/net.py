@@ -24,6 +24,7 @@ equal losses (not equal to NumPy's: cuBLAS sums in another order than einsum).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import importlib
 import itertools
@@ -33,6 +34,9 @@ from typing import Any, Protocol, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
+from tidalcore.pages import owns_pages, pages_of
+
+from tidalclient.executors.bestfit import BestFit
 
 Array: TypeAlias = npt.NDArray[Any]
 DType: TypeAlias = np.dtype[Any] | type[Any]
@@ -449,12 +453,62 @@ class _OpMemory(PlainMemory):
         return super().op(name, reads, writes)
 
 
+class _PagedOpMemory(PlainMemory):
+    """Plain NumPy that notes the op needing the most pages at once in a paged session: its
+    page-owning arrays' whole pages, and every page a live packed array lies on (packed arrays
+    never leave the device), packed as the session places them online."""
+
+    def __init__(self, page: int) -> None:
+        self.page = page
+        self._fit = BestFit(1 << 40)  # the session's online placement of packed blocks
+        self._packed: dict[int, tuple[int, int]] = {}  # id(array) -> (offset, pages' range end)
+        self._pages: collections.Counter[int] = collections.Counter()  # page -> packed arrays
+        self.largest: tuple[str, int] = ("", 0)
+
+    def array(self, shape: tuple[int, ...], dtype: DType) -> Array:
+        arr = super().array(shape, dtype)
+        if not owns_pages(arr.nbytes, self.page):
+            offset = self._fit.allocate(arr.nbytes)
+            assert offset is not None
+            first, last = offset // self.page, (offset + arr.nbytes - 1) // self.page
+            self._packed[id(arr)] = (offset, last + 1)
+            self._pages.update(range(first, last + 1))
+        return arr
+
+    def release(self, arr: Array) -> None:
+        found = self._packed.pop(id(arr), None)
+        if found is not None:
+            offset, end = found
+            self._fit.release(offset)
+            self._pages.subtract(range(offset // self.page, end))
+            self._pages += collections.Counter()  # drop the pages no array is on
+
+    def op(
+        self, name: str, reads: Sequence[Array], writes: Sequence[Array]
+    ) -> contextlib.AbstractContextManager[tuple[Array, ...]]:
+        owning = {id(a): a.nbytes for a in (*reads, *writes) if owns_pages(a.nbytes, self.page)}
+        nbytes = sum(pages_of(n, self.page) for n in owning.values())
+        nbytes += len(self._pages) * self.page
+        if nbytes > self.largest[1]:
+            self.largest = (name, nbytes)
+        return super().op(name, reads, writes)
+
+
 def largest_op(
-    *, alignment: int, seed: int = 0, width: int = 256, batch: int = 128, depth: int = 2
+    *,
+    alignment: int,
+    seed: int = 0,
+    width: int = 256,
+    batch: int = 128,
+    depth: int = 2,
+    page: int | None = None,
 ) -> tuple[str, int]:
     """The op of `train` whose arrays take the most bytes at once, each rounded up to
     `alignment` as a session places it, and those bytes: an op's arrays are all on the device
-    while it runs, so no swap limit below them lets the network train."""
-    mem = _OpMemory(alignment)
-    train(mem, 1, seed=seed, width=width, batch=batch, depth=depth)  # every op runs each step
+    while it runs, so no swap limit below them lets the network train. With `page`, a paged
+    session's: the op's page-owning arrays in whole pages and every page of the packed ones
+    live then (they never leave)."""
+    mem: _OpMemory | _PagedOpMemory = _OpMemory(alignment) if page is None else _PagedOpMemory(page)
+    # Every op runs each step; a second one places the packed arrays among the first's.
+    train(mem, 1 if page is None else 2, seed=seed, width=width, batch=batch, depth=depth)
     return mem.largest

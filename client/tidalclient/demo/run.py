@@ -85,13 +85,14 @@ def _ms(ns: int) -> str:
     return f"{ns / 1e6:.1f} ms"
 
 
-def limit_problem(limit: float) -> str | None:
+def limit_problem(limit: float, page: int | None = None) -> str | None:
     """Why the demo cannot train under `limit` (a fraction of the network's peak live bytes),
-    in one line naming the lowest limit that works; None when it can."""
+    in one line naming the lowest limit that works; None when it can. `page`: in a paged
+    session, whose ops need their arrays' whole pages and the packed pages live then."""
     if not (math.isfinite(limit) and 0 < limit <= 1):
         return f"--limit must be a fraction in (0, 1], not {limit:g}"
     peak = peak_live_bytes()
-    name, need = largest_op(alignment=ALIGNMENT)  # the executor's alignment
+    name, need = largest_op(alignment=ALIGNMENT, page=page)  # the executor's alignment
     if int(limit * peak) >= need:
         return None
     return (
@@ -137,7 +138,9 @@ def run(
     (`limit_problem`). Under a limit on sim the session is paged (virtual residency) with pages
     of `page` bytes (default `SIM_PAGE`); on cuda its lease stays contiguous unless `page` is
     given (the network's blocks are all under the 2 MiB VMM granularity)."""
-    if limit is not None and (problem := limit_problem(limit)) is not None:
+    if limit is not None and page is None and backend == "sim":
+        page = SIM_PAGE
+    if limit is not None and (problem := limit_problem(limit, page)) is not None:
         raise ValueError(problem)
     console = console or Console()
     with ExitStack() as stack:
@@ -158,8 +161,6 @@ def run(
         peak = peak_live_bytes()
         lease = align_up(2 * peak, 1 << 20)  # room for best-fit's fragmentation while learning
         swap_limit = None if limit is None else int(limit * peak)
-        if swap_limit is not None and page is None and backend == "sim":
-            page = SIM_PAGE
         session = stack.enter_context(
             session_attach(
                 socket_dir,
