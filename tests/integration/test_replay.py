@@ -204,6 +204,7 @@ def test_json_report_of_the_command_with_a_private_daemon(tmp_path: Path) -> Non
         "op_bound_bytes",
         "compute_scale",
         "copy_gbps",
+        "page_bytes",
         "outcome",
         "plan_unavailable",
         "iterations",
@@ -223,6 +224,7 @@ def test_json_report_of_the_command_with_a_private_daemon(tmp_path: Path) -> Non
     assert got["op_bound_bytes"] == 10 * MiB  # bwd3: g, a2 and w3
     assert got["limit_bytes"] == int(0.9 * 22 * MiB)
     assert (got["compute_scale"], got["copy_gbps"], got["outcome"]) == (1.0, 4.0, "compared")
+    assert got["page_bytes"] == 0  # no --page: a contiguous lease
     assert got["plan_unavailable"] is None
     # Five iterations: three learning, the switch and a steady one; or, where the session takes
     # the plan an iteration or two later, up to three more to get a steady one.
