@@ -91,9 +91,11 @@ class Frames:
 
     def take_these(self, frames: Sequence[int]) -> bool:
         """Take exactly `frames` when every one is free (True); else take nothing (False)."""
-        if any(not 0 <= p < self.count or not self._free[p] for p in frames):
+        if not frames:
+            return True
+        if min(frames) < 0 or max(frames) >= self.count:
             return False
-        if len(set(frames)) != len(frames):
+        if not all(map(self._free.__getitem__, frames)) or len(set(frames)) != len(frames):
             return False
         for p in frames:
             self._free[p] = 0
@@ -108,16 +110,23 @@ class Frames:
     def give(self, frames: Sequence[int], parked: bool = False) -> None:
         """Return `frames` to the free pages (`parked`: handed out last); a page already free
         (or given twice) is refused before anything changes."""
-        seen: set[int] = set()
+        if frames and (
+            min(frames) < 0
+            or max(frames) >= self.count
+            or any(map(self._free.__getitem__, frames))
+            or len(set(frames)) != len(frames)
+        ):
+            seen: set[int] = set()  # find the first page at fault, to name it
+            for p in frames:
+                if not 0 <= p < self.count:
+                    raise ValueError(f"page {p} is not a page of this lease (0..{self.count - 1})")
+                if self._free[p] or p in seen:
+                    raise ValueError(f"page {p} is already free")
+                seen.add(p)
+        value = 2 if parked else 1
         for p in frames:
-            if not 0 <= p < self.count:
-                raise ValueError(f"page {p} is not a page of this lease (0..{self.count - 1})")
-            if self._free[p] or p in seen:
-                raise ValueError(f"page {p} is already free")
-            seen.add(p)
-        for p in frames:
-            self._free[p] = 2 if parked else 1
-        self._left += len(seen)
+            self._free[p] = value
+        self._left += len(frames)
 
 
 class PageSpace(Protocol):

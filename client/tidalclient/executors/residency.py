@@ -135,7 +135,10 @@ class Residency:
         """`frames` were taken for a block: a copy into them (`copied`, on the in stream)
         first waits for the work that last used them; a block's compute comes after it in
         stream order anyway."""
-        events = {id(e): e for f in frames if (e := self._fences.pop(f, None)) is not None}
+        if not self._fences:
+            return
+        pop = self._fences.pop
+        events = {id(e): e for f in frames if (e := pop(f, None)) is not None}
         if copied:
             for event in events.values():
                 self._in.wait_event(event)
@@ -147,8 +150,19 @@ class Residency:
         few frames are free (nothing changed)."""
         if count > self._frames.free:
             return None
+        pages = range(page, page + count)
+        held = [self._stale.get(p) for p in pages]
+        if None not in held and self._doomed.isdisjoint(pages):  # the block's pages, as they are
+            frames = [h[0] for h in held if h is not None]
+            if self._frames.take_these(frames):
+                for p, f in zip(pages, frames, strict=True):
+                    del self._stale[p]
+                    if self._stale_frame.get(f) == p:
+                        del self._stale_frame[f]
+                self._taken(frames, copied)
+                return frames
         got: list[int] = []
-        for p in range(page, page + count):
+        for p in pages:
             stale = self._stale.get(p)
             if stale is not None and p not in self._doomed and self._frames.take_these(stale[:1]):
                 self._forget(p)
