@@ -13,9 +13,9 @@ owns_pages`) owns whole pages and is the only kind that moves; smaller ones are 
 pages. `limit` counts mapped pages: copies out keep theirs until their event completes.
 
 Learning (no plan): blocks are placed online in the first half of the range, and whenever
-mapping a block's pages would take the mapped bytes over the limit, the least recently used
-page-owning block that no op holds leaves (SuperNeurons' LRU tensor cache), copies out are
-waited for, until it fits. Each `step()` tells the daemon where every live block lies (the
+mapping a block's pages would take the mapped bytes over the limit, the copies in flight are
+waited for, oldest first, then the least recently used page-owning block that no op holds
+leaves (SuperNeurons' LRU tensor cache), until it fits. Each `step()` tells the daemon where every live block lies (the
 trace's step mark): a paged plan keeps the persistent ones there.
 
 Planned (a version-3 plan, `plans.Paging`): from the `step()` after `install_plan`, allocation i
@@ -24,14 +24,15 @@ runs as the daemon simulated it: block out once op `out_after` ends (its pages g
 is done, `Residency.poll`), its swap-in issued when op `in_at` begins and the event the
 simulated copy started after has happened (counting the iteration's mallocs, frees and ops from
 0, as the trace does), as soon as its pages fit under the limit, and op `in_before` waits for
-it. What
-the plan did not foresee (an allocation of another size, a slot still held) is placed online,
-a miss, and the LRU cache makes room when the schedule has not; its traffic is counted apart.
+it. What the plan did not foresee (an allocation of another size, a slot still held) is placed
+online, a miss, and the LRU cache makes room when the schedule has not; its traffic is counted
+apart.
 
 Ops: `begin_op` brings in the op's blocks that are away and waits for their copies (on the host,
 or, with a compute stream, by making that stream wait); `end_op` runs the swap-outs after it.
-Swapped-out blocks keep their addresses: an access to one outside an op faults (sim) rather
-than reading stale bytes.
+Swapped-out blocks keep their addresses, and their bytes are there only inside an op: outside
+one, an access reads what the page holds while its old mapping lasts (`Residency`: until
+another block took its frame and the work that used it is done), and faults after (sim).
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ is its caller's decision (the plan runner, or an LRU fallback): the pool apart f
                └──── its event done (poll): host bytes freed ◀── ARRIVING ◀── restore: frames ─┘
                                                                             mapped, copy in
 
-A page-owning block (`owning`) maps whole pages of its own, in one mapping, and is the only kind
-that moves: a swap copies its whole pages (what the planner counted) and, once the copy's event
+A page-owning block (`owning`) maps whole pages of its own, one map call a page (so that any
+page can later be unmapped or kept alone), and is the only kind that moves: a swap copies its whole pages (what the planner counted) and, once the copy's event
 has completed, gives its frames back (`poll`: never a stall). A packed block shares pages with
 its neighbours; a packed page holds a frame while any block on it is live. So the frames held
 here (`mapped_bytes`) are exactly what `tidalplan.paged.validate_pages` counts for the same
@@ -22,9 +22,11 @@ compute work that used it may still run (`drop(after=)`, an event of the compute
 its frames back at once. A block placed on them next is written by compute work enqueued later
 on that stream; a copy into them (a swap-in) first waits for `after`. The freed block's
 addresses stay mapped, *stale*, until that work is done (unmapping them earlier would fault
-it): `poll` unmaps stale addresses whose work is done once another block took their frames,
-and a block placed at a stale address whose frames are still free takes the mapping as it is,
-with no call to map it (as a plan places the next iteration's blocks).
+it), as do a swapped-out block's once its copy out is done: `poll` unmaps stale pages whose
+work is done once another block took their frames, and a block placed (or brought back) at
+stale pages whose frames are still free takes the mapping as it is, with no call to map it (as
+a plan places the next iteration's blocks). Frames that stale pages show are handed out last
+(`Frames` parks them), the longest stale first.
 
 "Does not fit" is a return value: `place` and `restore` return False, changing nothing, when
 the lease has too few free frames; `reclaim` waits for the oldest copy to free its frames.
