@@ -2,23 +2,26 @@
 
     Session ──▶ Executor (this protocol)
                  ├── PythonExecutor            blocks placed in Python: best-fit, or a plan's arena
-                 ├── Swapping(any executor)    an adaptor: the inner executor's blocks may wait
+                 ├── Swapping(PythonExecutor)  an adaptor: the inner executor's blocks may wait
                  │                             in the host lease while no op needs them
+                 ├── Paged                     blocks at addresses for life, pages moving beneath
+                 │                             them (virtual residency)
                  └── NativeExecutor            blocks placed by the C hot path (a framework's
                                                allocator); Python code allocates nothing
 
-An adaptor stacks over an executor as RMM's resource adaptors stack over a resource: it calls
-the inner one for blocks, and for the raw device bytes it moves blocks into and out of
-(`vacate`, `reserve`, `release`). An executor that cannot do something (the native one cannot
-allocate from Python; one without swapping has nothing to move) says so by its answer (False,
-DEVICE) or raises naming why, so no caller ever asks which kind it holds.
+An adaptor stacks over an executor as RMM's resource adaptors stack over a resource: `Swapping`
+calls its `PythonExecutor` for blocks, and for the raw device bytes it moves blocks into and out
+of (`PythonExecutor.vacate`, `reserve`, `release`: not part of this protocol). An executor that
+cannot do something (the native one cannot allocate from Python; one without swapping has
+nothing to move) says so by its answer (False, DEVICE) or raises naming why, so no caller ever
+asks which kind it holds.
 """
 
 from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -90,11 +93,8 @@ class Executor(Protocol):
     hot path's "does not fit" is a value), `free`, `pin` (never moves again), `offset` (where
     its bytes are now). Ops: `begin_op` makes the blocks resident and returns their offsets,
     `end_op` ends the op. Iterations: `step` marks a boundary (a plan installed by
-    `install_plan` takes over at one) and returns the new iteration's number.
-
-    For adaptors that move blocks (`Swapping`): `vacate` takes a live block's device bytes from
-    it (the block stays live) and returns how to give them back; `reserve`/`release` are raw
-    device bytes, recorded nowhere. `where`, `swap_out` and `prefetch` answer for any executor.
+    `install_plan` takes over at one) and returns the new iteration's number. `where`,
+    `swap_out` and `prefetch` answer for any executor.
     """
 
     @property
@@ -133,12 +133,6 @@ class Executor(Protocol):
     def swap_out(self, block: Block) -> bool: ...
 
     def prefetch(self, block: Block) -> None: ...
-
-    def vacate(self, block: Block) -> Callable[[], None]: ...
-
-    def reserve(self, nbytes: int) -> int | None: ...
-
-    def release(self, offset: int) -> None: ...
 
     def begin_op(self, blocks: Sequence[Block]) -> list[int]: ...
 

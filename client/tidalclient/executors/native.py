@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import NoReturn
 
 import numpy as np
@@ -167,15 +167,6 @@ class NativeExecutor:
 
     def prefetch(self, block: Block) -> None:
         self._refuse("prefetch")
-
-    def vacate(self, block: Block) -> Callable[[], None]:
-        self._refuse("vacate")
-
-    def reserve(self, nbytes: int) -> int | None:
-        self._refuse("reserve")
-
-    def release(self, offset: int) -> None:
-        self._refuse("release")
 
     def begin_op(self, blocks: Sequence[Block]) -> list[int]:
         """An op: refused on blocks (Python allocates none here); without any, nothing to do."""

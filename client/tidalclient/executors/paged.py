@@ -15,8 +15,8 @@ pages. `limit` counts mapped pages: copies out keep theirs until their event com
 Learning (no plan): blocks are placed online in the first half of the range, and whenever
 mapping a block's pages would take the mapped bytes over the limit, the copies in flight are
 waited for, oldest first, then the least recently used page-owning block that no op holds
-leaves (SuperNeurons' LRU tensor cache), until it fits. Each `step()` tells the daemon where every live block lies (the
-trace's step mark): a paged plan keeps the persistent ones there.
+leaves (SuperNeurons' LRU tensor cache), until it fits. Each `step()` tells the daemon where
+every live block lies (the trace's step mark): a paged plan keeps the persistent ones there.
 
 Planned (a version-3 plan, `plans.Paging`): from the `step()` after `install_plan`, allocation i
 of each iteration lies at the region's start plus the plan's address for it, and the schedule
@@ -345,15 +345,6 @@ class Paged:
         live = self._entry(block)
         if self.residency.where(block.id) in (HOST, LEAVING):
             self._restore(live, wait=False)
-
-    def vacate(self, block: Block) -> Callable[[], None]:
-        raise TypeError("a paged executor moves pages, not blocks: no adaptor stacks over it")
-
-    def reserve(self, nbytes: int) -> int | None:
-        raise TypeError("a paged executor moves pages, not blocks: no adaptor stacks over it")
-
-    def release(self, offset: int) -> None:
-        raise TypeError("a paged executor moves pages, not blocks: no adaptor stacks over it")
 
     # -- making room ---------------------------------------------------------------------------
     def _room(self, pages: int, keep: int = -1) -> bool:

@@ -11,11 +11,11 @@ is its caller's decision (the plan runner, or an LRU fallback): the pool apart f
                                                                             mapped, copy in
 
 A page-owning block (`owning`) maps whole pages of its own, one map call a page (so that any
-page can later be unmapped or kept alone), and is the only kind that moves: a swap copies its whole pages (what the planner counted) and, once the copy's event
-has completed, gives its frames back (`poll`: never a stall). A packed block shares pages with
-its neighbours; a packed page holds a frame while any block on it is live. So the frames held
-here (`mapped_bytes`) are exactly what `tidalplan.paged.validate_pages` counts for the same
-layout, tick by tick.
+page can later be unmapped or kept alone), and is the only kind that moves: a swap copies its
+whole pages (what the planner counted) and, once the copy's event has completed, gives its
+frames back (`poll`: never a stall). A packed block shares pages with its neighbours; a packed
+page holds a frame while any block on it is live. So the frames held here (`mapped_bytes`) are
+exactly what `tidalplan.paged.validate_pages` counts for the same layout, tick by tick.
 
 Frames are reused in stream order, as a caching allocator reuses bytes: a block freed while the
 compute work that used it may still run (`drop(after=)`, an event of the compute stream) gives

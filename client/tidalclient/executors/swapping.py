@@ -288,15 +288,6 @@ class Swapping:
         """Start bringing the block back now, without waiting for it."""
         self._prefetch(self._entry(block))
 
-    def vacate(self, block: Block) -> Callable[[], None]:
-        raise TypeError("a swapping executor moves its own blocks: no adaptor stacks over it")
-
-    def reserve(self, nbytes: int) -> int | None:
-        raise TypeError("a swapping executor moves its own blocks: no adaptor stacks over it")
-
-    def release(self, offset: int) -> None:
-        raise TypeError("a swapping executor moves its own blocks: no adaptor stacks over it")
-
     # -- ops ----------------------------------------------------------------------------------
     def begin_op(self, blocks: Sequence[Block]) -> list[int]:
         """Lock `blocks` on the device for one op, bringing in and waiting for those that are
