@@ -4,6 +4,7 @@ range on sim (memfd chunks) and on cuda (the fake driver's VMM handles)."""
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 import signal
@@ -13,6 +14,7 @@ import textwrap
 from collections.abc import Iterator
 
 import pytest
+from tidalclient.devices import pages
 from tidalclient.devices.pages import CudaPageSpace, Frames, PageSpace, SimPageSpace
 from tidalcore.cuda_driver import CudaError, DevicePtr, MemHandle
 
@@ -202,6 +204,26 @@ def test_sim_one_frame_may_show_at_two_addresses(sim: SimPageSpace) -> None:
     assert read(sim, 5 * PAGE, 4) == b"both"
     sim.unmap(0, 1)
     assert read(sim, 5 * PAGE, 4) == b"both" and sim.mapped_pages == 1
+
+
+def test_sim_says_when_the_system_runs_out_of_mappings(
+    sim: SimPageSpace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sim.map(0, [0])
+    calls = []
+
+    def out_of_maps(at: int, size: int, fd: int, offset: int, what: str) -> None:
+        calls.append(at)
+        if len(calls) == 2:  # the second run of the call: the first must be undone
+            raise OSError(errno.ENOMEM, "Cannot allocate memory")
+        real_map_shared(at, size, fd, offset, what)
+
+    real_map_shared = pages.map_shared
+    monkeypatch.setattr(pages, "map_shared", out_of_maps)
+    with pytest.raises(OSError, match=r"vm\.max_map_count .*use larger pages"):
+        sim.map(2 * PAGE, [3, 1])  # two runs: frame 3, then frame 1
+    assert sim.mapped_pages == 1  # nothing of the failed call stays
+    assert len(calls) == 2
 
 
 def test_sim_geometry_errors(chunk_fds: list[int]) -> None:

@@ -21,11 +21,13 @@ page offsets with cuMemMap into a cuMemAddressReserve range. Both follow `PageSp
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 import re
 from abc import abstractmethod
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import NamedTuple, Protocol
 
 from tidalcore.chunks import map_none, map_shared, map_zero, reserve, unmap
@@ -328,6 +330,23 @@ class _PageTable(PageSpace):
         self._closed = True
 
 
+def _too_many_maps(error: OSError, page: int) -> OSError:
+    """`error`, said plainly when it is the system's limit on mappings: every page mapped apart
+    from its neighbours is one mapping of this process (and the range between two, another)."""
+    if error.errno != errno.ENOMEM:
+        return error
+    try:
+        limit = Path("/proc/sys/vm/max_map_count").read_text().strip()
+    except OSError:
+        limit = "unknown"
+    return OSError(
+        errno.ENOMEM,
+        f"{error.strerror}: this process has as many mappings as the system allows"
+        f" (vm.max_map_count {limit}); pages of {page} bytes are too small for this lease:"
+        " use larger pages, or raise vm.max_map_count",
+    )
+
+
 class SimPageSpace(_PageTable):
     """`PageSpace` over memfd chunks: a PROT_NONE reservation aligned to `page`, and pages of the
     chunk fds mapped shared into it with MAP_FIXED. `chunk_fds` stay the caller's (it keeps
@@ -365,11 +384,17 @@ class SimPageSpace(_PageTable):
     def _map_run(self, run: _Run) -> None:
         at, size = self.address + run.page * self.page, run.pages * self.page
         what = f"map {run.pages} pages of chunk {run.chunk} at page {run.page}"
-        map_shared(at, size, self._fds[run.chunk], run.first * self.page, what)
+        try:
+            map_shared(at, size, self._fds[run.chunk], run.first * self.page, what)
+        except OSError as e:
+            raise _too_many_maps(e, self.page) from e
 
     def _unmap_run(self, run: _Run) -> None:
         at, size = self.address + run.page * self.page, run.pages * self.page
-        map_none(at, size, f"unmap {run.pages} pages at page {run.page}")
+        try:
+            map_none(at, size, f"unmap {run.pages} pages at page {run.page}")
+        except OSError as e:
+            raise _too_many_maps(e, self.page) from e
 
     def _retire(self) -> None:
         map_zero(self.address, self.length, "retire the page space")
