@@ -370,7 +370,7 @@ class PlanWorker:
                 "rounds": made.rounds,
             },
         )
-        told = unavailable(made, iteration)
+        told = unavailable(made, iteration, self.swap_gbps(session))
         session.outbox.put(pool_pb2.ServerMessage(unplanned=told.message()))
 
     def _plan_paged(
@@ -447,11 +447,13 @@ def placed_by_session(
     return [at for at in found if at is not None], missing
 
 
-def unavailable(unfit: Unfit, iteration: Iteration) -> PlanUnavailable:
+def unavailable(unfit: Unfit, iteration: Iteration, gbps: float | None = None) -> PlanUnavailable:
     """What the session is told of an `unfit` plan of `iteration`: under the op-wise bound
     (`profile.op_bound`, as `tidalpool simulate` and `replay` refuse such a limit) with that
     bound as the lowest limit that could work, a footprint over the device lease, or no
-    schedule found (the lowest limit not known)."""
+    schedule found (the lowest limit not known), and, given the copies' `gbps`, when the
+    swap-only bound (`step_bound(recompute=False)`) proves that none exists, where."""
+    from tidalplan.bound import step_bound
     from tidalplan.profile import op_bound
 
     limit = format_size(unfit.limit)
@@ -477,6 +479,17 @@ def unavailable(unfit: Unfit, iteration: Iteration) -> PlanUnavailable:
     reason = f"no schedule found for limit {limit}"
     if unfit.footprint is not None:
         reason += f" (the one made for it needs {format_size(unfit.footprint)} once placed)"
+    if gbps is not None:
+        proof = step_bound(iteration, unfit.limit, gbps, gbps, recompute=False)
+        if proof.ns is None and proof.reason.startswith("tick "):
+            tick = int(proof.reason.split()[1])
+            op = next((k for k, o in enumerate(iteration.ops) if o.tick >= tick), None)
+            where = f"before op {op}" if op is not None else f"at tick {tick}"
+            reason += (
+                f": swaps alone cannot free enough {where} (the iteration's live bytes exceed"
+                f" the limit by up to {format_size(proof.excess_bytes)}, and there not enough of"
+                " them can leave in time)"
+            )
     return PlanUnavailable(unfit.limit, unplanned.NO_SCHEDULE, reason)
 
 

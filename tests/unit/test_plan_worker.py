@@ -312,3 +312,21 @@ def test_a_cached_plan_that_fails_its_check_is_made_again(
     assert planner.plan(third) is not None
     assert (planner.plans_made, planner.plans_cached) == (3, 0)
     end(registry, first, second, third)
+
+
+def test_a_limit_swaps_alone_cannot_reach_is_told_where() -> None:
+    # mlp.b64 at 0.9 of its peak: over the op-wise bound, but at its optimizer's foreach ops
+    # (op 24) what is live cannot be brought under the limit by swaps alone.
+    from tidaloffline.simulate_command import load
+    from tidalplan.autoswap import load as curve
+    from tidalpoold.plan_worker import Unfit, unavailable
+
+    it = load(Path(__file__).resolve().parents[2] / "traces" / "mlp.b64.trace.csv")
+    limit = int(0.9 * int(curve(it).max()))
+    told = unavailable(Unfit(None, limit, limit, 1), it, 12.0)
+    assert told.kind == NO_SCHEDULE
+    assert told.reason.startswith(f"no schedule found for limit {format_size(limit)}: swaps")
+    assert "swaps alone cannot free enough before op 24 " in told.reason
+    # without the bandwidth, no proof is looked for
+    bare = unavailable(Unfit(None, limit, limit, 1), it)
+    assert bare.reason == f"no schedule found for limit {format_size(limit)}"
