@@ -452,8 +452,9 @@ def unavailable(unfit: Unfit, iteration: Iteration, gbps: float | None = None) -
     (`profile.op_bound`, as `tidalpool simulate` and `replay` refuse such a limit) with that
     bound as the lowest limit that could work, a footprint over the device lease, or no
     schedule found (the lowest limit not known), and, given the copies' `gbps`, when the
-    swap-only bound (`step_bound(recompute=False)`) proves that none exists, where."""
-    from tidalplan.bound import step_bound
+    swap-only bound (`step_bound(recompute=False)`) proves that none exists, where, with
+    `bound.cover_floor` as the lowest limit that could work."""
+    from tidalplan.bound import cover_floor, step_bound
     from tidalplan.profile import op_bound
 
     limit = format_size(unfit.limit)
@@ -479,6 +480,7 @@ def unavailable(unfit: Unfit, iteration: Iteration, gbps: float | None = None) -
     reason = f"no schedule found for limit {limit}"
     if unfit.footprint is not None:
         reason += f" (the one made for it needs {format_size(unfit.footprint)} once placed)"
+    lowest = 0
     if gbps is not None:
         proof = step_bound(iteration, unfit.limit, gbps, gbps, recompute=False)
         if proof.ns is None and proof.reason.startswith("tick "):
@@ -488,9 +490,10 @@ def unavailable(unfit: Unfit, iteration: Iteration, gbps: float | None = None) -
             reason += (
                 f": swaps alone cannot free enough {where} (the iteration's live bytes exceed"
                 f" the limit by up to {format_size(proof.excess_bytes)}, and there not enough of"
-                " them can leave in time)"
+                " them can leave)"
             )
-    return PlanUnavailable(unfit.limit, unplanned.NO_SCHEDULE, reason)
+            lowest = cover_floor(iteration)  # under it no plan fits; at it, one may
+    return PlanUnavailable(unfit.limit, unplanned.NO_SCHEDULE, reason, lowest)
 
 
 def _checked(

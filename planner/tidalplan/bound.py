@@ -371,6 +371,19 @@ def _certified(
     return value - 1e-12 * (spread + 1.0)
 
 
+def cover_floor(it: Iteration) -> int:
+    """The lowest limit at which no op touches more bytes (`profile.op_bound`) and every tick
+    can be covered, its bytes over the limit no more than those of the gaps over it (what
+    could be away there): under it `step_bound` proves that no plan fits; at or over it, one
+    may. The gaps' bytes do not depend on the copies' bandwidth or the ops' times."""
+    floor = op_bound(it)
+    if not it.ticks:
+        return floor
+    need = live_bytes(it) + sum(size for _, size in it.persistent)
+    g = _gaps(it, _Clock(it, 1.0), 1.0, 1.0)
+    return max(floor, int((need - _coverable(g, it.ticks)).max(initial=0)))
+
+
 def step_bound(
     it: Iteration,
     limit: int,

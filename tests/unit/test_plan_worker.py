@@ -327,6 +327,13 @@ def test_a_limit_swaps_alone_cannot_reach_is_told_where() -> None:
     assert told.kind == NO_SCHEDULE
     assert told.reason.startswith(f"no schedule found for limit {format_size(limit)}: swaps")
     assert "swaps alone cannot free enough before op 24 " in told.reason
+    # the lowest limit that could work: there every tick can be covered, just under it not
+    from tidalplan.bound import step_bound
+
+    assert told.lowest_limit_bytes > limit
+    at = step_bound(it, told.lowest_limit_bytes, 12.0, 12.0, recompute=False)
+    under = step_bound(it, told.lowest_limit_bytes - 1, 12.0, 12.0, recompute=False)
+    assert "cannot be covered" not in at.reason and "cannot be covered" in under.reason
     # without the bandwidth, no proof is looked for
     bare = unavailable(Unfit(None, limit, limit, 1), it)
     assert bare.reason == f"no schedule found for limit {format_size(limit)}"
