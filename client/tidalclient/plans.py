@@ -28,6 +28,7 @@ from typing import Any
 
 from tidalcore.units import ALIGNMENT, align_up
 from tidalcore.v1 import pool_pb2
+from tidalcore.wire import PAGED_PLAN_VERSION
 
 log = logging.getLogger("tidalpool")
 
@@ -165,8 +166,9 @@ class Recompute:
     before: int
 
 
-VERSION = 3
-"""The newest `PlanUpdate.version` this client knows (see pool.proto's version rule)."""
+VERSION = PAGED_PLAN_VERSION
+"""The newest `PlanUpdate.version` this client knows (`tidalcore.wire`; pool.proto's version
+rule)."""
 
 
 @dataclass(frozen=True, slots=True)

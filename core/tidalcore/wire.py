@@ -14,6 +14,13 @@ LOCK_FILE = "tidalpoold.lock"
 HANDLES_VERSION = 2
 """Version of the handles protocol (proto/tidalpool/v1/handles.proto)."""
 
+PLAN_VERSION = 2
+"""The PlanUpdate version of a plan for a contiguous lease: every piece of memory at an offset
+of the plan's arena (pool.proto's version rule)."""
+PAGED_PLAN_VERSION = 3
+"""The PlanUpdate version of a plan for a session under virtual residency: every allocation
+at an address for life, the limit counting mapped pages. The newest a client knows."""
+
 TOKEN_KEY = "tidalpool-token"
 """gRPC metadata key of a session's token on every session RPC."""
 STREAM_OPEN_KEY = "tidalpool-stream"

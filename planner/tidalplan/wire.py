@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 
 from tidalcore.units import ALIGNMENT, Bytes, Offset, Tick
 from tidalcore.v1 import pool_pb2
+from tidalcore.wire import PAGED_PLAN_VERSION, PLAN_VERSION
 
 from tidalplan import paged
 from tidalplan.learn import signature, to_problem
@@ -46,9 +47,9 @@ from tidalplan.search import search
 from tidalplan.simulate import simulate
 from tidalplan.validate import InvalidPlacement, validate, validate_swaps
 
-VERSION = 2
-"""The PlanUpdate version `encode` writes and `decode` reads (pool.proto's version rule)."""
-PAGED_VERSION = 3
+VERSION = PLAN_VERSION
+"""The PlanUpdate version `encode` writes and `decode` reads (`tidalcore.wire`)."""
+PAGED_VERSION = PAGED_PLAN_VERSION
 """The PlanUpdate version `encode_paged` writes and `decode_paged` reads: a plan for a session
 under virtual residency, whose blocks keep their addresses (`tidalplan.paged`)."""
 
