@@ -115,8 +115,8 @@ def test_a_block_placed_where_a_freed_one_was_takes_its_mapping_as_it_is(
     assert r.mapped_bytes == 2 * PAGE
     assert r.space.mapped_pages == 5  # and pages 0, 4 and 5 stale, their frames free
     assert r.place(5, 8 * PAGE, 6 * PAGE, owning=True)  # every free frame, theirs too
-    assert r.space.mapped_pages == 11
-    r.poll()  # their frames were taken (and no work used them): the stale pages go
+    # Their frames were taken, and no work used them (no compute stream): the stale pages
+    # went then, so no address shows another block's bytes.
     assert r.space.mapped_pages == 8 and r.mapped_bytes == 8 * PAGE
 
 
@@ -258,3 +258,28 @@ def test_run_as_the_planner_counted_it_the_pages_match_its_count(
     assert r.peak_mapped_bytes == limit
     assert read(r, lay.persistent_addresses[0], it.persistent[0][1]) == data
     assert keys  # every block was placed by its own address
+
+
+def test_a_stale_page_work_may_still_read_goes_only_once_that_work_is_done(
+    parts: tuple[Residency, Frames, Stream, Stream], gates: list[Gate]
+) -> None:
+    r, frames, _, _ = parts
+    compute = Stream("compute")
+    gate = Gate(compute)
+    gates.append(gate)
+    after = compute.record()  # the work that last used block 1: held back by the gate
+    try:
+        assert r.place(1, 0, 2 * PAGE, owning=True)
+        r.drop(1, after)  # its frames are free at once; its pages stay mapped, stale
+        assert frames.free == FRAMES
+        assert r.place(2, 8 * PAGE, FRAMES * PAGE, owning=True)  # every frame: block 1's too
+        assert r.space.mapped_pages == FRAMES + 2  # block 1's pages: its work may still run
+        r.poll()
+        assert r.space.mapped_pages == FRAMES + 2
+        gate.open()
+        after.wait()
+        r.poll()  # that work is done: they go
+        assert r.space.mapped_pages == FRAMES
+    finally:
+        gate.open()
+        compute.close()

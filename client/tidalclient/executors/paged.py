@@ -31,8 +31,8 @@ apart.
 Ops: `begin_op` brings in the op's blocks that are away and waits for their copies (on the host,
 or, with a compute stream, by making that stream wait); `end_op` runs the swap-outs after it.
 Swapped-out blocks keep their addresses, and their bytes are there only inside an op: outside
-one, an access reads what the page holds while its old mapping lasts (`Residency`: until
-another block took its frame and the work that used it is done), and faults after (sim).
+one, an access reads the block's last bytes while its old mapping lasts (`Residency`: until
+another block takes its frame), and faults after (sim).
 """
 
 from __future__ import annotations

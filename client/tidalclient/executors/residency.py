@@ -22,11 +22,12 @@ compute work that used it may still run (`drop(after=)`, an event of the compute
 its frames back at once. A block placed on them next is written by compute work enqueued later
 on that stream; a copy into them (a swap-in) first waits for `after`. The freed block's
 addresses stay mapped, *stale*, until that work is done (unmapping them earlier would fault
-it), as do a swapped-out block's once its copy out is done: `poll` unmaps stale pages whose
-work is done once another block took their frames, and a block placed (or brought back) at
-stale pages whose frames are still free takes the mapping as it is, with no call to map it (as
-a plan places the next iteration's blocks). Frames that stale pages show are handed out last
-(`Frames` parks them), the longest stale first.
+it), as do a swapped-out block's once its copy out is done. A block placed (or brought back)
+at stale pages whose frames are still free takes the mapping as it is, with no call to map it
+(as a plan places the next iteration's blocks). Frames that stale pages show are handed out last
+(`Frames` parks them), the longest stale first; a stale page whose frame another block takes is
+unmapped then, or, while work that used it may still run, by `poll` once that work is done. So
+an access outside an op to a block that is away reads its own last bytes, or faults (sim).
 
 "Does not fit" is a return value: `place` and `restore` return False, changing nothing, when
 the lease has too few free frames; `reclaim` waits for the oldest copy to free its frames.
@@ -176,8 +177,13 @@ class Residency:
                 taken = self._frames.take_these([frame])
                 assert taken
                 fresh = [frame]
-                self._doomed.add(shown)  # that stale page must go once its work is done
                 del self._stale_frame[frame]
+                after = self._stale[shown][1]
+                if after is None or after.query():  # nothing uses it: it goes now
+                    self._forget(shown)
+                    self.space.unmap(shown * self.page, 1)
+                else:  # it goes once the work that used it is done (`poll`)
+                    self._doomed.add(shown)
             if stale is not None:
                 self._unmap_stale(p)
             self.space.map(p * self.page, fresh)
