@@ -32,7 +32,8 @@ Ops: `begin_op` brings in the op's blocks that are away and waits for their copi
 or, with a compute stream, by making that stream wait); `end_op` runs the swap-outs after it.
 Swapped-out blocks keep their addresses, and their bytes are there only inside an op: outside
 one, an access reads the block's last bytes while its old mapping lasts (`Residency`: until
-another block takes its frame), and faults after (sim).
+another block takes its frame, or, when ops queued on the compute stream may still read that
+mapping, until they have run), and faults after (sim).
 """
 
 from __future__ import annotations
