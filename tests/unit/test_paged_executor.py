@@ -241,3 +241,18 @@ def test_prefetch_brings_a_block_back_without_an_op(made) -> None:
     ex.prefetch(a)
     ex.synchronize()
     assert ex.where(a) == DEVICE and ex.used_bytes == 2 * PAGE
+
+
+def test_a_later_plan_lies_past_the_live_blocks_of_the_one_before(made) -> None:
+    sink = Sink()
+    ex = executor(made, limit_pages=8, sink=sink)
+    ex.install_plan(paged_plan(ex, [2 * PAGE], [0], [True], (), 8 * PAGE))
+    ex.step()
+    keep = ex.malloc(2 * PAGE)  # the plan's allocation 0, at its region's start
+    assert keep.offset == ex._region
+    ex.install_plan(paged_plan(ex, [PAGE], [0], [True], (), 8 * PAGE))
+    ex.step()  # keep lives on, at its address: the next step mark says where
+    assert sink.steps[-1] == (2, ((keep.id, keep.offset, True),))
+    b = ex.malloc(PAGE)
+    assert b.offset == ex._region + 2 * PAGE  # past keep: no block moves
+    assert ex.stats().plan_hits == 2 and ex.stats().plan_misses == 0

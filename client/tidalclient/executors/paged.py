@@ -16,7 +16,8 @@ Learning (no plan): blocks are placed online in the first half of the range, and
 mapping a block's pages would take the mapped bytes over the limit, the copies in flight are
 waited for, oldest first, then the least recently used page-owning block that no op holds
 leaves (SuperNeurons' LRU tensor cache), until it fits. Each `step()` tells the daemon where
-every live block lies (the trace's step mark): a paged plan keeps the persistent ones there.
+every live block lies (the trace's step mark): a paged plan keeps the persistent ones there, and
+a later plan's region lies past the live blocks of the one before.
 
 Planned (a version-3 plan, `plans.Paging`): from the `step()` after `install_plan`, allocation i
 of each iteration lies at the region's start plus the plan's address for it, and the schedule
@@ -152,8 +153,8 @@ class Paged:
         self._own_fit = BestFit(quarter, page)  # at 0
         self._packed_fit = BestFit(quarter, ALIGNMENT)  # at `quarter`
         self._packed_base = quarter
-        self._region = 2 * quarter  # the plan's region starts here
-        self._region_bytes = space.length - self._region
+        self._region = 2 * quarter  # plans' regions start here or past their live blocks
+        self._base = self._region  # where the region of the plan run lies
         if streams is None:
             self._out: CopyStream = Stream("swap-out", gbps)
             self._in: CopyStream = Stream("swap-in", gbps)
@@ -272,7 +273,7 @@ class Paged:
             return None
         if plan.table.sizes[index] != nbytes:
             return None
-        offset = self._region + plan.table.offsets[index]
+        offset = self._base + plan.table.offsets[index]
         if self._taken(offset, nbytes):
             return None
         return offset, plan.paging.owning[index], index
@@ -531,8 +532,9 @@ class Paged:
         """Run this plan from the next `step()` on. Thread-safe: it only replaces a value."""
         self._pending_plan = plan
 
-    def _usable(self, plan: Plan) -> str | None:
-        """Why this session cannot run `plan`, or None."""
+    def _region_for(self, plan: Plan) -> int | str:
+        """Where `plan`'s region lies (past every live block of an earlier plan's region: no
+        block moves), or why this session cannot run it."""
         paging = plan.paging
         if paging is None:
             return "it is not a paged plan (version 3): its offsets are not addresses for life"
@@ -540,22 +542,31 @@ class Paged:
             return f"its pages are of {paging.page} bytes, this session's of {self.page}"
         if not 0 < plan.limit <= self._limit:
             return f"it was made for {plan.limit} bytes, over this session's limit {self._limit}"
-        if paging.region_bytes > self._region_bytes:
+        base = max(
+            [self._region]
+            + [
+                align_up(v.block.offset + v.block.size, self.page)
+                for v in self._live.values()
+                if v.block.offset >= self._region
+            ]
+        )
+        if base + paging.region_bytes > self.space.length:
             return (
-                f"its region of {size_text(paging.region_bytes)} is larger than the"
-                f" {size_text(self._region_bytes)} this session reserved for it"
+                f"its region of {size_text(paging.region_bytes)} does not fit in the"
+                f" {size_text(self.space.length - base)} left of this session's range past its"
+                " live blocks"
             )
-        return None
+        return base
 
     def step(self) -> int:
         plan, self._pending_plan = self._pending_plan, None
         if plan is not None:
-            why = self._usable(plan)
-            if why is not None:
+            base = self._region_for(plan)
+            if isinstance(base, str):
                 self.plans_refused += 1
-                log.warning("tidalpool: plan %d is not run: %s", plan.plan_id, why)
+                log.warning("tidalpool: plan %d is not run: %s", plan.plan_id, base)
             else:
-                self._plan = plan
+                self._plan, self._base = plan, base
                 self._schedule = _Schedule.of(plan) if plan.swaps else None
         self.residency.poll()
         self._waiting_ins.clear()
@@ -563,9 +574,8 @@ class Paged:
         self._tick = 0
         self._iter_ids = []
         self._iteration += 1
-        if self._trace is not None:
-            live = () if self._plan is not None else self.placed()
-            self._trace.step(self._iteration, live)
+        if self._trace is not None:  # where the live blocks are: a next plan keeps them there
+            self._trace.step(self._iteration, self.placed())
         return self._iteration
 
     def placed(self) -> tuple[tuple[int, int, bool], ...]:
