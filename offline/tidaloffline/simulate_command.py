@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tidalcore.units import SIZE_HELP, format_size, parse_size
+from tidalcore.units import ALIGNMENT, SIZE_HELP, format_size, parse_size
 from tidalplan.model import Iteration
 
 from tidaloffline.plot import missing_matplotlib
@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from rich.console import Console
     from tidalclient.tables import Fitted
     from tidalplan.combined import Plan
+    from tidalplan.paged import PagedPlan
     from tidalplan.split import BigOp
 
 DEFAULT_STEP = 0.05
@@ -59,7 +60,7 @@ class InputError(Exception):
 @dataclass(frozen=True, slots=True)
 class Row:
     name: str
-    plan: Plan
+    plan: Plan | PagedPlan  # PagedPlan: the daemon's plan for a paged session (--page)
     bound_ns: int | None  # the lower bound on the step under this limit; None: none fits
     of: str | None = None  # the portfolio row: whose plan it is
 
@@ -191,6 +192,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         " (open it in ui.perfetto.dev or chrome://tracing); not with --sweep",
     )
     parser.add_argument(
+        "--page",
+        default=None,
+        metavar="SIZE",
+        help=f"the {DAEMON} row is the plan the daemon sends a paged session (virtual"
+        " residency: every block at one address, the limit counting mapped pages of SIZE,"
+        " e.g. 2MiB), its placed bytes the mapped pages at their peak; default: a contiguous"
+        " lease's",
+    )
+    parser.add_argument(
         "--place-time",
         type=float,
         default=0.0,
@@ -304,9 +314,13 @@ def evaluate(
     compute_scale: float,
     place_s: float = 0.0,
     say: Callable[[str], None] | None = None,
+    page: int | None = None,
 ) -> list[Row]:
     """Every policy's placed plan at one limit (`combined.fit`), each schedule validated, and
-    the portfolio: the best feasible of them. `say` hears of each policy as it starts."""
+    the portfolio: the best feasible of them. `say` hears of each policy as it starts. With
+    `page`, the daemon's row is its plan for a paged session (`paged.plan`, pages of `page`
+    bytes; Planner I gets `place_s`, or 2 s when 0)."""
+    from tidalplan import paged
     from tidalplan.bound import step_bound
     from tidalplan.combined import fit
     from tidalplan.policies import policy
@@ -317,8 +331,21 @@ def evaluate(
     for k, name in enumerate(names):
         if say is not None:
             say(f"{name} ({k + 1}/{len(names)})")
-        make = session_schedule if name == DAEMON else policy(name)
-        made = fit(it, make, limit, out_gbps, in_gbps, compute_scale, time_limit_s=place_s)
+        made: Plan | PagedPlan
+        if name == DAEMON and page is not None:
+            made = paged.plan(
+                it,
+                session_schedule,
+                limit,
+                out_gbps,
+                in_gbps,
+                compute_scale,
+                page=page,
+                time_limit_s=place_s or 2.0,
+            )
+        else:
+            make = session_schedule if name == DAEMON else policy(name)
+            made = fit(it, make, limit, out_gbps, in_gbps, compute_scale, time_limit_s=place_s)
         rows.append(Row(name, made, bound))
     fitting = [r for r in rows if r.plan.fits]
     if len(rows) > 1 and fitting:
@@ -365,6 +392,13 @@ def _options(args: argparse.Namespace) -> tuple[float, float, list[str]]:
         raise InputError("--step must lie in (0, 1)")
     if not 0 <= args.place_time < float("inf"):
         raise InputError("--place-time must be a number of seconds >= 0")
+    if args.page is not None:
+        try:
+            args.page = parse_size(args.page)
+        except ValueError as e:
+            raise InputError(f"--page: {e}") from None
+        if args.page < ALIGNMENT or args.page & (args.page - 1):
+            raise InputError(f"--page {args.page} bytes: a power of two of {ALIGNMENT} or more")
     if args.sweep and args.timeline is not None:
         raise InputError("--timeline writes the step at one limit: leave out --sweep")
     if args.plot is not None or args.timeline is not None:
@@ -461,12 +495,21 @@ def _one(
 ) -> int:
     """The policies at one limit: the table or JSON, and the picture and timeline asked for."""
     rows = evaluate(
-        it, names, limit, facts.out_gbps, facts.in_gbps, args.compute_scale, args.place_time, say
+        it,
+        names,
+        limit,
+        facts.out_gbps,
+        facts.in_gbps,
+        args.compute_scale,
+        args.place_time,
+        say,
+        args.page,
     )
     step_bound = rows[0].bound_ns if rows else None
     if args.json:
         head = _head(facts)
         head["compute_scale"] = args.compute_scale
+        head["page_bytes"] = args.page  # the daemon row paged in pages of it; null: contiguous
         head["limit_bytes"] = limit
         head["bound_ns"] = step_bound
         head["policies"] = [r.as_json() for r in rows]
@@ -477,7 +520,10 @@ def _one(
             console.print(line, markup=False, highlight=False)
         console.print(_limit_line(limit, facts, step_bound), markup=False, highlight=False)
         console.print(table(rows))
-        console.print(LEGEND.format(persistent=format_size(facts.persistent)), highlight=False)
+        legend = LEGEND if args.page is None else PAGED_LEGEND
+        page = format_size(args.page) if args.page is not None else ""
+        text = legend.format(persistent=format_size(facts.persistent), page=page)
+        console.print(text, highlight=False)
     if args.plot is not None:
         _draw(args.plot, facts, names, [], rows, limit)
         if not args.json:
@@ -526,12 +572,21 @@ def _sweep(
             say(f"{where}: {text}")
 
         rows = evaluate(
-            it, names, lim, facts.out_gbps, facts.in_gbps, args.compute_scale, args.place_time, said
+            it,
+            names,
+            lim,
+            facts.out_gbps,
+            facts.in_gbps,
+            args.compute_scale,
+            args.place_time,
+            said,
+            args.page,
         )
         sweep.append((lim, rows))
     if args.json:
         head = _head(facts)
         head["compute_scale"] = args.compute_scale
+        head["page_bytes"] = args.page  # the daemon row paged in pages of it; null: contiguous
         head["sweep"] = [
             {
                 "limit_bytes": lim,
@@ -613,6 +668,11 @@ LEGEND = (
     "peak: the simulated device bytes at their highest; placed: the bytes the placed\n"
     "plan needs; both include the {persistent} of persistent blocks. —: not feasible.\n"
     "daemon: the plan the daemon sends a session (swaps alone) and the session runs."
+)
+PAGED_LEGEND = (
+    LEGEND.removesuffix("and the session runs.")
+    + "paged in {page}\npages: every block at one address, its placed bytes the mapped pages at"
+    " their peak."
 )
 
 

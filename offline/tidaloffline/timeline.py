@@ -31,6 +31,7 @@ from tidalplan.simulate import copy_ns, rebuilds
 
 if TYPE_CHECKING:
     from tidalplan.combined import Plan
+    from tidalplan.paged import PagedPlan
 
 COMPUTE, SWAP_OUT, SWAP_IN = 1, 2, 3
 TRACKS = {COMPUTE: "compute", SWAP_OUT: "swap-out", SWAP_IN: "swap-in"}
@@ -45,14 +46,20 @@ def _us(ns: int) -> float:
 def process(
     it: Iteration,
     name: str,
-    plan: Plan,
+    plan: Plan | PagedPlan,
     pid: int,
     out_gbps: float,
     in_gbps: float,
     compute_scale: float = 1.0,
 ) -> list[dict[str, Any]]:
     """The events of one plan's simulated step as process `pid` called `name`. ValueError
-    when its schedule did not run to the end (an infeasible step has no timeline)."""
+    when its schedule did not run to the end (an infeasible step has no timeline). A paged
+    plan's step is that of the iteration it was made on (`paged.paged`: blocks in whole
+    pages)."""
+    from tidalplan import paged
+
+    if isinstance(plan, paged.PagedPlan):
+        it = paged.paged(it, plan.layout)
     schedule, result = plan.schedule, plan.result
     if not result.feasible:
         raise ValueError(f"{name}: the schedule did not run under its limit: no timeline")
@@ -162,7 +169,7 @@ def _transient(it: Iteration, index: int) -> tuple[int, int]:
 
 def document(
     it: Iteration,
-    plans: Sequence[tuple[str, Plan]],
+    plans: Sequence[tuple[str, Plan | PagedPlan]],
     out_gbps: float,
     in_gbps: float,
     compute_scale: float = 1.0,
@@ -186,7 +193,7 @@ def document(
 def write(
     path: str | Path,
     it: Iteration,
-    plans: Sequence[tuple[str, Plan]],
+    plans: Sequence[tuple[str, Plan | PagedPlan]],
     out_gbps: float,
     in_gbps: float,
     compute_scale: float = 1.0,

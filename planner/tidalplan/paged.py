@@ -376,6 +376,16 @@ class PagedPlan:
     def fits(self) -> bool:
         return self.mapped_peak is not None
 
+    @property
+    def footprint(self) -> int | None:
+        """The device bytes the plan needs: its mapped pages at their peak (None: infeasible)."""
+        return None if self.mapped_peak is None else int(self.mapped_peak)
+
+    @property
+    def planned_for(self) -> Bytes:
+        """The limit its schedule was made for: the limit itself (nothing is made again)."""
+        return self.limit
+
 
 def plan(
     it: Iteration,

@@ -156,3 +156,30 @@ def test_the_daemon_row_is_the_plan_the_daemon_sends(
     assert made.update.prediction.step_ns == row["iteration_ns"]
     assert len(made.update.swap_blocks) == row["swaps"]
     assert made.update.prediction.footprint_bytes == row["placed_bytes"]
+
+
+def test_with_page_the_daemon_row_is_the_paged_plan(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # resnet18.b8 at half its peak: a contiguous lease gets no plan (its placement needs more
+    # than the limit); in pages of 64 KiB the daemon's plan fits, as a paged session runs it.
+    trace = Path(__file__).resolve().parents[2] / "traces" / "resnet18.b8.trace.csv"
+    argv = ["simulate", str(trace), "--limit", "0.5", "--policy", "daemon", "--json"]
+    assert main(argv) == 3
+    contiguous = json.loads(capsys.readouterr().out)
+    assert contiguous["page_bytes"] is None and not contiguous["policies"][0]["feasible"]
+    timeline = tmp_path / "paged.json"
+    assert main([*argv, "--page", "64KiB", "--timeline", str(timeline)]) == 0
+    got = json.loads(capsys.readouterr().out)
+    (row,) = got["policies"]
+    assert got["page_bytes"] == 64 * 1024
+    assert row["feasible"] and row["swaps"] > 0
+    assert row["placed_bytes"] <= got["limit_bytes"]  # the mapped pages at their peak
+    assert row["planned_for_bytes"] == got["limit_bytes"]  # made once, for the limit itself
+    events = json.loads(timeline.read_text())["traceEvents"]
+    outs = [e for e in events if e["ph"] == "X" and e.get("cat") == "swap-out"]
+    assert len(outs) == row["swaps"]  # the paged plan's step, one copy out a swap
+    # in whole pages: what the paged iteration moves
+    assert all(e["args"]["bytes"] % (64 * 1024) == 0 for e in outs)
+    assert main([*argv, "--page", "3000"]) == 2
+    assert "--page 3000 bytes: a power of two" in capsys.readouterr().err
