@@ -118,7 +118,7 @@ class Unfit:
     limit: int  # the bytes it had to fit: the swap limit, or the lease (`beyond`)
     planned_for: int  # the lowest limit a schedule was made for
     rounds: int
-    beyond: str = "limit"  # what it does not fit: "limit" or "lease"
+    beyond: str = "limit"  # what it does not fit: "limit", "lease" or "host" (the host lease)
 
 
 def _import_planner() -> None:
@@ -232,14 +232,16 @@ class PlanWorker:
         page: int,
         persistent_at: list[tuple[int, bool]],
         lease: int | None = None,
+        host: int | None = None,
     ) -> PlannedPaged | Unfit:
         """The checked paged plan of `iteration` for `swap_limit` mapped bytes with copies at
         `gbps`, in pages of `page` bytes, its persistent blocks at `persistent_at` (per
         `iteration.persistent`), mapping at most a device `lease` of that many bytes (None:
         not bounded): from the cache when a plan made for all of these is there and passes
         `wire.check_paged`, else planned, encoded, checked and cached. Unfit when no plan
-        fits the limit (planned once per layout, at the limit itself: one round), or its
-        mapped peak is more than the lease."""
+        fits the limit (planned once per layout, at the limit itself: one round), its mapped
+        peak is more than the lease, or its swapped-out blocks need more than a `host` lease of
+        that many bytes at once (`paged.host_peak`)."""
         from tidalplan import wire
         from tidalplan.learn import signature
 
@@ -253,7 +255,7 @@ class PlanWorker:
             ),
         )
         if cached is not None:
-            return cached
+            return self._host_room(cached, iteration, swap_limit, host)
         plan = wire.paged_session_plan(
             iteration,
             swap_limit,
@@ -269,7 +271,22 @@ class PlanWorker:
         update = wire.encode_paged(iteration, plan, gbps)
         checked = wire.check_paged(iteration, update, swap_limit, gbps, persistent_at)
         self.cache.put(name, update)
-        return PlannedPaged(update, checked, plan.layout.solver)
+        return self._host_room(
+            PlannedPaged(update, checked, plan.layout.solver), iteration, swap_limit, host
+        )
+
+    @staticmethod
+    def _host_room(
+        made: PlannedPaged, iteration: Iteration, swap_limit: int, host: int | None
+    ) -> PlannedPaged | Unfit:
+        """`made`, or Unfit when its swapped-out blocks need more than a `host` lease."""
+        from tidalplan.paged import host_peak
+
+        plan = made.checked
+        need = host_peak(iteration, plan.layout, plan.schedule)
+        if host is not None and need > host:
+            return Unfit(need, host, swap_limit, 1, "host")
+        return made
 
     def _cached(
         self, name: str, iteration: Iteration, swap_limit: int, gbps: float, lease: int | None
@@ -400,6 +417,7 @@ class PlanWorker:
             session.page_bytes,
             persistent_at,
             session.device.length,
+            session.host.length,
         )
         if isinstance(made, Unfit):
             self._tell_unfit(session, made, iteration)
@@ -458,6 +476,15 @@ def unavailable(unfit: Unfit, iteration: Iteration, gbps: float | None = None) -
     from tidalplan.profile import op_bound
 
     limit = format_size(unfit.limit)
+    if unfit.beyond == "host":
+        need = format_size(unfit.footprint or 0)
+        return PlanUnavailable(
+            unfit.limit,
+            unplanned.OVER_LEASE,
+            f"the plan's swapped-out blocks need up to {need} of the host lease at once, more"
+            f" than the session's host lease of {limit}: attach with a host_limit of {need} or"
+            " more",
+        )
     if unfit.beyond == "lease":
         return PlanUnavailable(
             unfit.limit,

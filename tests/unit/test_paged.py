@@ -169,3 +169,16 @@ def test_persistent_addresses_that_cannot_be_are_refused() -> None:
         paged.layout(SMALL, PAGE, persistent_at=[(100, True), (0, False)])
     with pytest.raises(ValueError, match="2 persistent blocks"):
         paged.layout(SMALL, PAGE, persistent_at=[(0, True)])
+
+
+def test_the_host_lease_a_plan_needs_counts_each_swap_from_its_out_to_its_in() -> None:
+    lay = paged.layout(SMALL, PAGE, max_waste=0.05)
+    # W (4 pages) away from t2 to t8; A (2 pages, live from t0 to t4) away from t2 to t4 too.
+    w = Swap(block=0, out_after=Tick(2), in_before=Tick(8), persistent=True)
+    a = Swap(block=0, out_after=Tick(2), in_before=Tick(4))
+    assert paged.host_peak(SMALL, lay, SwapPlan((w,))) == 4 * PAGE
+    assert paged.host_peak(SMALL, lay, SwapPlan((w, a))) == 6 * PAGE
+    # Across the boundary: from t8 to the end, and from the start to t2, one at a time.
+    crossing = Swap(block=0, out_after=Tick(8), in_before=Tick(2), persistent=True)
+    assert paged.host_peak(SMALL, lay, SwapPlan((crossing, a))) == 4 * PAGE
+    assert paged.host_peak(SMALL, lay, SwapPlan()) == 0

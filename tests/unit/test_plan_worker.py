@@ -337,3 +337,18 @@ def test_a_limit_swaps_alone_cannot_reach_is_told_where() -> None:
     # without the bandwidth, no proof is looked for
     bare = unavailable(Unfit(None, limit, limit, 1), it)
     assert bare.reason == f"no schedule found for limit {format_size(limit)}"
+
+
+def test_a_plan_whose_swaps_need_more_than_the_host_lease_is_told_so() -> None:
+    from tidalcore.unplanned import OVER_LEASE
+    from tidalpoold.plan_worker import Unfit, unavailable
+
+    events_chunk = chunk(HIDE, {})
+    events = Events.concat([decode_chunk(events_chunk)], dict(events_chunk.new_names))
+    it = extract(events, events.marks())
+    told = unavailable(Unfit(3 << 20, 2 << 20, 1 << 20, 1, "host"), it)
+    assert told.kind == OVER_LEASE and told.lowest_limit_bytes == 0
+    assert told.reason == (
+        "the plan's swapped-out blocks need up to 3 MiB of the host lease at once, more than"
+        " the session's host lease of 2 MiB: attach with a host_limit of 3 MiB or more"
+    )
