@@ -342,36 +342,54 @@ class PlanWorker:
             self._tell_unfit(session, made, iteration)
             return None
         plan = made.update
-        if made.source == "cache":
+        bound = lower_bound(to_problem(made.checked.pieces, ALIGNMENT)[0])
+        about = {
+            "height": plan.height_bytes,
+            "footprint": plan.prediction.footprint_bytes,
+            "lower_bound": bound,
+        }
+        self._send(
+            session, plan, made.source, PlanFootprint(plan.height_bytes, bound), started, about
+        )
+        return plan
+
+    def _send(
+        self,
+        session: Session,
+        plan: pool_pb2.PlanUpdate,
+        source: str,
+        footprint: PlanFootprint,
+        started: float,
+        about: dict[str, int],
+    ) -> None:
+        """Count `plan` (made, or from the cache: `source`), number it, put it on `session`'s
+        stream and log it (`plan.sent`, with `about`: what its kind of plan says of itself)."""
+        if source == "cache":
             self.plans_cached += 1
         else:
             self.plans_made += 1
-        bound = lower_bound(to_problem(made.checked.pieces, ALIGNMENT)[0])
         with self._lock:
             plan.plan_id = self._next_plan_id
             self._next_plan_id += 1
         seconds = time.perf_counter() - started
-        session.plan = PlanFootprint(plan.height_bytes, bound)
+        session.plan = footprint
         session.outbox.put(pool_pb2.ServerMessage(plan=plan))
         if self.on_planned is not None:
-            self.on_planned("cached" if made.source == "cache" else "solved", seconds)
+            self.on_planned("cached" if source == "cache" else "solved", seconds)
         log.info(
             "plan.sent",
             extra={
                 "session": session.id,
                 "plan": plan.plan_id,
-                "source": made.source,
+                "source": source,
                 "allocations": len(plan.sizes),
-                "height": plan.height_bytes,
-                "footprint": plan.prediction.footprint_bytes,
-                "lower_bound": bound,
+                **about,
                 "limit": plan.limit_bytes,
                 "swaps": len(plan.swap_blocks),
                 "predicted_step_ns": plan.prediction.step_ns,
                 "seconds": round(seconds, 3),
             },
         )
-        return plan
 
     def _tell_unfit(self, session: Session, made: Unfit, iteration: Iteration) -> None:
         """Count and log an unfit plan (`plan.unfit`) and tell the session why (`unavailable`)."""
@@ -423,34 +441,9 @@ class PlanWorker:
             self._tell_unfit(session, made, iteration)
             return None
         plan = made.update
-        if made.source == "cache":
-            self.plans_cached += 1
-        else:
-            self.plans_made += 1
-        with self._lock:
-            plan.plan_id = self._next_plan_id
-            self._next_plan_id += 1
-        seconds = time.perf_counter() - started
-        session.plan = PlanFootprint(plan.mapped_peak_bytes, plan.mapped_peak_bytes)
-        session.outbox.put(pool_pb2.ServerMessage(plan=plan))
-        if self.on_planned is not None:
-            self.on_planned("cached" if made.source == "cache" else "solved", seconds)
-        log.info(
-            "plan.sent",
-            extra={
-                "session": session.id,
-                "plan": plan.plan_id,
-                "source": made.source,
-                "allocations": len(plan.sizes),
-                "page": plan.page_bytes,
-                "region": plan.region_bytes,
-                "mapped_peak": plan.mapped_peak_bytes,
-                "limit": plan.limit_bytes,
-                "swaps": len(plan.swap_blocks),
-                "predicted_step_ns": plan.prediction.step_ns,
-                "seconds": round(seconds, 3),
-            },
-        )
+        peak = plan.mapped_peak_bytes
+        about = {"page": plan.page_bytes, "region": plan.region_bytes, "mapped_peak": peak}
+        self._send(session, plan, made.source, PlanFootprint(peak, peak), started, about)
         return plan
 
 
