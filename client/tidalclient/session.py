@@ -263,15 +263,6 @@ def _paged_executor(
     compute: Callable[[], Any] | None,
 ) -> Paged:
     """Blocks at addresses for life in `space`, at most `swap_limit` bytes of pages mapped."""
-    streams: dict[str, Any] = {} if compute is None else {"compute": compute}
-    if mapped.cuda is not None:
-        from tidalclient.devices.cuda import compute_stream, swap_streams
-
-        driver = mapped.cuda.driver
-        streams = {
-            "streams": lambda _gbps: swap_streams(driver),
-            "compute": compute or compute_stream(driver),
-        }
     return Paged(
         space,
         Frames(mapped.device.length // space.page),
@@ -280,7 +271,7 @@ def _paged_executor(
         limit=swap_limit,
         trace=recorder,
         gbps=copy_gbps,
-        **streams,
+        **_copy_streams(mapped, compute),
     )
 
 
@@ -313,15 +304,6 @@ def _python_executor(
     placed = PythonExecutor(mapped.device.length, trace=recorder)
     if swap_limit is None and copy_gbps is None:
         return placed
-    streams: dict[str, Any] = {} if compute is None else {"compute": compute}
-    if mapped.cuda is not None:  # two CUDA copy streams, ordered against the compute stream
-        from tidalclient.devices.cuda import compute_stream, swap_streams
-
-        driver = mapped.cuda.driver
-        streams = {
-            "streams": lambda _gbps: swap_streams(driver),
-            "compute": compute or compute_stream(driver),
-        }
     return Swapping(
         placed,
         device_address=mapped.device.address,
@@ -329,8 +311,23 @@ def _python_executor(
         host_capacity=mapped.host.length,
         limit=swap_limit,
         gbps=copy_gbps,
-        **streams,
+        **_copy_streams(mapped, compute),
     )
+
+
+def _copy_streams(mapped: MappedLease, compute: Callable[[], Any] | None) -> dict[str, Any]:
+    """The stream arguments of an executor that copies blocks: sim `Stream`s (its default),
+    ordered against `compute` when given; on cuda, two CUDA copy streams ordered against the
+    compute stream."""
+    if mapped.cuda is None:
+        return {} if compute is None else {"compute": compute}
+    from tidalclient.devices.cuda import compute_stream, swap_streams
+
+    driver = mapped.cuda.driver
+    return {
+        "streams": lambda _gbps: swap_streams(driver),
+        "compute": compute or compute_stream(driver),
+    }
 
 
 class Session:
