@@ -319,3 +319,44 @@ def _swaps(update: pool_pb2.PlanUpdate) -> tuple[ScheduledSwap, ...]:
         log.warning("tidalpool: ignoring the swap schedule of plan %d: %s", update.plan_id, e)
         return ()
     return swaps
+
+
+@dataclass(frozen=True, slots=True)
+class OpSchedule:
+    """A swap schedule by op index, as an executor runs it: the swaps (by index) out after
+    op k, in issued at op k, and waited for by op k; with `slots`, the plan slot of each
+    swap's piece (a contiguous arena's)."""
+
+    refs: tuple[tuple[bool, int], ...]  # per swap: (persistent, allocation index or block id)
+    slots: tuple[int, ...]  # per swap: its piece's slot; empty: swap-ins placed online
+    out_after: tuple[int, ...]  # per swap
+    in_before: tuple[int, ...]
+    starts: tuple[int, ...]  # per swap: the event its swap-in starts after; empty: at in_at
+    outs_after: dict[int, tuple[int, ...]]
+    ins_at: dict[int, tuple[int, ...]]
+    needed_before: dict[int, tuple[int, ...]]
+
+    @property
+    def swaps(self) -> int:
+        return len(self.refs)
+
+    @classmethod
+    def build(
+        cls,
+        swaps: Sequence[ScheduledSwap],
+        first_slot: int | None = None,
+        starts: Sequence[int] = (),
+    ) -> OpSchedule:
+        """`first_slot`: the slot of swap 0's piece (the plan's allocations come before);
+        `starts`: per swap, the event its swap-in starts after."""
+        by_op: tuple[dict[int, list[int]], ...] = ({}, {}, {})
+        for j, s in enumerate(swaps):
+            s.check()
+            for table, k in zip(by_op, (s.out_after, s.issue_at(), s.in_before), strict=True):
+                table.setdefault(k, []).append(j)
+        outs, ins, needed = ({k: tuple(v) for k, v in t.items()} for t in by_op)
+        refs = tuple((s.persistent, s.block) for s in swaps)
+        slots = () if first_slot is None else tuple(range(first_slot, first_slot + len(swaps)))
+        after = tuple(s.out_after for s in swaps)
+        before = tuple(s.in_before for s in swaps)
+        return cls(refs, slots, after, before, tuple(starts), outs, ins, needed)

@@ -69,7 +69,7 @@ from tidalclient.executors.base import (
 )
 from tidalclient.executors.bestfit import BestFit
 from tidalclient.executors.residency import Residency
-from tidalclient.plans import Plan
+from tidalclient.plans import OpSchedule, Plan
 from tidalclient.recorder import TraceSink
 
 log = logging.getLogger("tidalpool")
@@ -92,29 +92,6 @@ class _Live:
     fit: BestFit | None = None  # the online part it was placed in (its bytes go back there)
     locks: int = 0
     pinned: bool = False
-
-
-@dataclass(slots=True)
-class _Schedule:
-    """A plan's swaps by op: those out after op k, issued at op k, needed by op k."""
-
-    refs: tuple[tuple[bool, int], ...]  # per swap: (persistent, allocation index or block id)
-    starts: tuple[int, ...]  # per swap: the event its swap-in starts after; empty: at in_at
-    outs_after: dict[int, list[int]]
-    ins_at: dict[int, list[int]]
-    needed_before: dict[int, list[int]]
-
-    @classmethod
-    def of(cls, plan: Plan) -> _Schedule:
-        outs: dict[int, list[int]] = {}
-        ins: dict[int, list[int]] = {}
-        needed: dict[int, list[int]] = {}
-        for j, s in enumerate(plan.swaps):
-            outs.setdefault(s.out_after, []).append(j)
-            ins.setdefault(s.issue_at(), []).append(j)
-            needed.setdefault(s.in_before, []).append(j)
-        refs = tuple((s.persistent, s.block) for s in plan.swaps)
-        return cls(refs, plan.swap_in_ticks, outs, ins, needed)
 
 
 class Paged:
@@ -174,7 +151,7 @@ class Paged:
         self._iter_ids: list[int] = []  # this iteration's blocks by allocation index
         self._pending_plan: Plan | None = None  # from the connection's thread
         self._plan: Plan | None = None
-        self._schedule: _Schedule | None = None
+        self._schedule: OpSchedule | None = None
         self._waiting_ins: list[int] = []  # swaps issued whose pages did not fit yet
         self._limit = min(limit, frames.count * page)  # as asked: whole pages count under it
         self.live_bytes = self.peak_live_bytes = 0
@@ -288,9 +265,7 @@ class Paged:
         self._ends[offset] = offset + nbytes
 
     def free(self, block: Block) -> None:
-        live = self._live.get(block.id)
-        if block.session != self._session or live is None or live.block != block:
-            raise InvalidBlock(f"{describe(block)} is not live in this session")
+        live = self._entry(block)
         if live.locks:
             raise InvalidBlock(f"{describe(block)} is in use by an op")
         del self._live[block.id]
@@ -567,7 +542,9 @@ class Paged:
                 log.warning("tidalpool: plan %d is not run: %s", plan.plan_id, base)
             else:
                 self._plan, self._base = plan, base
-                self._schedule = _Schedule.of(plan) if plan.swaps else None
+                self._schedule = (
+                    OpSchedule.build(plan.swaps, starts=plan.swap_in_ticks) if plan.swaps else None
+                )
         self.residency.poll()
         self._waiting_ins.clear()
         self._op_index = 0
@@ -606,7 +583,7 @@ class Paged:
                 swap_outs=res.swap_outs,
                 swap_ins=res.swap_ins,
                 stall_ns=self.stall_ns,
-                scheduled_swaps=len(self._schedule.refs) if self._schedule is not None else 0,
+                scheduled_swaps=self._schedule.swaps if self._schedule is not None else 0,
                 schedule_skips=self.schedule_skips,
                 host_used_bytes=res.host_used_bytes,
                 planned_out_bytes=self.planned_out_bytes,

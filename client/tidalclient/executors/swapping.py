@@ -93,7 +93,7 @@ from tidalclient.executors.base import (
 )
 from tidalclient.executors.bestfit import BestFit
 from tidalclient.executors.python import PythonExecutor
-from tidalclient.plans import Plan, PlanRejected, PlanTable, ScheduledSwap
+from tidalclient.plans import OpSchedule, Plan, PlanRejected, PlanTable, ScheduledSwap
 
 log = logging.getLogger("tidalpool")
 
@@ -168,10 +168,10 @@ class Swapping:
         self._outs: deque[_Flight] = deque()  # in stream order
         self._ins: deque[_Flight] = deque()
         self._leaving = 0  # device bytes of copies out in flight, released when they complete
-        self._schedule: _Schedule | None = None
-        self._pending_schedule: _Schedule | None = None  # a schedule alone (placement unused)
+        self._schedule: OpSchedule | None = None
+        self._pending_schedule: OpSchedule | None = None  # a schedule alone (placement unused)
         self._pending_plan: Plan | None = None  # from the connection's thread
-        self._staged: tuple[int, _Schedule | None, int] | None = None  # plan id, schedule, height
+        self._staged: tuple[int, OpSchedule | None, int] | None = None  # plan id, schedule, height
         self._table: PlanTable | None = None  # of the plan executed: slots' overlaps
         self._fences: dict[int, Completion] = {}  # slot -> copy out still reading its bytes
         self._pending_ins: dict[int, _Entry] = {}  # swap -> block waiting for its piece
@@ -363,7 +363,7 @@ class Swapping:
 
     def install_schedule(self, swaps: Sequence[ScheduledSwap]) -> None:
         """Swap by this schedule from the next `step()` on (ValueError if malformed)."""
-        self._pending_schedule = _Schedule.build(swaps)
+        self._pending_schedule = OpSchedule.build(swaps)
 
     def step(self) -> int:
         plan, self._pending_plan = self._pending_plan, None
@@ -403,7 +403,7 @@ class Swapping:
                 log.warning("tidalpool: plan %d: its pieces are unusable: %s", plan.plan_id, e)
             else:
                 schedule = (
-                    _Schedule.build(plan.swaps, len(table.sizes), plan.swap_in_ticks)
+                    OpSchedule.build(plan.swaps, len(table.sizes), plan.swap_in_ticks)
                     if plan.swaps
                     else None
                 )
@@ -411,7 +411,7 @@ class Swapping:
                 self._staged = (plan.plan_id, schedule, table.height)
                 return
         if plan.swaps:
-            self._pending_schedule = _Schedule.build(plan.swaps)
+            self._pending_schedule = OpSchedule.build(plan.swaps)
         if self._limited:
             self.plans_deferred += 1
         else:
@@ -434,7 +434,7 @@ class Swapping:
             pieces.append((size, offset))
         return pieces
 
-    def _make_room(self, height: int, schedule: _Schedule | None) -> None:
+    def _make_room(self, height: int, schedule: OpSchedule | None) -> None:
         """Before the switch: blocks leave until the arena fits under the limit, and their
         copies complete (on demand, and once). First the persistent blocks the plan swaps
         (they go to their pieces at the switch), then the least recently used; every one that
@@ -468,12 +468,12 @@ class Swapping:
             self._out.synchronize()
             self._reap()
 
-    def _swapped_persistent(self, schedule: _Schedule) -> list[_Entry]:
+    def _swapped_persistent(self, schedule: OpSchedule) -> list[_Entry]:
         """The live persistent blocks a schedule swaps, once each."""
         ids = dict.fromkeys(index for persistent, index in schedule.refs if persistent)
         return [e for i in ids if (e := self._entries.get(i)) is not None]
 
-    def _move_into_place(self, schedule: _Schedule) -> None:
+    def _move_into_place(self, schedule: OpSchedule) -> None:
         """At the switch: each persistent block the plan swaps goes where the plan has it as
         an iteration begins, on demand and once: to the host if its swap crosses the boundary,
         else into the piece of its last swap-in (the piece that holds it across the boundary).
@@ -568,7 +568,7 @@ class Swapping:
         ids = self._iter_ids
         return self._entries.get(ids[index]) if index < len(ids) else None
 
-    def _scheduled(self, schedule: _Schedule, swaps: Sequence[int]) -> list[_Entry]:
+    def _scheduled(self, schedule: OpSchedule, swaps: Sequence[int]) -> list[_Entry]:
         found = [e for j in swaps if (e := self._resolve(schedule.refs[j])) is not None]
         self.schedule_skips += len(swaps) - len(found)
         return found
@@ -826,43 +826,3 @@ class Swapping:
                 e.where, e.flight = DEVICE, None
                 if not e.locks and not (e.pinned or e.planned):
                     self._lru[e.block.id] = e
-
-
-@dataclass(frozen=True, slots=True)
-class _Schedule:
-    """A swap schedule by op index: the swaps (by index) out after op k, in issued at op k,
-    and waited for by op k; with `slots`, the plan slot of each swap's piece."""
-
-    refs: tuple[_Ref, ...]  # per swap: its block
-    slots: tuple[int, ...]  # per swap: its piece's slot; empty: swap-ins placed online
-    out_after: tuple[int, ...]  # per swap
-    in_before: tuple[int, ...]
-    starts: tuple[int, ...]  # per swap: the event its swap-in starts after; empty: at in_at
-    outs_after: dict[int, tuple[int, ...]]
-    ins_at: dict[int, tuple[int, ...]]
-    needed_before: dict[int, tuple[int, ...]]
-
-    @property
-    def swaps(self) -> int:
-        return len(self.refs)
-
-    @classmethod
-    def build(
-        cls,
-        swaps: Sequence[ScheduledSwap],
-        first_slot: int | None = None,
-        starts: Sequence[int] = (),
-    ) -> _Schedule:
-        """`first_slot`: the slot of swap 0's piece (the plan's allocations come before);
-        `starts`: per swap, the event its swap-in starts after."""
-        by_op: tuple[dict[int, list[int]], ...] = ({}, {}, {})
-        for j, s in enumerate(swaps):
-            s.check()
-            for table, k in zip(by_op, (s.out_after, s.issue_at(), s.in_before), strict=True):
-                table.setdefault(k, []).append(j)
-        outs, ins, needed = ({k: tuple(v) for k, v in t.items()} for t in by_op)
-        refs = tuple((s.persistent, s.block) for s in swaps)
-        slots = () if first_slot is None else tuple(range(first_slot, first_slot + len(swaps)))
-        after = tuple(s.out_after for s in swaps)
-        before = tuple(s.in_before for s in swaps)
-        return cls(refs, slots, after, before, tuple(starts), outs, ins, needed)
