@@ -35,6 +35,7 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from tidalcore.pages import pages_of
 from tidalcore.units import ALIGNMENT, Bytes, Offset, Tick
 from tidalcore.v1 import pool_pb2
 from tidalcore.wire import PAGED_PLAN_VERSION, PLAN_VERSION
@@ -44,7 +45,7 @@ from tidalplan.learn import signature, to_problem
 from tidalplan.model import Iteration, Placement, Problem, Recompute, Swap, SwapPlan
 from tidalplan.placed import PERSISTENT, SCRATCH, Combined, Plan, split
 from tidalplan.search import search
-from tidalplan.simulate import simulate
+from tidalplan.simulate import Result, simulate
 from tidalplan.validate import InvalidPlacement, validate, validate_swaps
 
 VERSION = PLAN_VERSION
@@ -120,33 +121,62 @@ def encode(it: Iteration, plan: Plan, copy_gbps: float) -> pool_pb2.PlanUpdate:
         resident_persistent_bytes=int(placed.resident_persistent),
     )
     start_of = {b.id: int(b.start) for b in placed.pieces.blocks}
-    for s, piece in zip(plan.schedule.swaps, placed.in_pieces, strict=True):
+    _put_swaps(update, it, plan.schedule, [start_of[piece] for piece in placed.in_pieces])
+    update.swap_in_offsets.extend(offset_of.get(piece, 0) for piece in placed.in_pieces)
+    for c in plan.schedule.recomputes:
+        update.recompute_blocks.append(c.block)
+        update.recompute_drop_after.append(index[c.drop_after])
+        update.recompute_before.append(index[c.before])
+    update.prediction.CopyFrom(_prediction(plan.result, int(placed.footprint), copy_gbps))
+    return update
+
+
+def _put_swaps(
+    update: pool_pb2.PlanUpdate, it: Iteration, schedule: SwapPlan, starts: Sequence[int]
+) -> None:
+    """`schedule`'s swaps as `update`'s swap columns (op indices, persistent blocks by trace
+    id), `starts[j]` the tick after which swap j's swap-in starts."""
+    index = {op.tick: k for k, op in enumerate(it.ops)}
+    for s, start in zip(schedule.swaps, starts, strict=True):
         assert s.in_at is not None  # on_ops sets every one
         update.swap_blocks.append(it.persistent[s.block][0] if s.persistent else s.block)
         update.swap_persistent.append(s.persistent)
         update.swap_out_after.append(index[s.out_after])
         update.swap_in_at.append(index[s.in_at])
         update.swap_in_before.append(index[s.in_before])
-        update.swap_in_offsets.append(offset_of.get(piece, 0))
-        update.swap_in_ticks.append(start_of[piece])
-    for c in plan.schedule.recomputes:
-        update.recompute_blocks.append(c.block)
-        update.recompute_drop_after.append(index[c.drop_after])
-        update.recompute_before.append(index[c.before])
-    r = plan.result
-    update.prediction.CopyFrom(
-        pool_pb2.PlanPrediction(
-            step_ns=r.iteration_ns,
-            baseline_ns=r.baseline_ns,
-            out_bytes=int(r.out_bytes),
-            in_bytes=int(r.in_bytes),
-            stall_ns=r.stall_ns,
-            peak_bytes=int(r.peak_bytes),
-            footprint_bytes=int(placed.footprint),
-            copy_gbps=copy_gbps,
-        )
+        update.swap_in_ticks.append(start)
+
+
+def _prediction(r: Result, footprint: int, copy_gbps: float) -> pool_pb2.PlanPrediction:
+    """The simulator's timeline `r` as a PlanPrediction."""
+    return pool_pb2.PlanPrediction(
+        step_ns=r.iteration_ns,
+        baseline_ns=r.baseline_ns,
+        out_bytes=int(r.out_bytes),
+        in_bytes=int(r.in_bytes),
+        stall_ns=r.stall_ns,
+        peak_bytes=int(r.peak_bytes),
+        footprint_bytes=footprint,
+        copy_gbps=copy_gbps,
     )
-    return update
+
+
+def _simulated_as_predicted(result: Result, p: pool_pb2.PlanPrediction) -> None:
+    """ValueError unless `result` ran feasibly and is the timeline `p` predicts."""
+    simulated = (
+        result.iteration_ns,
+        result.baseline_ns,
+        result.out_bytes,
+        result.in_bytes,
+        result.stall_ns,
+        result.peak_bytes,
+    )
+    predicted = (p.step_ns, p.baseline_ns, p.out_bytes, p.in_bytes, p.stall_ns, p.peak_bytes)
+    if not result.feasible or simulated != predicted:
+        raise ValueError(
+            f"the schedule simulates to (step, baseline, out, in, stall, peak) {simulated}"
+            f"{'' if result.feasible else ', infeasibly'}, not the predicted {predicted}"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,20 +303,7 @@ def check(
         d.copy_gbps,
         compute_scale,
     )
-    simulated = (
-        result.iteration_ns,
-        result.baseline_ns,
-        result.out_bytes,
-        result.in_bytes,
-        result.stall_ns,
-        result.peak_bytes,
-    )
-    predicted = (p.step_ns, p.baseline_ns, p.out_bytes, p.in_bytes, p.stall_ns, p.peak_bytes)
-    if not result.feasible or simulated != predicted:
-        raise ValueError(
-            f"the schedule simulates to (step, baseline, out, in, stall, peak) {simulated}"
-            f"{'' if result.feasible else ', infeasibly'}, not the predicted {predicted}"
-        )
+    _simulated_as_predicted(result, p)
     validate_swaps(it, schedule, result, d.limit, d.copy_gbps, compute_scale)
     parts = split(it, schedule, result)
     problem, mapping = to_problem(parts.pieces, ALIGNMENT)
@@ -456,7 +473,6 @@ def encode_paged(it: Iteration, plan: paged.PagedPlan, copy_gbps: float) -> pool
     base = lay.region_start
     if any(a < base for a in lay.addresses):
         raise ValueError(f"a block lies before the plan's region, which starts at {base}")
-    index = {op.tick: k for k, op in enumerate(it.ops)}
     update = pool_pb2.PlanUpdate(
         version=PAGED_VERSION,
         signature=signature(it),
@@ -468,26 +484,8 @@ def encode_paged(it: Iteration, plan: paged.PagedPlan, copy_gbps: float) -> pool
         region_bytes=lay.length - base,
         mapped_peak_bytes=int(plan.mapped_peak),
     )
-    for s, (_, back) in zip(schedule.swaps, r.swap_ticks, strict=True):
-        assert s.in_at is not None  # on_ops sets every one
-        update.swap_blocks.append(it.persistent[s.block][0] if s.persistent else s.block)
-        update.swap_persistent.append(s.persistent)
-        update.swap_out_after.append(index[s.out_after])
-        update.swap_in_at.append(index[s.in_at])
-        update.swap_in_before.append(index[s.in_before])
-        update.swap_in_ticks.append(max(back - 1, 0))
-    update.prediction.CopyFrom(
-        pool_pb2.PlanPrediction(
-            step_ns=r.iteration_ns,
-            baseline_ns=r.baseline_ns,
-            out_bytes=int(r.out_bytes),
-            in_bytes=int(r.in_bytes),
-            stall_ns=r.stall_ns,
-            peak_bytes=int(r.peak_bytes),
-            footprint_bytes=int(plan.mapped_peak),
-            copy_gbps=copy_gbps,
-        )
-    )
+    _put_swaps(update, it, schedule, [max(back - 1, 0) for _, back in r.swap_ticks])
+    update.prediction.CopyFrom(_prediction(r, int(plan.mapped_peak), copy_gbps))
     return update
 
 
@@ -531,7 +529,7 @@ def decode_paged(it: Iteration, update: pool_pb2.PlanUpdate) -> DecodedPaged:
     for i, (address, own, size) in enumerate(
         zip(update.addresses, update.owning, sizes, strict=True)
     ):
-        end = address + (_whole_pages(size, page) if own else size)
+        end = address + (pages_of(size, page) if own else size)
         if address % (page if own else ALIGNMENT):
             raise ValueError(
                 f"addresses[{i}] = {address}: allocation {i}"
@@ -611,7 +609,7 @@ def check_paged(
                 f"persistent block {pid} at {address} cannot"
                 f" {'own pages' if own else 'lie'} there with pages of {page} bytes"
             )
-        end = address + (_whole_pages(size, page) if own else size)
+        end = address + (pages_of(size, page) if own else size)
         region_start = max(region_start, -(-end // page) * page)
     for k, s in enumerate(d.schedule.swaps):
         if s.persistent and not persistent_at[s.block][1]:
@@ -622,7 +620,7 @@ def check_paged(
     addresses = tuple(region_start + a for a in d.addresses)
     owned_end = max(
         (
-            a + _whole_pages(b.size, page)
+            a + pages_of(b.size, page)
             for a, b, own in zip(addresses, it.blocks, d.owning, strict=True)
             if own
         ),
@@ -643,20 +641,7 @@ def check_paged(
     schedule = d.schedule
     result = simulate(pit, schedule, d.limit, gbps, gbps, compute_scale)
     p = update.prediction
-    simulated = (
-        result.iteration_ns,
-        result.baseline_ns,
-        result.out_bytes,
-        result.in_bytes,
-        result.stall_ns,
-        result.peak_bytes,
-    )
-    predicted = (p.step_ns, p.baseline_ns, p.out_bytes, p.in_bytes, p.stall_ns, p.peak_bytes)
-    if not result.feasible or simulated != predicted:
-        raise ValueError(
-            f"the schedule simulates to (step, baseline, out, in, stall, peak) {simulated}"
-            f"{'' if result.feasible else ', infeasibly'}, not the predicted {predicted}"
-        )
+    _simulated_as_predicted(result, p)
     validate_swaps(pit, schedule, result, d.limit, gbps, compute_scale)
     starts = [max(back - 1, 0) for _, back in result.swap_ticks]
     if list(update.swap_in_ticks) != starts:
@@ -671,8 +656,3 @@ def check_paged(
             f" {peak} bytes at most"
         )
     return paged.PagedPlan(schedule, result, lay, Bytes(int(update.limit_bytes)), Bytes(peak))
-
-
-def _whole_pages(size: int, page: int) -> int:
-    """The bytes of the whole pages `size` bytes span from a page's start."""
-    return -(-size // page) * page
