@@ -7,8 +7,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,7 @@ import tidalpool
 from tidalclient.errors import AttachError
 
 from ..conftest import StartDaemon
-from .test_fuzz import Target
+from .test_fuzz import Target, wait_for
 
 MiB = 1 << 20
 
@@ -42,14 +40,6 @@ CLIENT = textwrap.dedent(
         n += 1
     """
 )
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(0.02)
 
 
 def test_a_paged_client_killed_mid_swap_returns_its_pages_and_host_bytes(
