@@ -186,14 +186,6 @@ def _build(
         max_connections=settings.max_handles_connections,
     )
     handles.start()
-    for servicer, name in (
-        (health_servicer, ""),
-        (health_servicer, pool.name),
-        (admin_health, ""),
-        (admin_health, admin.name),
-    ):
-        servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-
     stop = threading.Event()
     reaper = threading.Thread(target=_reap, args=(registry, stop, trim), name="reaper", daemon=True)
     reaper.start()
@@ -215,6 +207,15 @@ def _build(
             "settings": describe(settings),
         },
     )
+    # Serving only once `daemon.ready` is written: whoever waits on health sees the ready line
+    # before any line a session makes.
+    for servicer, name in (
+        (health_servicer, ""),
+        (health_servicer, pool.name),
+        (admin_health, ""),
+        (admin_health, admin.name),
+    ):
+        servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return Daemon(
         settings=settings,
         backend=backend,
