@@ -37,6 +37,9 @@ on the device at that op (no candidate that takes it away over the op may be cho
      needed over at a lower exposed cost;
    - drop: leave a column out;
    - nudge: issue a swap-in its op waited for one op earlier.
+3. With swaps alone, `_banned_starts`: the moves end near the columns a start began with, and
+   the covers share their largest swaps; so on half the budget more, search again from covers
+   that may not take the best plan's largest swap (a new one each time, `_BANS` at most).
 
 Deterministic: the search spends a budget of simulations (`default_budget`: fewer on long
 iterations), not of wall-clock time.
@@ -78,6 +81,9 @@ _ROUNDS = 3
 _WEIGHTS = (1.0,)  # a swap's cost: its copies' time times this
 _DEPTHS = (0, 1, 2)  # recomputations: a block alone, and with its writers' inputs this deep
 _SHIFTS = 4  # replacements `_Search.shift` tries per column
+_BANS = 6  # with swaps alone, restarts from covers without one of the best plan's columns
+_BAN_SHARE = 2  # ... on 1 / this of the budget more
+_BANNED = 1e3  # what a banned column costs in such a cover, times its own cost
 
 
 @dataclass(frozen=True, slots=True)
@@ -430,11 +436,13 @@ def cover(
     with_copies: bool,
     exact: bool,
     by_span: bool = False,
+    banned: Sequence[int] = (),
 ) -> _Choice | None:
     """The cheapest columns whose bytes hold every tick's excess (see the module's docstring);
     None when HiGHS finds none within its node limit. `by_span`: a swap's copies cost per the
     share of the iteration its gap lasts (the fewest copy seconds per bytes-time away), so
-    that long gaps, whose copies have the most room to pass, are preferred."""
+    that long gaps, whose copies have the most room to pass, are preferred. `banned`: columns
+    that cost `_BANNED` times as much (taken only where nothing else holds the bytes)."""
     n = tl.ticks
     every = cands.gaps
     a = np.array([g.a for g in every], np.int64)
@@ -505,6 +513,7 @@ def cover(
     exclusion, floor = cands.exclusion()
     redo_ns = np.array([r.ns for r in cands.redo], np.float64)
     cost = np.concatenate((weight * copies, redo_ns)) + 1.0
+    cost[np.asarray(banned, np.int64)] *= _BANNED
     cost = cost / float(cost.max())
     cost = np.concatenate((cost, np.zeros(exclusion.shape[1] - m)))
     # The integer program by row generation: the rows of the largest excess first, then the
@@ -577,10 +586,12 @@ class _Search:
         cands: _Candidates,
         budget: int,
         progress: Callable[[float], None] | None,
+        total: int | None = None,
     ) -> None:
         self.it, self.limit, self.out_gbps, self.in_gbps = it, limit, out_gbps, in_gbps
         self.cands = cands
-        self.budget = budget
+        self.budget = budget  # simulations allowed until now
+        self.total = budget if total is None else total  # ... in all: what progress counts
         self._columns(_Timeline(it, limit))
         self.dur = np.zeros(it.ticks, np.int64)
         for op in it.ops:
@@ -671,7 +682,7 @@ class _Search:
             return self.seen[choice], None
         self.spent += 1
         if self.progress is not None and self.spent % 8 == 0:
-            self.progress(min(self.spent / self.budget, 1.0))
+            self.progress(min(self.spent / self.total, 1.0))
         r = simulate(self.it, choice.plan(self.cands), self.limit, self.out_gbps, self.in_gbps)
         key: Key = (
             0 if r.feasible else 1,
@@ -955,6 +966,31 @@ class _Search:
                 break
 
 
+def _banned_starts(s: _Search, tl: _Timeline) -> None:
+    """With swaps alone, while the budget lasts: search again from covers that avoid the best
+    plan's largest swap (`_BANS` times, each time the largest of the best plan not yet banned,
+    one at a time). Every start's moves end near the columns it began with, and the covers
+    share their largest columns, which hold the most bytes: a plan that moves them by other
+    gaps, or other blocks, lies beyond any one move."""
+    tried: set[int] = set()
+    for _ in range(_BANS):
+        if not s.left() or s.top is None or s.top[0][0] != 0:
+            return
+        cols = [k for k, _ in s.top[1].swaps if k not in tried]
+        if not cols:
+            return
+        col = max(cols, key=lambda k: (s.cands.gaps[k].size, -k))
+        tried.add(col)
+        for by_span in (False, True):
+            made = cover(s.cands, tl, 1.0, False, False, by_span=by_span, banned=(col,))
+            if made is None or not s.left():
+                continue
+            key, result = s.judge(made)
+            if result is not None and key[0] == 0:
+                s.restart((key, made, result))
+                s.improve()
+
+
 def default_budget(it: Iteration) -> int:
     """`BUDGET` simulations for an iteration of up to `_BUDGET_TICKS` ticks; for a longer one,
     as many simulated ticks in all (a simulation's time grows with the ticks), at least
@@ -975,7 +1011,8 @@ def search(
 ) -> SwapPlan:
     """The plan with the shortest simulated step found within `budget` simulations (default:
     `default_budget`) for `limit` device bytes; `progress` hears the fraction of the budget
-    spent. `recompute=False`: swaps only, for an executor that cannot rebuild blocks."""
+    spent. `recompute=False`: swaps only, for an executor that cannot rebuild blocks, with
+    `budget // _BAN_SHARE` simulations more for `_banned_starts`."""
     budget = default_budget(it) if budget is None else budget
     tl = _Timeline(it, limit)
     if tl.ticks == 0 or int(tl.need.max()) <= 0:
@@ -987,7 +1024,9 @@ def search(
         ("search", out_gbps, in_gbps, depths),
         lambda: _Candidates(it, out_gbps, in_gbps, depths),
     )
-    s = _Search(it, limit, out_gbps, in_gbps, cands, max(budget, 1), progress)
+    budget = max(budget, 1)
+    banned = 0 if recompute else budget // _BAN_SHARE
+    s = _Search(it, limit, out_gbps, in_gbps, cands, budget, progress, budget + banned)
     starts: list[_Choice] = []
     kinds = [(False, False), (True, False)]  # (with copies, exact): relaxed and rounded
     if cands.columns <= _EXACT_COLUMNS:
@@ -1021,6 +1060,9 @@ def search(
             break
         s.restart(start)
         s.improve()
+    if banned:
+        s.budget += banned
+        _banned_starts(s, tl)
     if progress is not None:
         progress(1.0)
     return s.top[1].plan(cands)
