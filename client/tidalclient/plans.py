@@ -24,11 +24,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
+from tidalcore import planupdate
+from tidalcore.planupdate import Pages, Prediction, Recompute, ScheduledSwap
 from tidalcore.units import ALIGNMENT, align_up
 from tidalcore.v1 import pool_pb2
-from tidalcore.wire import PAGED_PLAN_VERSION
 
 log = logging.getLogger("tidalpool")
 
@@ -101,90 +101,6 @@ def _overlaps(sizes: list[int], offsets: list[int], alignment: int) -> tuple[tup
 
 
 @dataclass(frozen=True, slots=True)
-class ScheduledSwap:
-    """Swap one block out after an op of every iteration and back before a later op.
-
-    `block` is the index of the allocation within the iteration (0: the first malloc after
-    `step()`), or, with `persistent`, the id of a block that lives across iterations (ids never
-    change). Ops are numbered from 0 within the iteration. The swap-out is
-    issued when op `out_after` has ended; the swap-in when op `in_at` begins (default: the op
-    before `in_before`, but not before `out_after`'s successor); op `in_before` begins only once
-    the block is back. A persistent block may cross the boundary (`in_before <= out_after`): it
-    leaves after `out_after` and returns before `in_before` of the next iteration.
-    """
-
-    block: int
-    out_after: int
-    in_before: int
-    in_at: int | None = None
-    persistent: bool = False
-
-    def issue_at(self) -> int:
-        """The op at whose beginning the swap-in is issued."""
-        if self.in_at is not None:
-            return self.in_at
-        earliest = 0 if self.crosses else self.out_after + 1
-        return max(self.in_before - 1, earliest)
-
-    @property
-    def crosses(self) -> bool:
-        return self.in_before <= self.out_after
-
-    def check(self) -> None:
-        """ValueError naming what is inconsistent."""
-        if min(self.block, self.out_after, self.in_before) < 0:
-            raise ValueError(f"{self}: indices must not be negative")
-        if self.crosses and not self.persistent:
-            raise ValueError(f"{self}: only a persistent block may cross the iteration boundary")
-        at = self.issue_at()
-        ok = 0 <= at <= self.in_before if self.crosses else self.out_after < at <= self.in_before
-        if not ok:
-            raise ValueError(f"{self}: the swap-in must be issued between the out and in ops")
-
-
-@dataclass(frozen=True, slots=True)
-class Prediction:
-    """The simulator's timeline of the plan's iteration (`PlanPrediction`)."""
-
-    step_ns: int
-    baseline_ns: int
-    out_bytes: int
-    in_bytes: int
-    stall_ns: int
-    peak_bytes: int
-    footprint_bytes: int
-    copy_gbps: float
-
-
-@dataclass(frozen=True, slots=True)
-class Recompute:
-    """A hint: allocation `block` may be dropped after op `drop_after` and rebuilt before op
-    `before` (the placement leaves room for it)."""
-
-    block: int
-    drop_after: int
-    before: int
-
-
-VERSION = PAGED_PLAN_VERSION
-"""The newest `PlanUpdate.version` this client knows (`tidalcore.wire`; pool.proto's version
-rule)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Paging:
-    """A version-3 plan's virtual residency: every allocation keeps one address for life.
-    `table`'s offsets are then the allocations' addresses in the plan's region (`region_bytes`
-    long, whole pages of `page` bytes); `owning[i]`: allocation i has whole pages of its own
-    (only such blocks move); `mapped_peak`: the most bytes the planner counted mapped."""
-
-    page: int
-    owning: tuple[bool, ...]
-    region_bytes: int
-    mapped_peak: int
-
-
-@dataclass(frozen=True, slots=True)
 class Plan:
     """One plan of the daemon: where each allocation goes and, under a swap limit, which
     blocks leave the device between their uses and where each comes back."""
@@ -199,7 +115,7 @@ class Plan:
     version: int = 1
     limit: int = 0  # the device bytes the plan was made to fit (0: no swap limit)
     prediction: Prediction | None = None
-    paging: Paging | None = None  # version 3: the table's offsets are addresses for life
+    paging: Pages | None = None  # version 3: the table's offsets are its addresses for life
 
     @property
     def plan_id(self) -> int:
@@ -212,113 +128,45 @@ class Plan:
 
 
 def decode(update: pool_pb2.PlanUpdate, alignment: int = ALIGNMENT) -> Plan:
-    """The plan a `PlanUpdate` carries. PlanRejected when its placement is unusable; a
-    malformed swap schedule (columns of unequal lengths, an inconsistent swap) is logged and
-    left out, and the placement is kept; so are swap-in offsets that do not match the
-    schedule (the swap-ins are then placed here). Fields of a version newer than `VERSION`
-    are not read (the version rule: they only add to what the known ones say)."""
-    paging = _paging(update) if update.version >= 3 and update.page_bytes else None
-    if paging is not None:
+    """The plan a `PlanUpdate` carries (`tidalcore.planupdate.read`). PlanRejected names
+    what no session could run: a column `read` refuses, or a slot misaligned or past the
+    plan's height or region. Fields of a version newer than `VERSION` are not read (the
+    version rule: they only add to what the known ones say)."""
+    try:
+        c = planupdate.read(update)
+        planupdate.check_swaps(c.swaps)
+    except planupdate.PlanError as e:
+        raise PlanRejected(f"plan {update.plan_id}: {e}") from e
+    placement = c.placement
+    paging: Pages | None = None
+    offsets: tuple[int, ...] = ()
+    if isinstance(placement, Pages):
         table = PlanTable.build(
-            update.plan_id,
-            list(update.sizes),
-            list(update.addresses),
-            paging.region_bytes,
-            alignment,
+            c.plan_id, list(c.sizes), list(placement.addresses), placement.region_bytes, alignment
         )
+        paging, offsets = placement, ()
     else:
         table = PlanTable.build(
-            update.plan_id, list(update.sizes), list(update.offsets), update.height_bytes, alignment
+            c.plan_id, list(c.sizes), list(placement.offsets), placement.height, alignment
         )
-    swaps = _swaps(update)
-    offsets: tuple[int, ...] = tuple(update.swap_in_offsets)
-    if offsets and (
-        len(offsets) != len(swaps)
-        or any(o % alignment or o >= update.height_bytes for o in offsets)
-    ):
-        log.warning(
-            "tidalpool: plan %d: %d swap-in offsets for %d swaps, or one misaligned or beyond"
-            " its height: the swap-ins are placed here",
-            update.plan_id,
-            len(offsets),
-            len(swaps),
-        )
-        offsets = ()
-    ticks: tuple[int, ...] = tuple(update.swap_in_ticks)
-    if len(ticks) != (len(swaps) if paging is not None else len(offsets)):
-        ticks = ()
-    prediction = None
-    if update.HasField("prediction"):
-        p = update.prediction
-        prediction = Prediction(
-            p.step_ns,
-            p.baseline_ns,
-            p.out_bytes,
-            p.in_bytes,
-            p.stall_ns,
-            p.peak_bytes,
-            p.footprint_bytes,
-            p.copy_gbps,
-        )
-    columns = (update.recompute_blocks, update.recompute_drop_after, update.recompute_before)
-    recomputes: tuple[Recompute, ...] = ()
-    if len({len(c) for c in columns}) == 1:
-        recomputes = tuple(Recompute(*r) for r in zip(*columns, strict=True))
+        paging, offsets = None, placement.swap_in_offsets
+        for j, o in enumerate(offsets):
+            if o % alignment or o >= placement.height:
+                raise PlanRejected(
+                    f"plan {c.plan_id}: swap {j}'s swap-in lands at {o}, misaligned or past the"
+                    f" plan's height {placement.height}"
+                )
     return Plan(
         table,
-        swaps,
+        c.swaps,
         offsets,
-        ticks,
-        recomputes,
-        update.version or 1,
-        update.limit_bytes,
-        prediction,
+        c.swap_in_ticks,
+        c.recomputes,
+        c.version,
+        c.limit,
+        c.prediction,
         paging,
     )
-
-
-def _paging(update: pool_pb2.PlanUpdate) -> Paging:
-    """The virtual residency of a version-3 update; PlanRejected for one no session can run."""
-    page, region = update.page_bytes, update.region_bytes
-    sizes, addresses, owning = update.sizes, update.addresses, update.owning
-    if page % ALIGNMENT or page & (page - 1) or region % page:
-        raise PlanRejected(
-            f"plan {update.plan_id}: a page of {page} bytes (a power of two, a multiple of"
-            f" {ALIGNMENT}) and a region of {region} bytes (whole pages)"
-        )
-    if not len(sizes) == len(addresses) == len(owning):
-        raise PlanRejected(
-            f"plan {update.plan_id}: {len(sizes)} sizes, {len(addresses)} addresses and"
-            f" {len(owning)} owning flags"
-        )
-    for i, (address, own) in enumerate(zip(addresses, owning, strict=True)):
-        if own and address % page:
-            raise PlanRejected(
-                f"plan {update.plan_id}: allocation {i} owns pages but lies at {address},"
-                f" not on a page of {page} bytes"
-            )
-    return Paging(page, tuple(owning), region, update.mapped_peak_bytes)
-
-
-def _swaps(update: pool_pb2.PlanUpdate) -> tuple[ScheduledSwap, ...]:
-    columns: Sequence[Sequence[Any]] = (
-        update.swap_blocks,
-        update.swap_persistent,
-        update.swap_out_after,
-        update.swap_in_at,
-        update.swap_in_before,
-    )
-    try:
-        swaps = tuple(
-            ScheduledSwap(block, out_after, in_before, in_at, persistent)
-            for block, persistent, out_after, in_at, in_before in zip(*columns, strict=True)
-        )
-        for swap in swaps:
-            swap.check()
-    except ValueError as e:
-        log.warning("tidalpool: ignoring the swap schedule of plan %d: %s", update.plan_id, e)
-        return ()
-    return swaps
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,5 @@
-"""Names both ends of a connection agree on: socket files, gRPC metadata keys, versions."""
+"""Names both ends of a connection agree on: socket files, gRPC metadata keys, the handles
+protocol's version (a plan's versions: `tidalcore.planupdate`)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,6 @@ LOCK_FILE = "tidalpoold.lock"
 
 HANDLES_VERSION = 2
 """Version of the handles protocol (proto/tidalpool/v1/handles.proto)."""
-
-PLAN_VERSION = 2
-"""The PlanUpdate version of a plan for a contiguous lease: every piece of memory at an offset
-of the plan's arena (pool.proto's version rule)."""
-PAGED_PLAN_VERSION = 3
-"""The PlanUpdate version of a plan for a session under virtual residency: every allocation
-at an address for life, the limit counting mapped pages. The newest a client knows."""
 
 TOKEN_KEY = "tidalpool-token"
 """gRPC metadata key of a session's token on every session RPC."""

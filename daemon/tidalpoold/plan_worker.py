@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from tidalcore import unplanned
+from tidalcore import planupdate, unplanned
 from tidalcore.units import ALIGNMENT, format_size
 from tidalcore.unplanned import PlanUnavailable
 from tidalcore.v1 import pool_pb2
@@ -197,7 +197,7 @@ class PlanWorker:
         from tidalplan import placed, wire
         from tidalplan.learn import signature
 
-        name = plan_cache.key(signature(iteration), swap_limit, gbps, wire.VERSION)
+        name = plan_cache.key(signature(iteration), swap_limit, gbps, planupdate.ARENA_VERSION)
         cached = self._cached(name, iteration, swap_limit, gbps, lease)
         if cached is not None:
             return cached
@@ -246,7 +246,7 @@ class PlanWorker:
         from tidalplan.learn import signature
 
         name = plan_cache.key(
-            signature(iteration), swap_limit, gbps, wire.PAGED_VERSION, page, persistent_at
+            signature(iteration), swap_limit, gbps, planupdate.PAGED_VERSION, page, persistent_at
         )
         cached = self._from_cache(
             name,
@@ -530,8 +530,8 @@ def _checked(
     from tidalplan import wire
     from tidalplan.learn import signature
 
-    if update.version != wire.VERSION:
-        return Defect(path, f"plan version {update.version}, not {wire.VERSION}")
+    if update.version != planupdate.ARENA_VERSION:
+        return Defect(path, f"plan version {update.version}, not {planupdate.ARENA_VERSION}")
     if update.signature != signature(iteration):
         return Defect(path, "made for another iteration (its signature is not this one's)")
     made_for = (update.limit_bytes, update.prediction.copy_gbps)
@@ -563,8 +563,8 @@ def _checked_paged(
     anyone's: any error they raise is a defect, not a failure."""
     from tidalplan import wire
 
-    if update.version != wire.PAGED_VERSION:
-        return Defect(path, f"plan version {update.version}, not {wire.PAGED_VERSION}")
+    if update.version != planupdate.PAGED_VERSION:
+        return Defect(path, f"plan version {update.version}, not {planupdate.PAGED_VERSION}")
     if update.page_bytes != page:
         return Defect(
             path, f"made for pages of {update.page_bytes} bytes, not the session's {page}"

@@ -23,6 +23,10 @@ the session's range past the persistent blocks it placed itself, `Layout.region_
 `owning[i]` and the region's length; the persistent blocks' addresses are the session's own
 and do not travel.
 
+The columns are written and read by the codec both ends share (`tidalcore.planupdate`), which
+checks what needs only the update; this module puts a plan into them and takes it back onto
+the iteration's ticks, checking what needs the iteration.
+
 A client issues a swap-in when an op begins; `on_ops` makes a schedule say exactly that, and
 only such a schedule is encoded, so that what `check` simulates is what the client runs.
 Pure: no I/O.
@@ -35,10 +39,11 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from tidalcore import planupdate
 from tidalcore.pages import pages_of
-from tidalcore.units import ALIGNMENT, Bytes, Offset, Tick
+from tidalcore.planupdate import ARENA_VERSION, PAGED_VERSION, Arena, Columns, Pages, Prediction
+from tidalcore.units import ALIGNMENT, Bytes, Offset
 from tidalcore.v1 import pool_pb2
-from tidalcore.wire import PAGED_PLAN_VERSION, PLAN_VERSION
 
 from tidalplan import paged
 from tidalplan.learn import signature, to_problem
@@ -48,11 +53,9 @@ from tidalplan.search import search
 from tidalplan.simulate import Result, simulate
 from tidalplan.validate import InvalidPlacement, validate, validate_swaps
 
-VERSION = PLAN_VERSION
-"""The PlanUpdate version `encode` writes and `decode` reads (`tidalcore.wire`)."""
-PAGED_VERSION = PAGED_PLAN_VERSION
-"""The PlanUpdate version `encode_paged` writes and `decode_paged` reads: a plan for a session
-under virtual residency, whose blocks keep their addresses (`tidalplan.paged`)."""
+VERSION = ARENA_VERSION
+"""The PlanUpdate version `encode` writes and `decode` reads (`tidalcore.planupdate`);
+`encode_paged` and `decode_paged`'s is `PAGED_VERSION`."""
 
 
 def on_ops(it: Iteration, schedule: SwapPlan) -> SwapPlan:
@@ -111,45 +114,54 @@ def encode(it: Iteration, plan: Plan, copy_gbps: float) -> pool_pb2.PlanUpdate:
         placed.pieces.blocks[b].id: int(offset)
         for offset, b in zip(placed.placement.offsets, mapping, strict=True)
     }
-    update = pool_pb2.PlanUpdate(
-        version=VERSION,
-        signature=signature(it),
-        sizes=[int(b.size) for b in it.blocks],
-        offsets=[offset_of.get(placed.first_pieces[i], 0) for i in range(len(it.blocks))],
-        height_bytes=int(placed.placement.height),
-        limit_bytes=int(plan.limit),
-        resident_persistent_bytes=int(placed.resident_persistent),
+    starts = {b.id: int(b.start) for b in placed.pieces.blocks}
+    return planupdate.write(
+        Columns(
+            plan_id=0,
+            version=VERSION,
+            signature=signature(it),
+            sizes=tuple(int(b.size) for b in it.blocks),
+            placement=Arena(
+                offsets=tuple(
+                    offset_of.get(placed.first_pieces[i], 0) for i in range(len(it.blocks))
+                ),
+                height=int(placed.placement.height),
+                swap_in_offsets=tuple(offset_of.get(piece, 0) for piece in placed.in_pieces),
+                resident_persistent=int(placed.resident_persistent),
+            ),
+            swaps=_swaps(it, plan.schedule),
+            swap_in_ticks=tuple(starts[piece] for piece in placed.in_pieces),
+            recomputes=tuple(
+                planupdate.Recompute(c.block, index[c.drop_after], index[c.before])
+                for c in plan.schedule.recomputes
+            ),
+            limit=int(plan.limit),
+            prediction=_prediction(plan.result, int(placed.footprint), copy_gbps),
+        )
     )
-    start_of = {b.id: int(b.start) for b in placed.pieces.blocks}
-    _put_swaps(update, it, plan.schedule, [start_of[piece] for piece in placed.in_pieces])
-    update.swap_in_offsets.extend(offset_of.get(piece, 0) for piece in placed.in_pieces)
-    for c in plan.schedule.recomputes:
-        update.recompute_blocks.append(c.block)
-        update.recompute_drop_after.append(index[c.drop_after])
-        update.recompute_before.append(index[c.before])
-    update.prediction.CopyFrom(_prediction(plan.result, int(placed.footprint), copy_gbps))
-    return update
 
 
-def _put_swaps(
-    update: pool_pb2.PlanUpdate, it: Iteration, schedule: SwapPlan, starts: Sequence[int]
-) -> None:
-    """`schedule`'s swaps as `update`'s swap columns (op indices, persistent blocks by trace
-    id), `starts[j]` the tick after which swap j's swap-in starts."""
+def _swaps(it: Iteration, schedule: SwapPlan) -> tuple[planupdate.ScheduledSwap, ...]:
+    """`schedule`'s swaps on the wire: op indices, persistent blocks by their trace id."""
     index = {op.tick: k for k, op in enumerate(it.ops)}
-    for s, start in zip(schedule.swaps, starts, strict=True):
+    swaps = []
+    for s in schedule.swaps:
         assert s.in_at is not None  # on_ops sets every one
-        update.swap_blocks.append(it.persistent[s.block][0] if s.persistent else s.block)
-        update.swap_persistent.append(s.persistent)
-        update.swap_out_after.append(index[s.out_after])
-        update.swap_in_at.append(index[s.in_at])
-        update.swap_in_before.append(index[s.in_before])
-        update.swap_in_ticks.append(start)
+        swaps.append(
+            planupdate.ScheduledSwap(
+                block=it.persistent[s.block][0] if s.persistent else s.block,
+                out_after=index[s.out_after],
+                in_before=index[s.in_before],
+                in_at=index[s.in_at],
+                persistent=s.persistent,
+            )
+        )
+    return tuple(swaps)
 
 
-def _prediction(r: Result, footprint: int, copy_gbps: float) -> pool_pb2.PlanPrediction:
-    """The simulator's timeline `r` as a PlanPrediction."""
-    return pool_pb2.PlanPrediction(
+def _prediction(r: Result, footprint: int, copy_gbps: float) -> Prediction:
+    """The simulator's timeline `r` as a plan's prediction."""
+    return Prediction(
         step_ns=r.iteration_ns,
         baseline_ns=r.baseline_ns,
         out_bytes=int(r.out_bytes),
@@ -161,7 +173,7 @@ def _prediction(r: Result, footprint: int, copy_gbps: float) -> pool_pb2.PlanPre
     )
 
 
-def _simulated_as_predicted(result: Result, p: pool_pb2.PlanPrediction) -> None:
+def _simulated_as_predicted(result: Result, p: Prediction) -> None:
     """ValueError unless `result` ran feasibly and is the timeline `p` predicts."""
     simulated = (
         result.iteration_ns,
@@ -195,75 +207,57 @@ class Decoded:
 def decode(it: Iteration, update: pool_pb2.PlanUpdate) -> Decoded:
     """The schedule and offsets `update` carries, on `it`'s ticks (op index → op tick,
     persistent trace id → index in `it.persistent`). ValueError names the first column that
-    does not fit `it` or the others."""
+    does not fit `it` or the others (`planupdate.read`'s checks, then `it`'s)."""
     if update.version != VERSION:
         raise ValueError(f"plan version {update.version}, not {VERSION}")
+    c = _read(it, update)
+    arena = c.placement
+    assert isinstance(arena, Arena)  # version 2
+    if len(arena.swap_in_offsets) != len(c.swaps):
+        raise ValueError("the swap columns (swap_in_offsets included) differ in length")
+    return Decoded(
+        schedule=_on_ticks(it, c),
+        offsets=tuple(Offset(o) for o in arena.offsets),
+        swap_in_offsets=tuple(Offset(o) for o in arena.swap_in_offsets),
+        height=Bytes(arena.height),
+        limit=Bytes(c.limit) if c.limit else None,
+        resident_persistent=Bytes(arena.resident_persistent),
+        copy_gbps=c.prediction.copy_gbps if c.prediction is not None else 0.0,
+    )
+
+
+def _read(it: Iteration, update: pool_pb2.PlanUpdate) -> Columns:
+    """`planupdate.read` of an update made for `it`: its sizes `it`'s, its op indices in
+    `it`'s ops."""
     sizes = [int(b.size) for b in it.blocks]
     if list(update.sizes) != sizes:
         raise ValueError(f"sizes {list(update.sizes)[:8]}... are not the iteration's allocations")
-    if len(update.offsets) != len(sizes):
-        raise ValueError(f"{len(update.offsets)} offsets for {len(sizes)} allocations")
-    return Decoded(
-        schedule=_schedule(it, update, "swap_in_offsets"),
-        offsets=tuple(Offset(int(o)) for o in update.offsets),
-        swap_in_offsets=tuple(Offset(int(o)) for o in update.swap_in_offsets),
-        height=Bytes(update.height_bytes),
-        limit=Bytes(update.limit_bytes) if update.limit_bytes else None,
-        resident_persistent=Bytes(update.resident_persistent_bytes),
-        copy_gbps=update.prediction.copy_gbps,
-    )
+    return planupdate.read(update, len(it.ops))
 
 
-def _schedule(it: Iteration, update: pool_pb2.PlanUpdate, placed_by: str) -> SwapPlan:
-    """The swaps and recomputations `update` carries, on `it`'s ticks; `placed_by`: the column
-    beside the swap columns that must be as long as they are (where each swap-in lands).
-    ValueError names the first value that does not fit `it`."""
-    sizes = len(it.blocks)
+def _on_ticks(it: Iteration, c: Columns) -> SwapPlan:
+    """The swaps and recomputations of `c` (read against `it`) on `it`'s ticks, persistent
+    blocks by their index in `it.persistent`. ValueError names a persistent id `it` has not."""
     ticks = [op.tick for op in it.ops]
     persistent = {pid: k for k, (pid, _) in enumerate(it.persistent)}
-
-    def op(column: str, k: int) -> Tick:
-        value = int(getattr(update, column)[k])
-        if not 0 <= value < len(ticks):
-            raise ValueError(f"{column}[{k}] = {value}: the iteration has {len(ticks)} ops")
-        return ticks[value]
-
-    def block(column: str, k: int, is_persistent: bool) -> int:
-        value = int(getattr(update, column)[k])
-        if is_persistent:
-            if value not in persistent:
-                raise ValueError(f"{column}[{k}] = {value}: no persistent block has that id")
-            return persistent[value]
-        if not 0 <= value < sizes:
-            raise ValueError(f"{column}[{k}] = {value}: the iteration has {sizes} allocations")
-        return value
-
-    swap_columns = ("swap_blocks", "swap_persistent", "swap_out_after", "swap_in_at")
-    n = len(update.swap_in_before)
-    if {len(getattr(update, c)) for c in (*swap_columns, placed_by)} != {n}:
-        raise ValueError(f"the swap columns ({placed_by} included) differ in length")
-    swaps = tuple(
-        Swap(
-            block=block("swap_blocks", k, update.swap_persistent[k]),
-            out_after=op("swap_out_after", k),
-            in_before=op("swap_in_before", k),
-            in_at=op("swap_in_at", k),
-            persistent=update.swap_persistent[k],
+    swaps = []
+    for k, s in enumerate(c.swaps):
+        if s.persistent and s.block not in persistent:
+            raise ValueError(f"swap_blocks[{k}] = {s.block}: no persistent block has that id")
+        swaps.append(
+            Swap(
+                block=persistent[s.block] if s.persistent else s.block,
+                out_after=ticks[s.out_after],
+                in_before=ticks[s.in_before],
+                in_at=ticks[s.issue_at()],
+                persistent=s.persistent,
+            )
         )
-        for k in range(n)
-    )
-    m = len(update.recompute_blocks)
-    if {len(update.recompute_drop_after), len(update.recompute_before)} != {m}:
-        raise ValueError("the recompute columns differ in length")
     recomputes = tuple(
-        Recompute(
-            block=block("recompute_blocks", k, False),
-            drop_after=op("recompute_drop_after", k),
-            before=op("recompute_before", k),
-        )
-        for k in range(m)
+        Recompute(block=r.block, drop_after=ticks[r.drop_after], before=ticks[r.before])
+        for r in c.recomputes
     )
-    return SwapPlan(swaps, recomputes)
+    return SwapPlan(tuple(swaps), recomputes)
 
 
 def check(
@@ -291,7 +285,7 @@ def check(
         raise ValueError("the plan's signature is not the iteration's")
     if not update.HasField("prediction") or not d.copy_gbps > 0:
         raise ValueError("the plan has no prediction, or no copy bandwidth to simulate it at")
-    p = update.prediction
+    p = Prediction.of(update.prediction)
     if d.limit is not None and p.peak_bytes > d.limit:
         raise ValueError(f"the predicted peak {p.peak_bytes} is over the limit {d.limit}")
     schedule = d.schedule
@@ -473,20 +467,25 @@ def encode_paged(it: Iteration, plan: paged.PagedPlan, copy_gbps: float) -> pool
     base = lay.region_start
     if any(a < base for a in lay.addresses):
         raise ValueError(f"a block lies before the plan's region, which starts at {base}")
-    update = pool_pb2.PlanUpdate(
-        version=PAGED_VERSION,
-        signature=signature(it),
-        sizes=[int(b.size) for b in it.blocks],
-        limit_bytes=int(plan.limit),
-        page_bytes=lay.page,
-        addresses=[a - base for a in lay.addresses],
-        owning=list(lay.owning),
-        region_bytes=lay.length - base,
-        mapped_peak_bytes=int(plan.mapped_peak),
+    return planupdate.write(
+        Columns(
+            plan_id=0,
+            version=PAGED_VERSION,
+            signature=signature(it),
+            sizes=tuple(int(b.size) for b in it.blocks),
+            placement=Pages(
+                page=lay.page,
+                addresses=tuple(a - base for a in lay.addresses),
+                owning=tuple(lay.owning),
+                region_bytes=lay.length - base,
+                mapped_peak=int(plan.mapped_peak),
+            ),
+            swaps=_swaps(it, schedule),
+            swap_in_ticks=tuple(max(back - 1, 0) for _, back in r.swap_ticks),
+            limit=int(plan.limit),
+            prediction=_prediction(r, int(plan.mapped_peak), copy_gbps),
+        )
     )
-    _put_swaps(update, it, schedule, [max(back - 1, 0) for _, back in r.swap_ticks])
-    update.prediction.CopyFrom(_prediction(r, int(plan.mapped_peak), copy_gbps))
-    return update
 
 
 @dataclass(frozen=True, slots=True)
@@ -505,62 +504,25 @@ class DecodedPaged:
 
 def decode_paged(it: Iteration, update: pool_pb2.PlanUpdate) -> DecodedPaged:
     """The schedule and addresses a version-3 `update` carries, on `it`'s ticks. ValueError
-    names the first column that does not fit `it` or the others: the sizes, a page that is
-    not a power of two of at least ALIGNMENT bytes (whole pages are counted by masks), the
-    lengths of `addresses` and `owning`, a region that is not whole pages, an address off
-    ALIGNMENT, a page-owning block off a page, a block past the region's end, a version-2
-    field set, a swap of a block that shares pages (it never moves) or a recomputation."""
+    names the first column that does not fit `it` or the others (`planupdate.read`'s checks:
+    the page, the addresses and the region, version-2 fields, swaps of blocks that share
+    pages, recomputations; then `it`'s)."""
     if update.version != PAGED_VERSION:
         raise ValueError(f"plan version {update.version}, not {PAGED_VERSION}")
-    sizes = [int(b.size) for b in it.blocks]
-    if list(update.sizes) != sizes:
-        raise ValueError(f"sizes {list(update.sizes)[:8]}... are not the iteration's allocations")
-    page = int(update.page_bytes)
-    if page < ALIGNMENT or page & (page - 1):
-        raise ValueError(f"page_bytes {page} is not a power of two of at least {ALIGNMENT} bytes")
-    for column in ("addresses", "owning"):
-        if len(getattr(update, column)) != len(sizes):
-            raise ValueError(
-                f"{len(getattr(update, column))} {column} for {len(sizes)} allocations"
-            )
-    region = int(update.region_bytes)
-    if region % page:
-        raise ValueError(f"region_bytes {region} is not whole pages of {page} bytes")
-    for i, (address, own, size) in enumerate(
-        zip(update.addresses, update.owning, sizes, strict=True)
-    ):
-        end = address + (pages_of(size, page) if own else size)
-        if address % (page if own else ALIGNMENT):
-            raise ValueError(
-                f"addresses[{i}] = {address}: allocation {i}"
-                f" {'owns pages' if own else 'shares pages'} but lies off"
-                f" {'a page' if own else f'{ALIGNMENT}-byte alignment'}"
-            )
-        if end > region:
-            raise ValueError(
-                f"addresses[{i}] = {address}: allocation {i} ends at {end}, past the region's"
-                f" {region} bytes"
-            )
-    for column in ("offsets", "swap_in_offsets", "height_bytes", "resident_persistent_bytes"):
-        if getattr(update, column):
-            raise ValueError(f"{column} is set: version 3 places blocks by their addresses")
-    schedule = _schedule(it, update, "swap_in_ticks")
-    if schedule.recomputes:
-        raise ValueError("recompute_blocks is set: a paged plan only swaps blocks")
-    for k, s in enumerate(schedule.swaps):
-        if not s.persistent and not update.owning[s.block]:
-            raise ValueError(
-                f"swap_blocks[{k}] = {s.block}: the allocation shares pages, and never moves"
-            )
+    if not update.page_bytes:
+        raise ValueError(f"page_bytes 0 is not a power of two of at least {ALIGNMENT} bytes")
+    c = _read(it, update)
+    pages = c.placement
+    assert isinstance(pages, Pages)  # version 3 with a page
     return DecodedPaged(
-        schedule=schedule,
-        addresses=tuple(int(a) for a in update.addresses),
-        owning=tuple(update.owning),
-        region_bytes=region,
-        page=page,
-        limit=Bytes(update.limit_bytes) if update.limit_bytes else None,
-        copy_gbps=update.prediction.copy_gbps,
-        mapped_peak=Bytes(update.mapped_peak_bytes),
+        schedule=_on_ticks(it, c),
+        addresses=pages.addresses,
+        owning=pages.owning,
+        region_bytes=pages.region_bytes,
+        page=pages.page,
+        limit=Bytes(c.limit) if c.limit else None,
+        copy_gbps=c.prediction.copy_gbps if c.prediction is not None else 0.0,
+        mapped_peak=Bytes(pages.mapped_peak),
     )
 
 
@@ -640,7 +602,7 @@ def check_paged(
     pit = paged.paged(it, lay)
     schedule = d.schedule
     result = simulate(pit, schedule, d.limit, gbps, gbps, compute_scale)
-    p = update.prediction
+    p = Prediction.of(update.prediction)
     _simulated_as_predicted(result, p)
     validate_swaps(pit, schedule, result, d.limit, gbps, compute_scale)
     starts = [max(back - 1, 0) for _, back in result.swap_ticks]

@@ -130,7 +130,7 @@ def test_an_op_recorded_with_record_op_counts_in_the_swap_schedule(daemon: Local
     after such an op starts right after it, not one op later."""
     from tidalclient.executors.base import DEVICE, HOST, LEAVING
     from tidalclient.executors.swapping import Swapping
-    from tidalclient.plans import ScheduledSwap
+    from tidalcore.planupdate import ScheduledSwap
 
     with tidalpool.attach(daemon.socket_dir, swap_limit="1MiB", host_limit="1MiB") as s:
         executor = s.executor

@@ -570,7 +570,8 @@ def test_the_native_executor_refuses_a_plan_it_could_not_execute_whole(hp: HotPa
     """A plan that swaps is executed whole or not at all: the allocator cannot move the
     framework's tensors, so it refuses it, and its placement is not half-used."""
     from tidalclient.executors.native import NativeExecutor
-    from tidalclient.plans import Plan, ScheduledSwap
+    from tidalclient.plans import Plan
+    from tidalcore.planupdate import ScheduledSwap
 
     ex = NativeExecutor(hp, BASE, KiB)
     try:

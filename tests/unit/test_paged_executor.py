@@ -14,8 +14,9 @@ from tidalclient.devices.pages import Frames, SimPageSpace
 from tidalclient.errors import InvalidBlock, LeaseExceeded
 from tidalclient.executors.base import DEVICE, HOST
 from tidalclient.executors.paged import Paged, range_bytes
-from tidalclient.plans import Paging, Plan, PlanTable, ScheduledSwap
+from tidalclient.plans import Plan, PlanTable
 from tidalcore.events import ALLOC, FREE
+from tidalcore.planupdate import Pages, ScheduledSwap
 
 PAGE = mmap.PAGESIZE * 4
 LEASE_PAGES = 8
@@ -152,9 +153,8 @@ def paged_plan(
 ) -> Plan:
     region = -(-max(a + s for a, s in zip(addresses, sizes, strict=True)) // page) * page
     table = PlanTable.build(7, sizes, addresses, region, ex.alignment)
-    return Plan(
-        table, swaps, version=3, limit=limit, paging=Paging(page, tuple(owning), region, limit)
-    )
+    pages = Pages(page, tuple(addresses), tuple(owning), region, limit)
+    return Plan(table, swaps, version=3, limit=limit, paging=pages)
 
 
 def test_a_paged_plan_places_its_allocations_and_runs_its_swaps(made) -> None:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from tidalclient.devices.streams import Stream
 from tidalclient.executors.base import HOST
-from tidalclient.plans import Plan, PlanTable, ScheduledSwap
+from tidalclient.plans import Plan, PlanTable
+from tidalcore.planupdate import ScheduledSwap
 
 from tests.unit.test_swap_engine import Rig
 from tests.unit.test_swap_engine import rigs as rigs_fixture

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
-from tidalclient.plans import ScheduledSwap
+from tidalcore.planupdate import ScheduledSwap
 from tidalcore.units import Tick
 from tidalplan.model import Swap, SwapPlan
 from tidalplan.wire import on_ops

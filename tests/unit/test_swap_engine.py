@@ -17,8 +17,9 @@ from tidalclient.errors import InvalidBlock, LeaseExceeded
 from tidalclient.executors.base import ARRIVING, DEVICE, HOST, LEAVING, Block
 from tidalclient.executors.python import PythonExecutor
 from tidalclient.executors.swapping import Swapping
-from tidalclient.plans import Plan, PlanTable, ScheduledSwap
+from tidalclient.plans import Plan, PlanTable
 from tidalcore.chunks import ChunkMapping
+from tidalcore.planupdate import ScheduledSwap
 
 KiB = 1024
 

@@ -19,15 +19,14 @@ leaves (SuperNeurons' LRU tensor cache), until it fits. Each `step()` tells the 
 every live block lies (the trace's step mark): a paged plan keeps the persistent ones there, and
 a later plan's region lies past the live blocks of the one before.
 
-Planned (a version-3 plan, `plans.Paging`): from the `step()` after `install_plan`, allocation i
-of each iteration lies at the region's start plus the plan's address for it, and the schedule
-runs as the daemon simulated it: block out once op `out_after` ends (its pages go once the copy
-is done, `Residency.poll`), its swap-in issued when op `in_at` begins and the event the
-simulated copy started after has happened (counting the iteration's mallocs, frees and ops from
-0, as the trace does), as soon as its pages fit under the limit, and op `in_before` waits for
-it. What the plan did not foresee (an allocation of another size, a slot still held) is placed
-online, a miss, and the LRU cache makes room when the schedule has not; its traffic is counted
-apart.
+Planned (a version-3 plan, `tidalcore.planupdate.Pages`): from the `step()` after `install_plan`,
+allocation i of each iteration lies at the region's start plus the plan's address for it, and the
+schedule runs as the daemon simulated it: block out once op `out_after` ends (its pages go once the
+copy is done, `Residency.poll`), its swap-in issued when op `in_at` begins and the event the
+simulated copy started after has happened (counting the iteration's mallocs, frees and ops from 0,
+as the trace does), as soon as its pages fit under the limit, and op `in_before` waits for it. What
+the plan did not foresee (an allocation of another size, a slot still held) is placed online, a
+miss, and the LRU cache makes room when the schedule has not; its traffic is counted apart.
 
 Ops: `begin_op` brings in the op's blocks that are away and waits for their copies (on the host,
 or, with a compute stream, by making that stream wait); `end_op` runs the swap-outs after it.

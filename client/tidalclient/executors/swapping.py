@@ -75,6 +75,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+from tidalcore.planupdate import ScheduledSwap
 from tidalcore.units import align_up
 
 from tidalclient.devices.streams import Completion, CopyStream, Stream
@@ -93,7 +94,7 @@ from tidalclient.executors.base import (
 )
 from tidalclient.executors.bestfit import BestFit
 from tidalclient.executors.python import PythonExecutor
-from tidalclient.plans import OpSchedule, Plan, PlanRejected, PlanTable, ScheduledSwap
+from tidalclient.plans import OpSchedule, Plan, PlanRejected, PlanTable
 
 log = logging.getLogger("tidalpool")
 
