@@ -129,6 +129,9 @@ def _import_planner() -> None:
     del paged, placed, wire
 
 
+_Made = TypeVar("_Made", Planned, PlannedPaged)
+
+
 class PlanWorker:
     """Queues sessions for planning and runs the pure planner on one worker thread."""
 
@@ -187,20 +190,26 @@ class PlanWorker:
             session.outbox.put(pool_pb2.ServerMessage(unplanned=told.message()))
 
     def make(
-        self, iteration: Iteration, swap_limit: int, gbps: float, lease: int | None = None
+        self,
+        iteration: Iteration,
+        swap_limit: int,
+        gbps: float,
+        lease: int | None = None,
+        host: int | None = None,
     ) -> Planned | Unfit:
         """The checked plan of `iteration` for `swap_limit` (0: none) with copies at `gbps`,
         within a device `lease` of that many bytes (None: not bounded): from the cache when a
         plan made for the same is there and passes `wire.check`, else planned, encoded,
-        checked and cached. Unfit when a swap plan does not fit its limit, or a plan's
-        footprint is more than the lease."""
+        checked and cached. Unfit when a swap plan does not fit its limit, a plan's
+        footprint is more than the lease, or its swapped-out blocks need more than a `host`
+        lease of that many bytes at once (`profile.host_peak`)."""
         from tidalplan import placed, wire
         from tidalplan.learn import signature
 
         name = plan_cache.key(signature(iteration), swap_limit, gbps, planupdate.ARENA_VERSION)
         cached = self._cached(name, iteration, swap_limit, gbps, lease)
         if cached is not None:
-            return cached
+            return self._host_room(cached, iteration, swap_limit, host)
         time_limit_s = self.settings.plan_time_limit_s
         if swap_limit:
             plan = placed.fit(
@@ -222,7 +231,8 @@ class PlanWorker:
         update = wire.encode(iteration, plan, gbps)
         checked = wire.check(iteration, update, lease=lease)  # the whole plan, as it is sent
         self.cache.put(name, update)
-        return Planned(update, checked, plan.combined.placement.solver)
+        made = Planned(update, checked, plan.combined.placement.solver)
+        return self._host_room(made, iteration, swap_limit, host)
 
     def make_paged(
         self,
@@ -241,7 +251,7 @@ class PlanWorker:
         `wire.check_paged`, else planned, encoded, checked and cached. Unfit when no plan
         fits the limit (planned once per layout, at the limit itself: one round), its mapped
         peak is more than the lease, or its swapped-out blocks need more than a `host` lease of
-        that many bytes at once (`paged.host_peak`)."""
+        that many bytes at once (`profile.host_peak`)."""
         from tidalplan import wire
         from tidalplan.learn import signature
 
@@ -277,14 +287,22 @@ class PlanWorker:
 
     @staticmethod
     def _host_room(
-        made: PlannedPaged, iteration: Iteration, swap_limit: int, host: int | None
-    ) -> PlannedPaged | Unfit:
-        """`made`, or Unfit when its swapped-out blocks need more than a `host` lease."""
-        from tidalplan.paged import host_peak
+        made: _Made, iteration: Iteration, swap_limit: int, host: int | None
+    ) -> _Made | Unfit:
+        """`made`, or Unfit when its swapped-out blocks need more than a `host` lease (None:
+        not bounded) at once: each rounded to the session's page under virtual residency,
+        else to the alignment its host lease is allocated in."""
+        from tidalplan import wire
+        from tidalplan.profile import host_peak
 
-        plan = made.checked
-        need = host_peak(iteration, plan.layout, plan.schedule)
-        if host is not None and need > host:
+        if host is None:
+            return made
+        if isinstance(made, PlannedPaged):
+            schedule, unit = made.checked.schedule, made.checked.layout.page
+        else:
+            schedule, unit = wire.decode(iteration, made.update).schedule, ALIGNMENT
+        need = host_peak(iteration, schedule, unit)
+        if need > host:
             return Unfit(need, host, swap_limit, 1, "host")
         return made
 
@@ -336,7 +354,11 @@ class PlanWorker:
         if session.page_bytes:
             return self._plan_paged(session, iteration, started)
         made = self.make(
-            iteration, session.swap_limit, self.swap_gbps(session), session.device.length
+            iteration,
+            session.swap_limit,
+            self.swap_gbps(session),
+            session.device.length,
+            session.host.length,
         )
         if isinstance(made, Unfit):
             self._tell_unfit(session, made, iteration)

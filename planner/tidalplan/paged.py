@@ -360,27 +360,6 @@ def validate_pages(
     return max(counts, default=0) * page
 
 
-def host_peak(it: Iteration, lay: Layout, plan: SwapPlan) -> int:
-    """The most bytes `plan`'s swapped-out blocks hold in the host lease at once under `lay`:
-    each swap's whole pages from op `out_after` (its copy out starts when that op ends) until
-    op `in_before` (its copy in is done by then), over the iteration's end for a persistent
-    block that crosses it."""
-    delta = [0] * (it.ticks + 1)
-    for s in plan.swaps:
-        size = pages_of(
-            it.persistent[s.block][1] if s.persistent else it.blocks[s.block].size, lay.page
-        )
-        spans = (
-            [(s.out_after, s.in_before)]
-            if s.in_before > s.out_after
-            else [(s.out_after, it.ticks), (0, s.in_before)]
-        )
-        for lo, hi in spans:
-            delta[lo] += size
-            delta[hi] -= size
-    return max(itertools.accumulate(delta), default=0)
-
-
 @dataclass(frozen=True, slots=True)
 class PagedPlan:
     """A schedule for a session whose blocks keep their addresses: the layout, the schedule

@@ -13,6 +13,7 @@ from tidaloffline.simulate_command import load
 from tidalplan import paged, policies, wire
 from tidalplan.learn import live_bytes
 from tidalplan.model import Iteration, Swap, SwapPlan
+from tidalplan.profile import host_peak
 from tidalplan.simulate import simulate
 from tidalplan.validate import InvalidSwapPlan
 
@@ -176,9 +177,13 @@ def test_the_host_lease_a_plan_needs_counts_each_swap_from_its_out_to_its_in() -
     # W (4 pages) away from t2 to t8; A (2 pages, live from t0 to t4) away from t2 to t4 too.
     w = Swap(block=0, out_after=Tick(2), in_before=Tick(8), persistent=True)
     a = Swap(block=0, out_after=Tick(2), in_before=Tick(4))
-    assert paged.host_peak(SMALL, lay, SwapPlan((w,))) == 4 * PAGE
-    assert paged.host_peak(SMALL, lay, SwapPlan((w, a))) == 6 * PAGE
+    assert host_peak(SMALL, SwapPlan((w,)), lay.page) == 4 * PAGE
+    assert host_peak(SMALL, SwapPlan((w, a)), lay.page) == 6 * PAGE
     # Across the boundary: from t8 to the end, and from the start to t2, one at a time.
     crossing = Swap(block=0, out_after=Tick(8), in_before=Tick(2), persistent=True)
-    assert paged.host_peak(SMALL, lay, SwapPlan((crossing, a))) == 4 * PAGE
-    assert paged.host_peak(SMALL, lay, SwapPlan()) == 0
+    assert host_peak(SMALL, SwapPlan((crossing, a)), lay.page) == 4 * PAGE
+    assert host_peak(SMALL, SwapPlan(), lay.page) == 0
+    # Each block rounded to the unit its host bytes are held in: a page, or an alignment.
+    size = SMALL.blocks[0].size
+    assert host_peak(SMALL, SwapPlan((a,)), 256) == -(-size // 256) * 256
+    assert host_peak(SMALL, SwapPlan((a,)), 4 * size) == 4 * size

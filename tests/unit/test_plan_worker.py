@@ -17,7 +17,7 @@ from tidalplan import wire
 from tidalplan.learn import extract, signature
 from tidalpoold import plan_cache
 from tidalpoold.backends import SimBackend
-from tidalpoold.plan_worker import PlanWorker
+from tidalpoold.plan_worker import Planned, PlanWorker, Unfit
 from tidalpoold.sessions import PlanFootprint, Reason, Registry, Session
 from tidalpoold.settings import Settings
 from tidalpoold.trace import decode_chunk
@@ -352,3 +352,19 @@ def test_a_plan_whose_swaps_need_more_than_the_host_lease_is_told_so() -> None:
         "the plan's swapped-out blocks need up to 3 MiB of the host lease at once, more than"
         " the session's host lease of 2 MiB: attach with a host_limit of 3 MiB or more"
     )
+
+
+def test_a_contiguous_plan_is_judged_against_the_host_lease_too(
+    registry: Registry, planner: PlanWorker
+) -> None:
+    """A out from op1 to op7 needs 1024 host bytes (its 1000 aligned): a host lease of 1000
+    cannot hold it, made or from the cache, and the plan is not sent; 1024 can."""
+    s = session(registry, swap_limit=1500)
+    events = Events.concat(list(s.trace.chunks), dict(s.trace.names))
+    it = extract(events, events.marks())
+    short = planner.make(it, 1500, 1.0, C, host=1000)
+    assert short == Unfit(1024, 1000, 1500, 1, "host")
+    assert planner.make(it, 1500, 1.0, C, host=1000) == short  # from the cache: judged as well
+    made = planner.make(it, 1500, 1.0, C, host=1024)
+    assert isinstance(made, Planned) and list(made.update.swap_blocks) == [0]
+    end(registry, s)
