@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 from tidalclient.devices.lease import CudaLease, DeviceLease, HostLease
 from tidalclient.errors import InvalidBlock, TidalpoolError
-from tidalclient.executors.base import Block, Executor
+from tidalclient.executors.base import Block, Executor, Residency
 from tidalclient.executors.bestfit import BestFit
 from tidalclient.numpy import Tensor
 
@@ -38,6 +38,9 @@ class CupySession(Protocol):
 
     @property
     def executor(self) -> Executor: ...
+
+    @property
+    def residency(self) -> Residency | None: ...
 
     @property
     def device(self) -> DeviceLease: ...
@@ -114,7 +117,8 @@ class Allocator:
         cp = self._cupy.cuda
         try:
             block = self.session.malloc(max(size, 1))
-            self.session.executor.pin(block)
+            if self.session.residency is not None:  # CuPy holds its address: it stays
+                self.session.residency.pin(block)
         except (TidalpoolError, ValueError) as e:
             log.warning("tidalpool.cupy: cannot allocate %d bytes: %s", size, e)
             lease = self.session.device.length

@@ -38,7 +38,7 @@ from tidalclient.errors import InvalidBlock, TidalpoolError
 from tidalclient.plans import PlanRejected, PlanTable
 from tidalclient.recorder import TraceSink
 
-ABI = 4
+ABI = 5
 """The library's `TIDALPOOL_ABI` this module is written against."""
 MAX_DEVICES = 64
 ALLOC_SYMBOL = "tidalpool_alloc"
@@ -133,6 +133,7 @@ def load(path: Path | None = None) -> ctypes.CDLL:
         "tidalpool_try_alloc": (_P, [ctypes.c_size_t, i, _P]),
         "tidalpool_free": (None, [_P, ctypes.c_size_t, i, _P]),
         "tidalpool_release": (i, [i, _P]),
+        "tidalpool_block_id": (i64, [i, _P]),
         "tidalpool_configure": (i, [i, u64, u64, u64, u64, u32, u32]),
         "tidalpool_reset": (i, [i]),
         "tidalpool_install_plan": (i, [i, u64, u64, _P, _P, u64]),
@@ -258,6 +259,17 @@ class HotPath:
             raise ValueError(f"address {address} is not a 64-bit address")
         if self._lib.tidalpool_release(self.device, address) == _EINVAL:
             raise InvalidBlock(f"{address:#x} is not a live block on device {self.device}")
+
+    def block_id(self, address: int) -> int:
+        """The trace's id of the live block at `address` (its ALLOC event's); InvalidBlock
+        (counted as a bad free) when it is not a live block."""
+        address = _whole(address, "address")
+        if not 0 <= address < 2**64:
+            raise ValueError(f"address {address} is not a 64-bit address")
+        found = int(self._lib.tidalpool_block_id(self.device, address))
+        if found == _EINVAL:
+            raise InvalidBlock(f"{address:#x} is not a live block on device {self.device}")
+        return self._check(found, "block_id")
 
     def record_stream(self, address: int, stream: int) -> None:
         """Work on `stream` uses the block at `address` too (PyTorch's `record_stream`): when

@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from tidalclient.errors import InvalidBlock
-from tidalclient.executors.base import Block, Executor
+from tidalclient.executors.base import Block, Executor, Residency
 
 
 class Session(Protocol):
@@ -31,6 +31,9 @@ class Session(Protocol):
 
     @property
     def executor(self) -> Executor: ...
+
+    @property
+    def residency(self) -> Residency | None: ...
 
     def malloc(self, nbytes: int) -> Block: ...
 
@@ -72,7 +75,8 @@ def array(
     """An uninitialized array of `shape` and `dtype` in the session's lease (pinned)."""
     dims, kind, nbytes = _layout(shape, dtype)
     block = session.malloc(nbytes)
-    session.executor.pin(block)
+    if session.residency is not None:  # it holds an address: never swapped out
+        session.residency.pin(block)
     return np.asarray(_Owner(session, block, dims, kind))
 
 

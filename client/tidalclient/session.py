@@ -42,7 +42,7 @@ from tidalclient.devices.lease import CudaLease, DeviceLease, HostLease, MappedL
 from tidalclient.devices.pages import CudaPageSpace, Frames, PageSpace, SimPageSpace
 from tidalclient.devices.streams import Stream
 from tidalclient.errors import AttachError, InvalidBlock, SessionClosed
-from tidalclient.executors.base import Block, Executor, SwapStats
+from tidalclient.executors.base import Block, Executor, Residency, SwapStats
 from tidalclient.executors.native import NativeExecutor
 from tidalclient.executors.paged import Paged, range_bytes
 from tidalclient.executors.python import PythonExecutor
@@ -196,6 +196,7 @@ def attach(
         recorder = Recorder(connection.send, chunk_events=reply.trace_chunk_events or 4096)
         undo.append(recorder.close)
         executor: Executor
+        residency: Residency | None = None  # only under a swap limit (or throttled copies)
         compute: Callable[[], Any] | None = None
         if async_compute:
             compute = _compute_stream(mapped)
@@ -205,15 +206,19 @@ def attach(
             executor = native
         elif space is not None:
             assert swap_bytes is not None
-            executor = _paged_executor(mapped, space, recorder, swap_bytes, copy_gbps, compute)
+            executor = residency = _paged_executor(
+                mapped, space, recorder, swap_bytes, copy_gbps, compute
+            )
         else:
-            executor = _python_executor(mapped, recorder, swap_bytes, copy_gbps, compute)
+            executor = placed = PythonExecutor(mapped.device.length, trace=recorder)
+            if swap_bytes is not None or copy_gbps is not None:
+                executor = residency = _swapping(placed, mapped, swap_bytes, copy_gbps, compute)
     except BaseException:
         for step in reversed(undo):
             step()
         raise
     session = Session(
-        grant.response.session_id, mapped, connection, recorder, executor, compute, space
+        grant.response.session_id, mapped, connection, recorder, executor, residency, compute, space
     )
     connection.start(
         on_plan=session._receive_plan,
@@ -293,17 +298,15 @@ def _close_compute(compute: Callable[[], Any] | None) -> None:
         stream.close()
 
 
-def _python_executor(
+def _swapping(
+    placed: PythonExecutor,
     mapped: MappedLease,
-    recorder: Recorder,
     swap_limit: int | None,
     copy_gbps: float | None,
     compute: Callable[[], Any] | None = None,
-) -> Executor:
-    """Blocks placed in Python; swapped under `swap_limit` (or when copies are throttled)."""
-    placed = PythonExecutor(mapped.device.length, trace=recorder)
-    if swap_limit is None and copy_gbps is None:
-        return placed
+) -> Swapping:
+    """`placed`'s blocks swapped under `swap_limit` (None: copies throttled to `copy_gbps`,
+    no limit)."""
     return Swapping(
         placed,
         device_address=mapped.device.address,
@@ -340,6 +343,7 @@ class Session:
         connection: Connection,
         recorder: Recorder,
         executor: Executor,
+        residency: Residency | None = None,
         compute: Callable[[], Any] | None = None,
         space: PageSpace | None = None,
     ) -> None:
@@ -350,6 +354,9 @@ class Session:
         self.connection = connection
         self.recorder = recorder
         self.executor = executor
+        # Where blocks are under a swap limit (the executor itself: Swapping, Paged); None
+        # without one. NumPy, CuPy, torch and replay reach pins, swaps and ops through it.
+        self.residency = residency
         # Where the executor's offsets count from: the lease, or a paged session's range.
         self._base = space.address if space is not None else mapped.device.address
         self._span = space.length if space is not None else mapped.device.length
@@ -484,7 +491,13 @@ class Session:
         items = (*reads, *writes)
         views = self.views
         blocks = views.blocks_of(items)
-        offsets = self.executor.begin_op(blocks)
+        residency = self.residency
+        if residency is not None:
+            offsets = residency.begin_op(blocks)
+        else:
+            offset_of = self.executor.offset
+            offsets = [offset_of(b) for b in blocks]
+        self._events_in_order()
         record = self.recorder.record
         base = self._base
         yielded: list[Any] = []
@@ -498,7 +511,8 @@ class Session:
         finally:
             took = time.perf_counter_ns() - start if duration_ns is None else duration_ns
             record(OP, 0, 0, took, name_id)
-            self.executor.end_op(blocks)
+            if residency is not None:
+                residency.end_op(blocks)
         self._check_open()  # the daemon ended the session while the op ran
 
     def record_op(self, name: str, duration_ns: int) -> None:
@@ -507,9 +521,20 @@ class Session:
         if duration_ns < 0:
             raise ValueError(f"an op cannot take negative time ({duration_ns} ns)")
         self._check_open()
-        self.executor.begin_op(())  # an op of the iteration: a swap schedule counts it
+        residency = self.residency
+        if residency is not None:
+            residency.begin_op(())  # an op of the iteration: a swap schedule counts it
+        self._events_in_order()
         self.recorder.record(OP, 0, 0, duration_ns, self.recorder.name_id(name))
-        self.executor.end_op(())
+        if residency is not None:
+            residency.end_op(())
+
+    def _events_in_order(self) -> None:
+        """Events kept elsewhere (the native ring: allocations of the framework and of this
+        thread) go to the recorder first, so that those this thread records now follow them."""
+        source = self.recorder.source
+        if source is not None:
+            source()
 
     def step(self) -> None:
         """An iteration boundary: call it at the start of every training iteration."""

@@ -1,6 +1,6 @@
 """What an op sees of its blocks: NumPy arrays over a sim lease, CuPy arrays on a GPU.
 
-    Session.op(reads, writes) ──blocks_of──▶ blocks ──executor.begin_op──▶ offsets
+    Session.op(reads, writes) ──blocks_of──▶ blocks ──residency.begin_op──▶ offsets
                               ◀──view(item, block, address)── one array (or address) per item
 
 `HostViews` (sim: the device lease is host memory) yields NumPy arrays: a session array as it

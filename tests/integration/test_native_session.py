@@ -13,9 +13,10 @@ import time
 
 import pytest
 import tidalpool
-from tidalclient.executors.native import NativeAllocator, NativeExecutor
+from tidalclient.executors.native import NativeExecutor
 from tidalclient.hotpath import HotPath, NativeError
 from tidalclient.status import fetch
+from tidalcore.events import ALLOC, FREE, OP, READ, WRITE
 
 from ..conftest import StartDaemon
 
@@ -103,13 +104,50 @@ def test_the_daemon_sees_native_blocks_in_heartbeats_and_the_next_session_reuses
         assert address in lease_of(s2)
 
 
-def test_python_allocation_is_refused_on_a_native_session(start_daemon: StartDaemon) -> None:
+def test_python_code_allocates_and_computes_in_a_native_session(
+    start_daemon: StartDaemon,
+) -> None:
+    """`malloc`, `tensor` and an `op` on blocks work in a native session: its blocks come from
+    the native table, and the trace says their allocations before the accesses to them."""
     d = start_daemon()
     with tidalpool.attach(d.socket_dir, device_limit="8MiB", allocator="native") as s:
-        with pytest.raises(NativeAllocator, match="native allocator"):
-            s.malloc(1024)
-        with pytest.raises(NativeAllocator, match="native allocator"):
-            s.tensor((16,))
+        assert s.residency is None  # no swap limit: nothing moves
+        seen: list[tuple[int, int]] = []
+        record = s.recorder.record
+
+        def spy(kind: int, block: int, size: int = 0, duration_ns: int = 0, name: int = 0) -> None:
+            seen.append((kind, block))
+            record(kind, block, size, duration_ns, name)
+
+        s.recorder.record = spy  # type: ignore[method-assign]
+        block = s.malloc(1024)
+        assert s.address(block) in lease_of(s)
+        with s.op(writes=[block]) as (view,):
+            view[:] = 7
+        with s.op(reads=[block]) as (view,):
+            assert bytes(view) == bytes([7]) * 1024
+        t = s.tensor((16,))
+        with s.op(writes=[t]) as (values,):
+            values[:] = 1.5
+        s.release(t)
+        s.free(block)
+        s.record_op("after", 10)
+        stats = s.stats()
+        assert (stats.mallocs, stats.frees, stats.live_blocks) == (2, 2, 0)
+        mine = [(kind, b) for kind, b in seen if b in (block.id, t.block.id) or kind == OP]
+        assert mine == [
+            (ALLOC, block.id),
+            (WRITE, block.id),
+            (OP, 0),
+            (READ, block.id),
+            (OP, 0),
+            (ALLOC, t.block.id),
+            (WRITE, t.block.id),
+            (OP, 0),
+            (FREE, t.block.id),
+            (FREE, block.id),
+            (OP, 0),
+        ]
 
 
 def test_one_native_device_serves_one_session_of_a_process(start_daemon: StartDaemon) -> None:

@@ -400,6 +400,7 @@ class FakeSession:
     def __init__(self, device_bytes: int, host_bytes: int, swapping: bool = False) -> None:
         kind = SwappingStandIn if swapping else PinRecorder
         self.executor = kind(device_bytes)
+        self.residency = self.executor  # records the pins a session's residency gets
         self.device = Lease(1 << 40, device_bytes)
         self.host = Lease(1 << 30, host_bytes)
         self.cuda = None  # a session of the sim backend

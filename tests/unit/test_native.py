@@ -584,3 +584,40 @@ def test_the_native_executor_refuses_a_plan_it_could_not_execute_whole(hp: HotPa
         assert hp.stats().plan_id == 4
     finally:
         ex.close()
+
+
+def test_python_code_allocates_through_the_native_table(hp: HotPath) -> None:
+    """A native session's `malloc` takes the hot path the framework takes: its block is in
+    the same table and the same trace, under the id the trace gives it."""
+    from tidalclient.errors import LeaseExceeded
+    from tidalclient.executors.base import Block
+    from tidalclient.executors.native import NativeExecutor
+    from tidalcore.events import ALLOC, FREE
+
+    ex = NativeExecutor(hp, BASE, 4 * KiB)
+    try:
+        framework = hp.alloc(1000)  # the framework's, through the C entry point
+        block = ex.malloc(300)
+        assert framework is not None and block.offset == align_up(1000, 256)
+        assert (ex.offset(block), hp.block_id(BASE + block.offset)) == (block.offset, block.id)
+        assert ex.try_malloc(4 * KiB) is None
+        full = r"malloc of 4 KiB \(4096 bytes\) does not fit now: 1\.3 KiB"
+        with pytest.raises(LeaseExceeded, match=full):
+            ex.malloc(4 * KiB)
+        foreign = Block(block.id, block.offset, block.size, session=-1)
+        with pytest.raises(InvalidBlock, match="belongs to another session"):
+            ex.free(foreign)
+        ex.free(block)
+        with pytest.raises(InvalidBlock, match="not a live block"):
+            ex.free(block)
+        events = hp.drain()
+        kinds, ids = events["kind"].tolist(), events["block"].tolist()
+        assert list(zip(kinds, ids, strict=True)) == [
+            (ALLOC, hp.stats().mallocs - 1),
+            (ALLOC, block.id),
+            (FREE, block.id),
+        ]
+        assert (hp.stats().live_blocks, hp.stats().bad_frees) == (1, 1)
+        hp.free(framework)
+    finally:
+        ex.close()

@@ -640,6 +640,16 @@ int tidalpool_release(int device, void *ptr) {
     return r;
 }
 
+int64_t tidalpool_block_id(int device, void *ptr) {
+    pool *p = at(device);
+    if (!p) return TIDALPOOL_EDEVICE;
+    lock(&p->lock);
+    int64_t i = live_at(p, (uintptr_t)ptr);
+    int64_t id = i < 0 ? TIDALPOOL_EINVAL : (int64_t)p->tab[i].block;
+    unlock(&p->lock);
+    return id;
+}
+
 void tidalpool_free(void *ptr, size_t size, int device, void *stream) {
     (void)size, (void)stream;
     if (!at(device)) atomic_fetch_add_explicit(&stray, 1, memory_order_relaxed);

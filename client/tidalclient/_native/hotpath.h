@@ -18,7 +18,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define TIDALPOOL_ABI 4            /* bumped whenever a signature, the event or the stats change */
+#define TIDALPOOL_ABI 5            /* bumped whenever a signature, the event or the stats change */
 #define TIDALPOOL_MAX_DEVICES 64
 #define TIDALPOOL_MAX_STREAMS 16    /* streams tracked at once per device (see Stream ordering) */
 
@@ -135,6 +135,10 @@ void tidalpool_on_failure(tidalpool_failure_fn fn);
 /* tidalpool_free that says what happened: TIDALPOOL_OK, or TIDALPOOL_EINVAL for a pointer that
  * is not a live block (NULL included), counted as a bad free. */
 int tidalpool_release(int device, void *ptr);
+
+/* The id the trace gives the live block at ptr (its ALLOC event's `block`), or TIDALPOOL_EINVAL
+ * when ptr is not a live block (counted as a bad free, as tidalpool_release counts it). */
+int64_t tidalpool_block_id(int device, void *ptr);
 
 uint32_t tidalpool_abi(void);
 

@@ -1,20 +1,24 @@
-"""What every executor is: the one interface a Session holds, and the values executors share.
+"""What every executor is: the one interface a Session holds, the one its residency adds under
+a limit, and the values executors share.
 
-    Session ──▶ Executor (this protocol)
+    Session ──▶ Executor (this protocol: blocks and plans)
                  ├── PythonExecutor            blocks placed in Python: best-fit, or a plan's arena
+                 ├── NativeExecutor            blocks placed by the C hot path (a framework's
+                 │                             allocator, and Python code's through the same path)
                  ├── Swapping(PythonExecutor)  an adaptor: the inner executor's blocks may wait
                  │                             in the host lease while no op needs them
-                 ├── Paged                     blocks at addresses for life, pages moving beneath
-                 │                             them (virtual residency)
-                 └── NativeExecutor            blocks placed by the C hot path (a framework's
-                                               allocator); Python code allocates nothing
+                 └── Paged                     blocks at addresses for life, pages moving beneath
+                                               them (virtual residency)
+    Session.residency ──▶ Residency (only under a swap limit: Swapping, Paged; else None)
 
-An adaptor stacks over an executor as RMM's resource adaptors stack over a resource: `Swapping`
-calls its `PythonExecutor` for blocks, and for the raw device bytes it moves blocks into and out
-of (`PythonExecutor.vacate`, `reserve`, `release`: not part of this protocol). An executor that
-cannot do something (the native one cannot allocate from Python; one without swapping has
-nothing to move) says so by its answer (False, DEVICE) or raises naming why, so no caller ever
-asks which kind it holds.
+An executor allocates, frees, says where a block's bytes are, runs iterations and takes plans;
+each kind does all of it. What only a session under a limit has (blocks that leave the device
+and come back, pins that keep them there, ops that bring them in) is the `Residency` protocol,
+which NumPy, CuPy, torch and replay reach through `Session.residency` and nowhere else: no
+executor implements a part of it as a refusal or a no-op. An adaptor stacks over an executor
+as RMM's resource adaptors stack over a resource: `Swapping` calls its `PythonExecutor` for
+blocks, and for the raw device bytes it moves blocks into and out of (`PythonExecutor.vacate`,
+`reserve`, `release`: not part of either protocol).
 """
 
 from __future__ import annotations
@@ -90,11 +94,9 @@ class Executor(Protocol):
     """Allocates a session's blocks in its device lease and runs its iterations.
 
     Blocks: `malloc` (LeaseExceeded when there is no room), `try_malloc` (None instead: the
-    hot path's "does not fit" is a value), `free`, `pin` (never moves again), `offset` (where
-    its bytes are now). Ops: `begin_op` makes the blocks resident and returns their offsets,
-    `end_op` ends the op. Iterations: `step` marks a boundary (a plan installed by
-    `install_plan` takes over at one) and returns the new iteration's number. `where`,
-    `swap_out` and `prefetch` answer for any executor.
+    hot path's "does not fit" is a value), `free`, `offset` (where its bytes are now).
+    Iterations: `step` marks a boundary (a plan installed by `install_plan` takes over at
+    one) and returns the new iteration's number.
     """
 
     @property
@@ -124,9 +126,28 @@ class Executor(Protocol):
 
     def free(self, block: Block) -> None: ...
 
-    def pin(self, block: Block) -> None: ...
-
     def offset(self, block: Block) -> int: ...
+
+    def step(self) -> int: ...
+
+    def install_plan(self, plan: Plan) -> None: ...
+
+    def stats(self) -> ExecutorStats: ...
+
+    def close(self) -> None: ...
+
+
+class Residency(Protocol):
+    """Where a session's blocks are, under a swap limit: they may leave the device between
+    the ops that use them.
+
+    `pin` (never moves again), `where` (DEVICE, LEAVING, HOST or ARRIVING), `swap_out` (start
+    moving it out now: False when it cannot leave), `prefetch` (start bringing it back). Ops:
+    `begin_op` makes the blocks resident and returns their offsets, `end_op` ends the op; an
+    op on no blocks still counts as one of the iteration's ops (a schedule is by op).
+    """
+
+    def pin(self, block: Block) -> None: ...
 
     def where(self, block: Block) -> str: ...
 
@@ -137,14 +158,6 @@ class Executor(Protocol):
     def begin_op(self, blocks: Sequence[Block]) -> list[int]: ...
 
     def end_op(self, blocks: Sequence[Block]) -> None: ...
-
-    def step(self) -> int: ...
-
-    def install_plan(self, plan: Plan) -> None: ...
-
-    def stats(self) -> ExecutorStats: ...
-
-    def close(self) -> None: ...
 
 
 def check_size(nbytes: int) -> int:

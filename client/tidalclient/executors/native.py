@@ -10,23 +10,29 @@ Python `Executor` does per call:
     session stats and heartbeats ◀── the native counters
 
 `pull` runs on the recorder's thread before each of its drains (every few milliseconds), so the
-trace reaches the daemon as the Python executor's does. Python code cannot allocate here:
-`malloc`, `free`, `pin` and an op on blocks refuse with `NativeAllocator`; an op without blocks
-(`Session.record_op`) is only an event of the trace.
+trace reaches the daemon as the Python executor's does. Python code allocates here through the
+same hot path (`malloc`, `try_malloc`, `free`): its blocks are in the same table and the same
+trace, with the ids the ring gives them. Nothing moves: a native session has no swap limit, so
+it has no `Residency`.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
-from typing import NoReturn
 
 import numpy as np
-from tidalcore.units import ALIGNMENT
+from tidalcore.units import ALIGNMENT, BlockId, Bytes, Offset
 
-from tidalclient.errors import TidalpoolError
-from tidalclient.executors.base import Block, ExecutorStats, executor_ids
+from tidalclient.errors import InvalidBlock, LeaseExceeded
+from tidalclient.executors.base import (
+    Block,
+    ExecutorStats,
+    check_size,
+    describe,
+    executor_ids,
+    size_text,
+)
 from tidalclient.hotpath import EVENT_DTYPE, HotPath, NativeError, NativeStats, forward
 from tidalclient.plans import Plan, PlanRejected
 from tidalclient.recorder import Recorder
@@ -39,10 +45,6 @@ DRAIN_BATCH = 1 << 16
 
 _serving: set[int] = set()  # native device indices configured for a live session
 _serving_lock = threading.Lock()
-
-
-class NativeAllocator(TidalpoolError):
-    """The session's allocations come from the native allocator (the framework's), not Python."""
 
 
 class NativeExecutor:
@@ -79,6 +81,7 @@ class NativeExecutor:
                 _serving.discard(hotpath.device)
             raise
         self.hotpath = hotpath
+        self._base = base
         self._session = next(executor_ids)
         self._capacity = capacity & ~(ALIGNMENT - 1)
         self._recorder: Recorder | None = None
@@ -137,46 +140,44 @@ class NativeExecutor:
             )
         self.hotpath.install_plan(plan.table)
 
-    # -- what Python may not do here ---------------------------------------------------
-    def _refuse(self, what: str) -> NoReturn:
-        raise NativeAllocator(
-            f"{what}: this session's allocations come from the native allocator (the"
-            " framework's, e.g. PyTorch's); Python code cannot allocate in its lease"
-        )
-
+    # -- blocks Python code allocates: through the same hot path as the framework's ------
     def malloc(self, nbytes: int) -> Block:
-        self._refuse("malloc")
+        """A new live block of `nbytes` from the native table (a plan's slot or best-fit, as
+        the framework's allocations); LeaseExceeded when it does not fit now."""
+        block = self.try_malloc(nbytes)
+        if block is None:
+            native = self.native_stats()
+            raise LeaseExceeded(
+                f"malloc of {size_text(nbytes)} does not fit now: {size_text(native.live_bytes)}"
+                f" live in a lease of {size_text(self._capacity)}, largest free range"
+                f" {size_text(native.largest_free)}"
+            )
+        return block
 
     def try_malloc(self, nbytes: int) -> Block | None:
-        self._refuse("malloc")
+        """A new live block of `nbytes`, or None when it does not fit now. Its id is the one
+        the trace gives it (its ALLOC event travels through the ring, in order with the
+        framework's)."""
+        nbytes = check_size(nbytes)
+        address = self.hotpath.alloc(nbytes)
+        if address is None:
+            return None
+        block_id = self.hotpath.block_id(address)
+        return Block(BlockId(block_id), Offset(address - self._base), Bytes(nbytes), self._session)
 
     def free(self, block: Block) -> None:
-        self._refuse("free")
-
-    def pin(self, block: Block) -> None:
-        self._refuse("pin")
+        """Return a block Python code allocated; InvalidBlock when it is not live here."""
+        self._own(block)
+        self.hotpath.free(self._base + block.offset)
 
     def offset(self, block: Block) -> int:
-        self._refuse("offset")
+        """The block's lease offset: where it was put, for its life (nothing moves here)."""
+        self._own(block)
+        return block.offset
 
-    def where(self, block: Block) -> str:
-        self._refuse("where")
-
-    def swap_out(self, block: Block) -> bool:
-        self._refuse("swap_out")
-
-    def prefetch(self, block: Block) -> None:
-        self._refuse("prefetch")
-
-    def begin_op(self, blocks: Sequence[Block]) -> list[int]:
-        """An op: refused on blocks (Python allocates none here); without any, nothing to do."""
-        if blocks:
-            self._refuse("op")
-        return []
-
-    def end_op(self, blocks: Sequence[Block]) -> None:
-        if blocks:
-            self._refuse("op")
+    def _own(self, block: Block) -> None:
+        if block.session != self._session:
+            raise InvalidBlock(f"{describe(block)} belongs to another session")
 
     # -- the end -----------------------------------------------------------------------
     def close(self) -> None:

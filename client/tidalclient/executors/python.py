@@ -13,7 +13,7 @@ adaptor's to `release`, and `free` of a vacated block only ends the block.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from tidalcore.events import ALLOC, FREE
 from tidalcore.units import ALIGNMENT, BlockId, Bytes, Offset, align_up
@@ -21,7 +21,6 @@ from tidalcore.units import ALIGNMENT, BlockId, Bytes, Offset, align_up
 from tidalclient.errors import InvalidBlock, LeaseExceeded
 from tidalclient.executors.arena import Arena
 from tidalclient.executors.base import (
-    DEVICE,
     Block,
     ExecutorStats,
     check_size,
@@ -151,25 +150,11 @@ class PythonExecutor:
         elif not arena.active and not arena.live:
             self._drop_arena()
 
-    def pin(self, block: Block) -> None:
-        """Keep the block at its offset for good (it always is: nothing moves here)."""
-
     def offset(self, block: Block) -> int:
         """The block's lease offset; InvalidBlock when an adaptor has taken its bytes."""
         if self._vacated and block.id in self._vacated:
             raise InvalidBlock(f"{describe(block)} has no device bytes of its own now")
         return block.offset
-
-    def where(self, block: Block) -> str:
-        self._live(block)
-        return DEVICE
-
-    def swap_out(self, block: Block) -> bool:
-        """Nothing swaps here: False."""
-        return False
-
-    def prefetch(self, block: Block) -> None:
-        """Every block is on the device already."""
 
     # -- raw bytes, for adaptors that move blocks ---------------------------------------------
     def vacate(self, block: Block) -> Callable[[], None]:
@@ -241,14 +226,7 @@ class PythonExecutor:
         arena = self._arena
         return align_up(arena.table.height, self._fit.alignment) if arena is not None else 0
 
-    # -- ops and iterations ---------------------------------------------------------------
-    def begin_op(self, blocks: Sequence[Block]) -> list[int]:
-        """An op is about to access `blocks`: their lease offsets (here, where they were put)."""
-        return [b.offset for b in blocks]
-
-    def end_op(self, blocks: Sequence[Block]) -> None:
-        """The op that `begin_op` announced has finished (nothing to do here)."""
-
+    # -- iterations ---------------------------------------------------------------------
     def install_plan(self, plan: Plan) -> None:
         """Use this plan's placement from the next `step()` on (when its arena fits); its swaps
         are for an adaptor that swaps."""

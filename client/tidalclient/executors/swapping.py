@@ -262,7 +262,6 @@ class Swapping:
         self._acquire(entries)
         entries[0].pinned = True
         self._unlock(entries)
-        self.inner.pin(block)
 
     def offset(self, block: Block) -> int:
         """The block's current device offset; InvalidBlock when it is not on the device."""

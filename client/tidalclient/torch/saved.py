@@ -360,8 +360,9 @@ class SavedTensors:
         self._by_tensor[id(t)] = (weakref.ref(t), t._version, weakref.ref(saved))
         self._saved += 1
         self._saved_bytes += nbytes
-        if self.offload == "all":
-            self.session.executor.swap_out(held.block)  # False without a swap limit
+        residency = self.session.residency
+        if self.offload == "all" and residency is not None:
+            residency.swap_out(held.block)
         self.gaps.end()
         return saved
 
@@ -397,14 +398,16 @@ class SavedTensors:
         return _span(t) * t.element_size() >= self.min_bytes
 
     def _prefetch(self, idents: list[int]) -> None:
-        executor = self.session.executor
+        residency = self.session.residency
+        if residency is None:
+            return  # every block stays on the device
         for ident in idents:
             ref = self._current.get(ident)
             saved = ref() if ref is not None else None
-            if saved is None or executor.where(saved.tensor.block) not in (HOST, LEAVING):
-                continue  # gone, or on the device (always, without a swap limit)
+            if saved is None or residency.where(saved.tensor.block) not in (HOST, LEAVING):
+                continue  # gone, or on the device
             try:
-                executor.prefetch(saved.tensor.block)
+                residency.prefetch(saved.tensor.block)
             except LeaseExceeded:
                 return  # no room now: it comes in when its unpack needs it
             self._prefetches += 1

@@ -174,7 +174,9 @@ class Replayer:
 
     def _op(self, name: str, ns: int, reads: Sequence[_Held], writes: Sequence[_Held]) -> None:
         session = self.session
-        where = session.executor.where
+        residency = session.residency
+        assert residency is not None  # a replay's session always has a swap limit
+        where = residency.where
         lo, span = session.addresses
         hi = lo + span
         with session.op(
