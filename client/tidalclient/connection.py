@@ -245,7 +245,7 @@ class Connection:
                     )
         except grpc.RpcError as e:
             if not self._stop.is_set() and self.goodbye is None:
-                self._end(pool_pb2.Goodbye(message=f"session stream failed: {e.code().name}"))
+                self._end(pool_pb2.Goodbye(message=stream_broke(e.code())))
                 on_end()
 
     def _end(self, goodbye: pool_pb2.Goodbye) -> None:
@@ -257,3 +257,14 @@ class Connection:
     def _beat(self, heartbeat: Callable[[], pool_pb2.Heartbeat], interval_s: float) -> None:
         while not self._stop.wait(interval_s):
             self.send(pool_pb2.ClientMessage(heartbeat=heartbeat()))
+
+
+def stream_broke(code: grpc.StatusCode) -> str:
+    """Why the session ended when its stream broke without a Goodbye: UNAVAILABLE is the
+    daemon gone (killed, crashed, or its machine away), since any end it chose is a Goodbye."""
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return (
+            "the daemon went away without ending the session (killed or crashed?); its lease"
+            " is gone"
+        )
+    return f"the session's stream to the daemon broke ({code.name})"

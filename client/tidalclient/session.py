@@ -617,6 +617,8 @@ class Session:
     def _why_closed(self) -> str:
         goodbye = self.connection.goodbye
         if goodbye is not None:
+            if goodbye.reason == pool_pb2.Goodbye.REASON_UNSPECIFIED:  # no Goodbye came
+                return f"session {self.id} is over: {goodbye.message}"
             reason = pool_pb2.Goodbye.Reason.Name(goodbye.reason).removeprefix("REASON_").lower()
             return f"session {self.id} is over ({reason}: {goodbye.message})"
         return f"session {self.id} is closed"
