@@ -547,8 +547,9 @@ def _checked(
     lease: int | None,
 ) -> Planned | Defect:
     """A cached `update` (from `path`) as a plan to send, or the defect that refuses it: its
-    version, the iteration, limit and bandwidth it was made for, then `wire.check` within
-    `lease`. The bytes are anyone's: any error they raise is a defect, not a failure."""
+    version, the iteration, limit and bandwidth it was made for, then, with its prediction
+    simulated again on this run's op times (`wire.refreshed`), `wire.check` within `lease`.
+    The bytes are anyone's: any error they raise is a defect, not a failure."""
     from tidalplan import wire
     from tidalplan.learn import signature
 
@@ -564,8 +565,12 @@ def _checked(
             f" {swap_limit} at {gbps:g} GB/s",
         )
     try:
-        return Planned(update, wire.check(iteration, update, lease=lease), "cache")
+        update = wire.refreshed(iteration, update)
     except Exception as e:  # ValueError and its kin, and what odd values raise (OverflowError)
+        return Defect(path, f"refused by wire.refreshed: {type(e).__name__}: {e}")
+    try:
+        return Planned(update, wire.check(iteration, update, lease=lease), "cache")
+    except Exception as e:
         return Defect(path, f"refused by wire.check: {type(e).__name__}: {e}")
 
 
@@ -580,7 +585,8 @@ def _checked_paged(
     lease: int | None,
 ) -> PlannedPaged | Defect:
     """A cached paged `update` (from `path`) as a plan to send, or the defect that refuses
-    it: its version and page, then `wire.check_paged` (the iteration, limit, bandwidth and
+    it: its version and page, then, with its prediction simulated again on this run's op
+    times (`wire.refreshed_paged`), `wire.check_paged` (the iteration, limit, bandwidth and
     persistent addresses it was made for), then its mapped peak within `lease`. The bytes are
     anyone's: any error they raise is a defect, not a failure."""
     from tidalplan import wire
@@ -592,8 +598,12 @@ def _checked_paged(
             path, f"made for pages of {update.page_bytes} bytes, not the session's {page}"
         )
     try:
-        checked = wire.check_paged(iteration, update, swap_limit, gbps, persistent_at)
+        update = wire.refreshed_paged(iteration, update, persistent_at)
     except Exception as e:  # ValueError and its kin, and what odd values raise
+        return Defect(path, f"refused by wire.refreshed_paged: {type(e).__name__}: {e}")
+    try:
+        checked = wire.check_paged(iteration, update, swap_limit, gbps, persistent_at)
+    except Exception as e:
         return Defect(path, f"refused by wire.check_paged: {type(e).__name__}: {e}")
     if lease is not None and update.mapped_peak_bytes > lease:
         return Defect(

@@ -363,6 +363,35 @@ def check(
     )
 
 
+def refreshed(
+    it: Iteration, update: pool_pb2.PlanUpdate, compute_scale: float = 1.0
+) -> pool_pb2.PlanUpdate:
+    """A copy of the version-2 `update` with its prediction and swap-in starts simulated again
+    on `it`, for `check` to judge as any plan. A plan holds for every run of the iteration it
+    was made for (its signature: the iteration's structure, not its times), but the op times a
+    run measures are not the last run's, and the prediction is the timeline of the times. The
+    schedule runs under the plan's predicted peak, so its bytes stay within what the placement
+    holds. ValueError when `update` does not decode against `it`, or its schedule no longer runs
+    within that peak."""
+    d = decode(it, update)
+    if not update.HasField("prediction") or not d.copy_gbps > 0:
+        raise ValueError("the plan has no prediction, or no copy bandwidth to simulate it at")
+    p = update.prediction
+    limit = None if d.limit is None else int(p.peak_bytes)
+    result = simulate(it, d.schedule, limit, d.copy_gbps, d.copy_gbps, compute_scale)
+    if not result.feasible:
+        raise ValueError(f"the schedule no longer runs within its peak of {limit} bytes")
+    parts = split(it, d.schedule, result)
+    fresh = pool_pb2.PlanUpdate()
+    fresh.CopyFrom(update)
+    fresh.prediction.CopyFrom(_prediction(result, int(p.footprint_bytes), d.copy_gbps).message())
+    del fresh.swap_in_ticks[:]
+    fresh.swap_in_ticks.extend(
+        int(parts.pieces.blocks[k].start) for k in _indices(parts.pieces, parts.in_pieces)
+    )
+    return fresh
+
+
 _MAX_END = 2**63 - 1
 """The highest end of a piece a plan may claim without a limit or a lease: the validator
 holds offsets as 64-bit signed integers."""
@@ -559,6 +588,34 @@ def check_paged(
         )
     if d.limit is not None and d.mapped_peak > d.limit:
         raise ValueError(f"the mapped peak {d.mapped_peak} is over the limit {d.limit}")
+    lay = _layout(it, d, persistent_at)
+    pit = paged.paged(it, lay)
+    schedule = d.schedule
+    result = simulate(pit, schedule, d.limit, gbps, gbps, compute_scale)
+    p = Prediction.of(update.prediction)
+    _simulated_as_predicted(result, p)
+    validate_swaps(pit, schedule, result, d.limit, gbps, compute_scale)
+    starts = [max(back - 1, 0) for _, back in result.swap_ticks]
+    if list(update.swap_in_ticks) != starts:
+        raise ValueError(
+            f"the swap-ins start after ticks {list(update.swap_in_ticks)}; the simulation"
+            f" maps their pages after {starts}"
+        )
+    peak = paged.validate_pages(it, lay, schedule, result, d.limit)
+    if peak != d.mapped_peak or p.footprint_bytes != peak:
+        raise ValueError(
+            f"mapped peak {d.mapped_peak} and footprint {p.footprint_bytes}: the addresses map"
+            f" {peak} bytes at most"
+        )
+    return paged.PagedPlan(schedule, result, lay, Bytes(int(update.limit_bytes)), Bytes(peak))
+
+
+def _layout(
+    it: Iteration, d: DecodedPaged, persistent_at: Sequence[tuple[int, bool]]
+) -> paged.Layout:
+    """The layout a decoded version-3 plan of `it` says, its region past the persistent
+    blocks at `persistent_at` (as `paged.layout` puts it). ValueError for persistent
+    addresses that do not suit its pages, or a swap of a persistent block that shares pages."""
     page = d.page
     if len(persistent_at) != len(it.persistent):
         raise ValueError(
@@ -588,7 +645,7 @@ def check_paged(
         ),
         default=region_start,
     )
-    lay = paged.Layout(
+    return paged.Layout(
         page=page,
         addresses=addresses,
         persistent_addresses=tuple(a for a, _ in persistent_at),
@@ -599,22 +656,32 @@ def check_paged(
         solver="wire",
         region_start=region_start,
     )
-    pit = paged.paged(it, lay)
-    schedule = d.schedule
-    result = simulate(pit, schedule, d.limit, gbps, gbps, compute_scale)
-    p = Prediction.of(update.prediction)
-    _simulated_as_predicted(result, p)
-    validate_swaps(pit, schedule, result, d.limit, gbps, compute_scale)
-    starts = [max(back - 1, 0) for _, back in result.swap_ticks]
-    if list(update.swap_in_ticks) != starts:
-        raise ValueError(
-            f"the swap-ins start after ticks {list(update.swap_in_ticks)}; the simulation"
-            f" maps their pages after {starts}"
-        )
-    peak = paged.validate_pages(it, lay, schedule, result, d.limit)
-    if peak != d.mapped_peak or p.footprint_bytes != peak:
-        raise ValueError(
-            f"mapped peak {d.mapped_peak} and footprint {p.footprint_bytes}: the addresses map"
-            f" {peak} bytes at most"
-        )
-    return paged.PagedPlan(schedule, result, lay, Bytes(int(update.limit_bytes)), Bytes(peak))
+
+
+def refreshed_paged(
+    it: Iteration,
+    update: pool_pb2.PlanUpdate,
+    persistent_at: Sequence[tuple[int, bool]],
+    compute_scale: float = 1.0,
+) -> pool_pb2.PlanUpdate:
+    """A copy of the version-3 `update` with its prediction, swap-in starts and mapped peak
+    simulated again on `it` (its persistent blocks at `persistent_at`), for `check_paged` to
+    judge as any plan: `refreshed` for a session under virtual residency. The schedule runs
+    under the plan's limit. ValueError when `update` does not decode against `it`, or its
+    schedule no longer runs within the limit."""
+    d = decode_paged(it, update)
+    if not update.HasField("prediction") or not d.copy_gbps > 0:
+        raise ValueError("the plan has no prediction, or no copy bandwidth to simulate it at")
+    lay = _layout(it, d, persistent_at)
+    gbps = d.copy_gbps
+    result = simulate(paged.paged(it, lay), d.schedule, d.limit, gbps, gbps, compute_scale)
+    if not result.feasible:
+        raise ValueError(f"the schedule no longer runs within its limit of {d.limit} bytes")
+    peak = paged.validate_pages(it, lay, d.schedule, result, d.limit)
+    fresh = pool_pb2.PlanUpdate()
+    fresh.CopyFrom(update)
+    fresh.prediction.CopyFrom(_prediction(result, peak, gbps).message())
+    del fresh.swap_in_ticks[:]
+    fresh.swap_in_ticks.extend(max(back - 1, 0) for _, back in result.swap_ticks)
+    fresh.mapped_peak_bytes = peak
+    return fresh

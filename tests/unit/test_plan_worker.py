@@ -368,3 +368,28 @@ def test_a_contiguous_plan_is_judged_against_the_host_lease_too(
     made = planner.make(it, 1500, 1.0, C, host=1024)
     assert isinstance(made, Planned) and list(made.update.swap_blocks) == [0]
     end(registry, s)
+
+
+def test_a_cached_plan_serves_a_run_whose_ops_took_other_times(
+    registry: Registry, planner: PlanWorker
+) -> None:
+    """The same job again, its ops measured 10% slower (as every run measures them a little
+    differently): its plan comes from the cache, with the same schedule and placement, and its
+    prediction is this run's timeline, not the last one's."""
+    first = session(registry, swap_limit=1500)
+    made = planner.plan(first)
+    slower = []
+    for step in HIDE:
+        words = step.split()
+        if words[0] == "o":
+            words[1] = str(int(words[1]) * 11 // 10)
+        slower.append(" ".join(words))
+    assert slower[1] == "o 110 A" and slower[6] == "o 1650"
+    second = session(registry, swap_limit=1500, steps=slower)
+    cached = planner.plan(second)
+    assert made is not None and cached is not None
+    assert (planner.plans_made, planner.plans_cached, planner.cache_defects) == (1, 1, 0)
+    for column in ("offsets", "swap_blocks", "swap_out_after", "swap_in_at", "swap_in_before"):
+        assert getattr(cached, column) == getattr(made, column), column
+    assert (made.prediction.step_ns, cached.prediction.step_ns) == (7100, 7810)  # hidden both
+    end(registry, first, second)

@@ -171,6 +171,29 @@ def test_a_paged_plan_is_cached_by_where_the_persistent_blocks_are(
     assert len(list(service.registry.settings.plan_cache_dir.glob("*.plan"))) == 2
 
 
+def test_a_cached_paged_plan_serves_a_run_whose_ops_took_other_times(
+    service: PoolService, planner: PlanWorker, sessions: list[Session]
+) -> None:
+    """The same job again with its ops measured 50% slower: its plan comes from the cache,
+    with the same addresses and schedule, and a prediction of this run's times."""
+    first = attached(service)
+    sessions.append(first)
+    traced(service, first, LIVE)
+    plan = received(planner, first)
+    again = attached(service)
+    sessions.append(again)
+    slower = [step.replace("o 100", "o 150") for step in STEPS]
+    service._handle(again, pool_pb2.ClientMessage(trace=chunk(slower, PERSISTENT)))
+    for _ in range(service.registry.settings.plan_after_iterations):
+        service._handle(again, mark(again, LIVE))
+    cached = received(planner, again)
+    assert (planner.plans_made, planner.plans_cached, planner.cache_defects) == (1, 1, 0)
+    for column in ("addresses", "owning", "swap_blocks", "swap_out_after", "swap_in_before"):
+        assert getattr(cached, column) == getattr(plan, column), column
+    assert cached.prediction.baseline_ns == plan.prediction.baseline_ns * 3 // 2
+    assert cached.prediction.step_ns > plan.prediction.step_ns
+
+
 def test_a_step_mark_without_a_persistent_block_gets_no_plan_until_one_carries_it(
     service: PoolService,
     planner: PlanWorker,

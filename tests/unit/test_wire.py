@@ -259,3 +259,15 @@ def test_encode_refuses_what_a_client_would_not_run_as_planned() -> None:
         wire.encode(NET, between, 1.0)
     with pytest.raises(ValueError, match="does not fit its limit 4000"):
         wire.encode(NET, replace(plan, limit=Bytes(4000)), 1.0)
+
+
+def test_a_plan_refreshed_on_its_own_iteration_is_itself_and_on_other_times_passes_check() -> None:
+    update = wire.encode(NET, planned(SCHEDULES["transient and persistent swaps"]), 1.0)
+    assert wire.refreshed(NET, update) == update
+    slower = replace(NET, ops=tuple(replace(op, duration_ns=op.duration_ns * 2) for op in NET.ops))
+    fresh = wire.refreshed(slower, update)
+    assert fresh.prediction.baseline_ns == 2 * update.prediction.baseline_ns
+    assert fresh.offsets == update.offsets and fresh.swap_blocks == update.swap_blocks
+    wire.check(slower, fresh)
+    with pytest.raises(ValueError, match="not the predicted"):
+        wire.check(slower, update)  # the last run's timeline is not this one's

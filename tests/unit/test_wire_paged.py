@@ -252,3 +252,15 @@ def test_encode_paged_refuses_what_cannot_be_sent() -> None:
     at_a_free = SwapPlan((replace(swap, in_at=Tick(7)),))  # tick 7 frees B: no op begins there
     with pytest.raises(ValueError, match="issues swap-ins between ops"):
         wire.encode_paged(SMALL, replace(made, schedule=at_a_free), GBPS)
+
+
+def test_a_paged_plan_refreshed_on_its_own_iteration_is_itself() -> None:
+    update = encoded()
+    assert wire.refreshed_paged(SMALL, update, AT) == update
+    slower = replace(
+        SMALL, ops=tuple(replace(op, duration_ns=op.duration_ns * 3) for op in SMALL.ops)
+    )
+    fresh = wire.refreshed_paged(slower, update, AT)
+    assert fresh.prediction.baseline_ns == 3 * update.prediction.baseline_ns
+    assert fresh.addresses == update.addresses and fresh.swap_blocks == update.swap_blocks
+    assert wire.check_paged(slower, fresh, LIMIT, GBPS, AT).mapped_peak <= LIMIT
