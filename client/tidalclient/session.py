@@ -18,11 +18,13 @@ reason, and freeing is a no-op: the blocks went with the lease.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
 import sys
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
@@ -379,6 +381,7 @@ class Session:
         self._closed = False  # the session is over: closed here, or ended by the daemon
         self._released = False  # threads joined, channel closed, mappings retired
         self._dead: deque[Block] = deque()  # blocks of garbage tensors, freed at the next op
+        self._arrays: weakref.WeakSet[Any] = weakref.WeakSet()  # owners of `array`s (sim)
 
     @property
     def errors(self) -> list[pool_pb2.SessionError]:
@@ -432,7 +435,9 @@ class Session:
         (on cuda: CuPy arrays through `tidalpool.cupy`)."""
         self._check_open()
         self.views.need_host_memory("array")
-        return array(self, shape, dtype)
+        made = array(self, shape, dtype)
+        self._arrays.add(made.base)  # its owner: what `close` keeps the bytes of
+        return made
 
     def tensor(self, shape: int | Sequence[int], dtype: npt.DTypeLike = "float32") -> Tensor:
         """An array whose bytes may be swapped out between ops: compute on the views `op`
@@ -594,6 +599,7 @@ class Session:
         to release local resources."""
         if self._released:
             return
+        kept = self._arrays_bytes()  # before the detach: the daemon scrubs the lease then
         self.recorder.close()
         if not self.connection.ended:
             recorder = self.recorder
@@ -607,6 +613,19 @@ class Session:
         self.connection.close()
         self.device.retire()
         self.host.retire()
+        for address, data in kept:  # private memory now: the pool's chunks are out of reach
+            ctypes.memmove(address, data, len(data))
+
+    def _arrays_bytes(self) -> list[tuple[int, bytes]]:
+        """(address, bytes) of every array of this session still alive. The lease goes at
+        `close`, but an array is the job's until it lets go of it (a checkpoint written after
+        the daemon died, say): its bytes stay at its address, in private memory, never zeros
+        read in place of its data."""
+        kept = []
+        for owner in list(self._arrays):
+            address = owner.__array_interface__["data"][0]
+            kept.append((address, ctypes.string_at(address, owner.block.size)))
+        return kept
 
     def __enter__(self) -> Session:
         return self
