@@ -9,9 +9,10 @@ lease although the chunks are scattered in the pool. The process holds no fd of 
 chunk: it can reach no other session's memory.
 
 Arrays point into the mapping by address. When the session ends while arrays still exist,
-`retire()` swaps the range for private anonymous memory at the same address: stale arrays
-then read zeros and can never reach a chunk the pool has since leased to another session,
-and nothing crashes.
+`retire()` swaps the range for private anonymous memory at the same address: they can never
+reach a chunk the pool has since leased to another session, and nothing crashes. The session
+copies the bytes of the arrays still alive into that memory (`Session.close`): an array reads
+its own data until the job lets go of it, never zeros in its place.
 """
 
 from __future__ import annotations
