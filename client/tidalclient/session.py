@@ -669,14 +669,18 @@ class Session:
         self.plan_unavailable = told
 
     def _heartbeat(self) -> pool_pb2.Heartbeat:
-        """The session as the daemon's metrics show it: bytes held now, counts since attach."""
+        """The session as the daemon's metrics show it: bytes held now, counts since attach.
+        Its device peak is what was resident at once; under a swap limit, its live blocks at
+        their most (those swapped to the host included) go as the live peak."""
         ex = self.executor.stats()
         beat = pool_pb2.Heartbeat(
             device_used_bytes=ex.used_bytes,
             device_peak_bytes=ex.peak_live_bytes,
+            live_peak_bytes=ex.peak_live_bytes,
             plan_misses=ex.plan_misses,
         )
         if ex.swap is not None:
+            beat.device_peak_bytes = ex.swap.peak_resident_bytes
             beat.host_used_bytes = ex.swap.host_used_bytes
             beat.swapped_out_bytes = ex.swap.swapped_out_bytes
             beat.swapped_in_bytes = ex.swap.swapped_in_bytes

@@ -15,7 +15,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 from rich.console import Console
 from tidalcore.units import format_size
-from tidalcore.v1 import admin_pb2, admin_pb2_grpc
+from tidalcore.v1 import admin_pb2, admin_pb2_grpc, common_pb2
 from tidalcore.wire import ADMIN_SOCKET
 
 from tidalclient.tables import Fitted
@@ -48,6 +48,15 @@ def fetch(
             raise Unreachable(f"no answer from {path} within {timeout:g} s") from e
         raise Unreachable(e.details() or e.code().name) from e
     return pool, sessions
+
+
+def peak_text(s: common_pb2.SessionInfo) -> str:
+    """A session's device peak (the bytes resident at once); for one that swapped, what its
+    live blocks came to at their most beside it, swapped-out ones included."""
+    device = format_size(s.device_peak_bytes)
+    if s.swap_limit_bytes and s.live_peak_bytes > s.device_peak_bytes:
+        return f"{device} ({format_size(s.live_peak_bytes)} live)"
+    return device
 
 
 def render(
@@ -85,7 +94,7 @@ def render(
             "state",
             "device lease",
             "used",
-            "peak",
+            "device peak",
             "host lease",
             "events",
             "iterations",
@@ -98,7 +107,7 @@ def render(
                 s.state,
                 f"{format_size(s.lease.device.length)} ({len(s.lease.device.chunks)} chunks)",
                 format_size(s.device_used_bytes),
-                format_size(s.device_peak_bytes),
+                peak_text(s),
                 format_size(s.lease.host.length),
                 f"{s.events_received:,}",
                 str(s.iterations_seen),

@@ -24,7 +24,7 @@ from rich.text import Text
 from tidalcore.units import format_size
 from tidalcore.v1 import admin_pb2, common_pb2
 
-from tidalclient.status import Unreachable, fetch
+from tidalclient.status import Unreachable, fetch, peak_text
 from tidalclient.tables import Fitted
 
 Fetch = Callable[[Path], tuple[admin_pb2.PoolStatusResponse, admin_pb2.ListSessionsResponse]]
@@ -97,7 +97,7 @@ def view(now: Sample, before: Sample | None, interval: float) -> RenderableType:
         "state",
         "device used",
         "lease",
-        "peak",
+        "device peak",
         "host used",
         "swap limit",
         "swapped out",
@@ -125,7 +125,7 @@ def view(now: Sample, before: Sample | None, interval: float) -> RenderableType:
                 s.state,
                 format_size(s.device_used_bytes),
                 format_size(s.lease.device.length),
-                format_size(s.device_peak_bytes),
+                peak_text(s),
                 format_size(s.host_used_bytes),
                 format_size(s.swap_limit_bytes) if s.swap_limit_bytes else "–",
                 out,

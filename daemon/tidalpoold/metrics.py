@@ -178,7 +178,15 @@ class DaemonCollector(Collector):
 
         lease = gauge("tidalpool_session_lease_bytes", "Bytes leased to the session.", "pool")
         used = gauge("tidalpool_session_used_bytes", "Live bytes the session reports.", "pool")
-        peak = gauge("tidalpool_session_peak_bytes", "Peak live device bytes of the session.")
+        peak = gauge(
+            "tidalpool_session_peak_bytes",
+            "Peak device-resident bytes of the session (its blocks swapped to the host are not"
+            " counted: see tidalpool_session_live_peak_bytes).",
+        )
+        live_peak = gauge(
+            "tidalpool_session_live_peak_bytes",
+            "Peak live bytes of the session, device-resident and swapped to the host together.",
+        )
         footprint = gauge(
             "tidalpool_session_plan_footprint_bytes",
             "Height of the session's latest plan (its arena, the pieces of swapped blocks"
@@ -208,6 +216,7 @@ class DaemonCollector(Collector):
             used.add_metric([*key, "device"], s.device_used)
             used.add_metric([*key, "host"], s.host_used)
             peak.add_metric(key, s.device_peak)
+            live_peak.add_metric(key, s.live_peak)
             if s.plan is not None:
                 footprint.add_metric(key, s.plan.height_bytes)
                 bound.add_metric(key, s.plan.lower_bound_bytes)
@@ -220,7 +229,7 @@ class DaemonCollector(Collector):
             on_demand.add_metric([*key, "out"], s.counts.on_demand_out_bytes)
             on_demand.add_metric([*key, "in"], s.counts.on_demand_in_bytes)
             stall.add_metric(key, s.counts.swap_stall_ns / 1e9)
-        yield from (lease, used, peak, footprint, bound, ratio, events, misses, swapped)
+        yield from (lease, used, peak, live_peak, footprint, bound, ratio, events, misses, swapped)
         yield from (on_demand, stall)
 
     def _planner(self) -> Iterator[Metric]:

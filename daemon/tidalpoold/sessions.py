@@ -132,7 +132,8 @@ class Session:
     last_seen: float = 0.0
     stream_open: bool = False
     device_used: int = 0
-    device_peak: int = 0
+    device_peak: int = 0  # device-resident bytes at their most
+    live_peak: int = 0  # live bytes at their most, those swapped to the host included
     host_used: int = 0
     swap_limit: int = 0  # device bytes the client keeps itself under by swapping; 0: no swapping
     copy_gbps: float = 0.0  # the client's swap copy bandwidth; 0: not throttled
@@ -159,6 +160,7 @@ class Session:
             lease=lease_message(self, backend),
             device_used_bytes=self.device_used,
             device_peak_bytes=self.device_peak,
+            live_peak_bytes=self.live_peak,
             host_used_bytes=self.host_used,
             events_received=self.trace.events_received,
             iterations_seen=self.trace.iterations_seen,
@@ -174,7 +176,8 @@ class Session:
 
 def check_heartbeat(session: Session, beat: pool_pb2.Heartbeat) -> None:
     """InvalidArgument naming the first number of `beat` the session cannot mean: bytes in
-    use or at peak beyond its lease of that pool, a count past int64 or below its last."""
+    use or at peak beyond its lease of that pool (live bytes: beyond both leases together), a
+    count past int64 or below its last."""
     for name, value, pool, lease in (
         ("device_used_bytes", beat.device_used_bytes, "device", session.device),
         ("device_peak_bytes", beat.device_peak_bytes, "device", session.device),
@@ -185,6 +188,12 @@ def check_heartbeat(session: Session, beat: pool_pb2.Heartbeat) -> None:
                 f"heartbeat {name} {value} exceeds the session's {pool} lease of"
                 f" {lease.length} bytes"
             )
+    held = session.device.length + session.host.length
+    if beat.live_peak_bytes > held:
+        raise InvalidArgument(
+            f"heartbeat live_peak_bytes {beat.live_peak_bytes} exceeds the session's device and"
+            f" host leases together ({held} bytes)"
+        )
     session.counts.check(beat)
 
 
@@ -396,6 +405,7 @@ class Registry:
         check_heartbeat(session, beat)
         session.device_used = beat.device_used_bytes
         session.device_peak = max(session.device_peak, beat.device_peak_bytes)
+        session.live_peak = max(session.live_peak, beat.live_peak_bytes)
         session.host_used = beat.host_used_bytes
         session.counts.advance(beat, self.counts)
 
@@ -571,6 +581,7 @@ class Registry:
                     host_lease=s.host.length,
                     device_used=s.device_used,
                     device_peak=s.device_peak,
+                    live_peak=s.live_peak,
                     host_used=s.host_used,
                     events_received=s.trace.events_received,
                     counts=replace(s.counts),
@@ -599,7 +610,8 @@ class SessionNumbers:
     device_lease: int
     host_lease: int
     device_used: int
-    device_peak: int
+    device_peak: int  # device-resident bytes at their most
+    live_peak: int  # live bytes at their most, device and swapped out together (0: not told)
     host_used: int
     events_received: int
     counts: Counts  # a copy

@@ -62,7 +62,7 @@ class ClientMessage(_message.Message):
     def __init__(self, heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., trace: _Optional[_Union[TraceChunk, _Mapping]] = ..., step: _Optional[_Union[StepMark, _Mapping]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("device_used_bytes", "device_peak_bytes", "host_used_bytes", "plan_misses", "swapped_out_bytes", "swapped_in_bytes", "swap_stall_ns", "on_demand_out_bytes", "on_demand_in_bytes")
+    __slots__ = ("device_used_bytes", "device_peak_bytes", "host_used_bytes", "plan_misses", "swapped_out_bytes", "swapped_in_bytes", "swap_stall_ns", "on_demand_out_bytes", "on_demand_in_bytes", "live_peak_bytes")
     DEVICE_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
     HOST_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,7 @@ class Heartbeat(_message.Message):
     SWAP_STALL_NS_FIELD_NUMBER: _ClassVar[int]
     ON_DEMAND_OUT_BYTES_FIELD_NUMBER: _ClassVar[int]
     ON_DEMAND_IN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LIVE_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
     device_used_bytes: int
     device_peak_bytes: int
     host_used_bytes: int
@@ -81,7 +82,8 @@ class Heartbeat(_message.Message):
     swap_stall_ns: int
     on_demand_out_bytes: int
     on_demand_in_bytes: int
-    def __init__(self, device_used_bytes: _Optional[int] = ..., device_peak_bytes: _Optional[int] = ..., host_used_bytes: _Optional[int] = ..., plan_misses: _Optional[int] = ..., swapped_out_bytes: _Optional[int] = ..., swapped_in_bytes: _Optional[int] = ..., swap_stall_ns: _Optional[int] = ..., on_demand_out_bytes: _Optional[int] = ..., on_demand_in_bytes: _Optional[int] = ...) -> None: ...
+    live_peak_bytes: int
+    def __init__(self, device_used_bytes: _Optional[int] = ..., device_peak_bytes: _Optional[int] = ..., host_used_bytes: _Optional[int] = ..., plan_misses: _Optional[int] = ..., swapped_out_bytes: _Optional[int] = ..., swapped_in_bytes: _Optional[int] = ..., swap_stall_ns: _Optional[int] = ..., on_demand_out_bytes: _Optional[int] = ..., on_demand_in_bytes: _Optional[int] = ..., live_peak_bytes: _Optional[int] = ...) -> None: ...
 
 class TraceChunk(_message.Message):
     __slots__ = ("first_event", "kinds", "block_ids", "sizes", "durations_ns", "name_ids", "new_names")
