@@ -206,7 +206,10 @@ class PlanWorker:
         from tidalplan import placed, wire
         from tidalplan.learn import signature
 
-        name = plan_cache.key(signature(iteration), swap_limit, gbps, planupdate.ARENA_VERSION)
+        # Without a swap limit nothing is copied: the bandwidth changes nothing of the plan (an
+        # unthrottled session's is what each daemon measured at start), so it is not its key.
+        made_at = gbps if swap_limit else 0.0
+        name = plan_cache.key(signature(iteration), swap_limit, made_at, planupdate.ARENA_VERSION)
         cached = self._cached(name, iteration, swap_limit, gbps, lease)
         if cached is not None:
             return self._host_room(cached, iteration, swap_limit, host)
@@ -547,8 +550,9 @@ def _checked(
     lease: int | None,
 ) -> Planned | Defect:
     """A cached `update` (from `path`) as a plan to send, or the defect that refuses it: its
-    version, the iteration, limit and bandwidth it was made for, then, with its prediction
-    simulated again on this run's op times (`wire.refreshed`), `wire.check` within `lease`.
+    version, the iteration, limit and bandwidth it was made for (any bandwidth without a
+    limit: nothing is copied), then, with its prediction simulated again on this run's op
+    times at the session's bandwidth (`wire.refreshed`), `wire.check` within `lease`.
     The bytes are anyone's: any error they raise is a defect, not a failure."""
     from tidalplan import wire
     from tidalplan.learn import signature
@@ -558,14 +562,14 @@ def _checked(
     if update.signature != signature(iteration):
         return Defect(path, "made for another iteration (its signature is not this one's)")
     made_for = (update.limit_bytes, update.prediction.copy_gbps)
-    if made_for != (swap_limit, gbps):
+    if made_for[0] != swap_limit or (swap_limit and made_for[1] != gbps):
         return Defect(
             path,
             f"made for limit {made_for[0]} at {made_for[1]:g} GB/s, not the session's"
             f" {swap_limit} at {gbps:g} GB/s",
         )
     try:
-        update = wire.refreshed(iteration, update)
+        update = wire.refreshed(iteration, update, gbps)
     except Exception as e:  # ValueError and its kin, and what odd values raise (OverflowError)
         return Defect(path, f"refused by wire.refreshed: {type(e).__name__}: {e}")
     try:

@@ -364,27 +364,31 @@ def check(
 
 
 def refreshed(
-    it: Iteration, update: pool_pb2.PlanUpdate, compute_scale: float = 1.0
+    it: Iteration,
+    update: pool_pb2.PlanUpdate,
+    gbps: float | None = None,
+    compute_scale: float = 1.0,
 ) -> pool_pb2.PlanUpdate:
     """A copy of the version-2 `update` with its prediction and swap-in starts simulated again
     on `it`, for `check` to judge as any plan. A plan holds for every run of the iteration it
     was made for (its signature: the iteration's structure, not its times), but the op times a
     run measures are not the last run's, and the prediction is the timeline of the times. The
     schedule runs under the plan's predicted peak, so its bytes stay within what the placement
-    holds. ValueError when `update` does not decode against `it`, or its schedule no longer runs
-    within that peak."""
+    holds, with copies at `gbps` each way (None: the plan's own bandwidth). ValueError when
+    `update` does not decode against `it`, or its schedule no longer runs within that peak."""
     d = decode(it, update)
     if not update.HasField("prediction") or not d.copy_gbps > 0:
         raise ValueError("the plan has no prediction, or no copy bandwidth to simulate it at")
     p = update.prediction
     limit = None if d.limit is None else int(p.peak_bytes)
-    result = simulate(it, d.schedule, limit, d.copy_gbps, d.copy_gbps, compute_scale)
+    gbps = d.copy_gbps if gbps is None else gbps
+    result = simulate(it, d.schedule, limit, gbps, gbps, compute_scale)
     if not result.feasible:
         raise ValueError(f"the schedule no longer runs within its peak of {limit} bytes")
     parts = split(it, d.schedule, result)
     fresh = pool_pb2.PlanUpdate()
     fresh.CopyFrom(update)
-    fresh.prediction.CopyFrom(_prediction(result, int(p.footprint_bytes), d.copy_gbps).message())
+    fresh.prediction.CopyFrom(_prediction(result, int(p.footprint_bytes), gbps).message())
     del fresh.swap_in_ticks[:]
     fresh.swap_in_ticks.extend(
         int(parts.pieces.blocks[k].start) for k in _indices(parts.pieces, parts.in_pieces)

@@ -266,7 +266,7 @@ def test_plans_are_cached_by_signature_limit_bandwidth_and_version(
     names = sorted(p.name for p in registry.settings.plan_cache_dir.glob("*.plan"))
     assert names == sorted(
         f"{plan_cache.key(key, limit, gbps, wire.VERSION)}.plan"
-        for limit, gbps in ((1500, 1.0), (2000, 1.0), (1500, 2.0), (0, 1.0))
+        for limit, gbps in ((1500, 1.0), (2000, 1.0), (1500, 2.0), (0, 0.0))
     )
     assert all(name.startswith(key.hex() + "-") for name in names)
     end(registry, *sessions)
@@ -392,4 +392,20 @@ def test_a_cached_plan_serves_a_run_whose_ops_took_other_times(
     for column in ("offsets", "swap_blocks", "swap_out_after", "swap_in_at", "swap_in_before"):
         assert getattr(cached, column) == getattr(made, column), column
     assert (made.prediction.step_ns, cached.prediction.step_ns) == (7100, 7810)  # hidden both
+    end(registry, first, second)
+
+
+def test_a_plan_without_a_swap_limit_is_cached_whatever_the_bandwidth(
+    registry: Registry, planner: PlanWorker
+) -> None:
+    """Nothing is copied without a swap limit: two daemons that measured their copies at
+    different speeds serve the same job the same plan, from the cache."""
+    first = session(registry, swap_limit=0, copy_gbps=1.0)
+    made = planner.plan(first)
+    second = session(registry, swap_limit=0, copy_gbps=2.0)
+    cached = planner.plan(second)
+    assert made is not None and cached is not None
+    assert (planner.plans_made, planner.plans_cached, planner.cache_defects) == (1, 1, 0)
+    assert (cached.offsets, cached.height_bytes) == (made.offsets, made.height_bytes)
+    assert (made.prediction.copy_gbps, cached.prediction.copy_gbps) == (1.0, 2.0)
     end(registry, first, second)
