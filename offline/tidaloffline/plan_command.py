@@ -6,7 +6,8 @@ INPUT is a placement CSV (MiniMalloc's `id,lower,upper,size`), a trace CSV v1
 snapshot pickle. The command prints the lower bound, SmartPool's height, the solver's
 height, their ratios to the bound, the seconds and whether the plan is proven
 optimal; `--out` writes `id,lower,upper,size,offset`; `--plot` draws the
-placement, the largest blocks named. Every placement is validated before it is
+placement, the largest blocks named; `--json` prints the report as one JSON object.
+Output paths are checked before the solve. Every placement is validated before it is
 printed or written.
 
 For a trace, what is placed is the iteration's own blocks (the arena); the
@@ -20,6 +21,7 @@ Progress goes to stderr once a solve has run for a second. Exit status: 0 done,
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections.abc import Callable
@@ -28,10 +30,11 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from tidalcore.units import ALIGNMENT, format_size
-from tidalplan.model import Problem
+from tidalplan.model import Placement, Problem
 from tidalplan.placement import SMARTPOOL_MAX_BUFFERS, lower_bound, smartpool, solve
 from tidalplan.validate import InvalidPlacement, validate
 
+from tidaloffline.outputs import output_problem, plural
 from tidaloffline.plot import ANNOTATED, missing_matplotlib
 
 PROGRESS_AFTER_S = 1.0
@@ -45,10 +48,11 @@ class InputError(Exception):
 class Loaded:
     problem: Problem
     labels: tuple[str, ...] | None  # ids to write, when they differ from Buffer.id
-    description: str
+    kind: str  # "placement CSV", "trace CSV" or "memory snapshot"
     names: tuple[str, ...] | None = None  # what the picture calls each buffer
     persistent: tuple[int, int] | None = None  # a trace's persistent blocks: count, bytes
     steady: str | None = None  # which iteration of a trace is placed, and why that one
+    iteration: int | None = None  # a trace's: the index of the iteration placed
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -83,10 +87,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="BYTES",
-        help=f"offset alignment (default {ALIGNMENT} for traces and snapshots, the file's"
-        " own (1 unless it has an alignment column) for placement CSVs)",
+        help=f"offset alignment, a power of two (default {ALIGNMENT} for traces and snapshots,"
+        " the file's own (1 unless it has an alignment column) for placement CSVs)",
     )
     parser.add_argument("--no-exact", action="store_true", help="heuristics only, no exact search")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=run)
     return parser
 
@@ -95,8 +100,8 @@ def load(path: Path, alignment: int | None) -> Loaded:
     """The problem in `path`, whatever its format (InputError naming the file if unusable)."""
     from tidaloffline import formats as tracecsv  # lazily: the CLI starts fast
 
-    if alignment is not None and alignment < 1:
-        raise InputError(f"--alignment must be at least 1, got {alignment}")
+    if alignment is not None and (alignment < 1 or alignment & (alignment - 1)):
+        raise InputError(f"--alignment must be a power of two (1, 2, 4, ...), got {alignment}")
     if not path.exists():
         raise InputError(f"{path}: no such file")
     if not path.is_file():
@@ -106,12 +111,7 @@ def load(path: Path, alignment: int | None) -> Loaded:
         if kind == "problem":
             problem, labels = tracecsv.read_problem_csv_with_labels(path)
             a = alignment if alignment is not None else problem.alignment
-            return Loaded(
-                Problem(problem.buffers, a),
-                labels,
-                f"placement CSV, {len(problem.buffers)} buffers, alignment {a}",
-                names=labels,
-            )
+            return Loaded(Problem(problem.buffers, a), labels, "placement CSV", names=labels)
         a = alignment if alignment is not None else ALIGNMENT
         if kind == "trace":
             from tidalplan import learn
@@ -124,21 +124,17 @@ def load(path: Path, alignment: int | None) -> Loaded:
             return Loaded(
                 problem,
                 labels,
-                f"trace CSV, iteration {iteration.index}: {len(problem.buffers)} buffers,"
-                f" alignment {a}",
+                "trace CSV",
                 names=tuple(f"block {label}" for label in labels),
                 persistent=(
                     len(iteration.persistent),
                     sum(int(size) for _, size in iteration.persistent),
                 ),
                 steady=str(chosen),
+                iteration=iteration.index,
             )
         problem = tracecsv.read_snapshot(path)
-        return Loaded(
-            Problem(problem.buffers, a),
-            None,
-            f"memory snapshot, {len(problem.buffers)} buffers, alignment {a}",
-        )
+        return Loaded(Problem(problem.buffers, a), None, "memory snapshot")
     except OSError as e:
         raise InputError(f"{path}: cannot read: {e.strerror or e}") from None
     except ValueError as e:  # FormatError, NoIteration, bad values
@@ -177,6 +173,9 @@ def run(
             raise InputError(f"--time-limit must be positive, got {args.time_limit}")
         if args.annotate < 0:
             raise InputError(f"--annotate must be 0 or more, got {args.annotate}")
+        for option, path in (("--out", args.out), ("--plot", args.plot)):
+            if why := output_problem(option, path):
+                raise InputError(why)
         if args.plot is not None and (why := missing_matplotlib(args.plot)):
             raise InputError(why)
         loaded = load(args.input, args.alignment)
@@ -205,24 +204,94 @@ def run(
         print(f"tidalpool plan: {args.input}: invalid placement, not used: {e}", file=err)
         return 1
 
-    def ratio(height: int) -> str:
-        return f"{height / bound:.4f}" if bound else "-"
+    report = _report(args, loaded, bound, baseline, placement, seconds)
+    if not args.json:
+        _print(report, out)
+    try:
+        if args.out is not None:
+            from tidaloffline.formats import write_solution_csv
 
-    print(f"input: {args.input} ({loaded.description})", file=out)
-    if loaded.steady is not None:
-        print(f"steady: {loaded.steady}", file=out)
-    if loaded.persistent is None:
+            write_solution_csv(args.out, problem, placement, loaded.labels)
+            report["solution"] = str(args.out)
+            if not args.json:
+                print(f"solution: {args.out}", file=out)
+        if args.plot is not None:
+            from tidaloffline.plot import plot
+
+            title = f"{args.input.name}: {placement.solver}, height {format_size(placement.height)}"
+            plot(problem, placement, args.plot, title, loaded.names, args.annotate)
+            report["picture"] = str(args.plot)
+            if not args.json:
+                print(f"picture: {args.plot}", file=out)
+    except OSError as e:
+        name = e.filename if e.filename is not None else (args.out or args.plot)
+        print(f"tidalpool plan: {name}: cannot write: {e.strerror or e}", file=err)
+        return 2
+    if args.json:
+        print(json.dumps(report), file=out)
+    return 0
+
+
+def _report(
+    args: argparse.Namespace,
+    loaded: Loaded,
+    bound: int,
+    baseline: Placement | None,
+    placement: Placement,
+    seconds: float,
+) -> dict[str, Any]:
+    """What the command found, as `--json` prints it (and the text report, line by line)."""
+
+    def ratio(height: int) -> float | None:
+        return height / bound if bound else None
+
+    count, persistent = loaded.persistent if loaded.persistent is not None else (None, None)
+    return {
+        "input": str(args.input),
+        "format": loaded.kind,
+        "iteration": loaded.iteration,
+        "steady": loaded.steady,
+        "buffers": len(loaded.problem.buffers),
+        "alignment": loaded.problem.alignment,
+        "lower_bound_bytes": bound,
+        "persistent_blocks": count,
+        "persistent_bytes": persistent,
+        "smartpool_bytes": baseline.height if baseline is not None else None,
+        "smartpool_ratio": ratio(baseline.height) if baseline is not None else None,
+        "height_bytes": placement.height,
+        "ratio": ratio(placement.height),
+        "solver": placement.solver,
+        "seconds": seconds,
+        "optimal": placement.optimal,
+        "solution": None,
+        "picture": None,
+    }
+
+
+def _print(report: dict[str, Any], out: TextIO) -> None:
+    """The report as lines of text, each naming what its number counts."""
+    bound = report["lower_bound_bytes"]
+    persistent = report["persistent_bytes"]
+
+    def ratio(x: float | None) -> str:
+        return f"{x:.4f}" if x is not None else "-"
+
+    loaded_line = f"input: {report['input']} ({_description(report)})"
+    print(loaded_line, file=out)
+    if report["steady"] is not None:
+        print(f"steady: {report['steady']}", file=out)
+    if persistent is None:
         print(f"lower bound: {bound} B ({format_size(bound)})", file=out)
     else:
-        count, persistent = loaded.persistent
+        blocks = plural(report["persistent_blocks"], "block")
         print(
             f"lower bound: {bound} B ({format_size(bound)}): the arena, the iteration's blocks"
             " at their most",
             file=out,
         )
         print(
-            f"persistent: {persistent} B ({format_size(persistent)}): {count}"
-            f" block{'s' if count != 1 else ''} kept across iterations, outside the arena",
+            f"persistent: {persistent} B ({format_size(persistent)}): {blocks} kept across"
+            " iterations, outside the arena",
             file=out,
         )
         print(
@@ -230,45 +299,39 @@ def run(
             f" ({format_size(bound + persistent)}): the peak tidalpool simulate reports",
             file=out,
         )
-    if baseline is not None:
-        print(f"smartpool: {baseline.height} B (ratio {ratio(baseline.height)})", file=out)
+    if report["smartpool_bytes"] is not None:
+        print(
+            f"smartpool: {report['smartpool_bytes']} B (ratio {ratio(report['smartpool_ratio'])})",
+            file=out,
+        )
     else:
         print(
-            f"smartpool: skipped ({len(problem.buffers)} buffers; it is quadratic,"
+            f"smartpool: skipped ({plural(report['buffers'], 'buffer')}; it is quadratic,"
             f" run up to {SMARTPOOL_MAX_BUFFERS})",
             file=out,
         )
-    print(
-        f"height: {placement.height} B (ratio {ratio(placement.height)}, {placement.solver})",
-        file=out,
-    )
-    if loaded.persistent is not None:
-        total = placement.height + loaded.persistent[1]
+    height = report["height_bytes"]
+    print(f"height: {height} B (ratio {ratio(report['ratio'])}, {report['solver']})", file=out)
+    if persistent is not None:
+        total = height + persistent
         print(
             f"height + persistent: {total} B ({format_size(total)}): the device bytes under"
             " this placement",
             file=out,
         )
-    print(f"seconds: {seconds:.2f}", file=out)
-    print(f"optimal: {'yes' if placement.optimal else 'no'}", file=out)
+    print(f"seconds: {report['seconds']:.2f}", file=out)
+    print(f"optimal: {'yes' if report['optimal'] else 'no'}", file=out)
 
-    try:
-        if args.out is not None:
-            from tidaloffline.formats import write_solution_csv
 
-            write_solution_csv(args.out, problem, placement, loaded.labels)
-            print(f"solution: {args.out}", file=out)
-        if args.plot is not None:
-            from tidaloffline.plot import plot
-
-            title = f"{args.input.name}: {placement.solver}, height {format_size(placement.height)}"
-            plot(problem, placement, args.plot, title, loaded.names, args.annotate)
-            print(f"picture: {args.plot}", file=out)
-    except OSError as e:
-        name = e.filename if e.filename is not None else (args.out or args.plot)
-        print(f"tidalpool plan: {name}: cannot write: {e.strerror or e}", file=err)
-        return 2
-    return 0
+def _description(report: dict[str, Any]) -> str:
+    """The input's kind, its buffers and alignment: "trace CSV, iteration 1: 23 buffers,
+    alignment 256"."""
+    kind = report["format"]
+    if report["iteration"] is not None:
+        kind += f", iteration {report['iteration']}:"
+    else:
+        kind += ","
+    return f"{kind} {plural(report['buffers'], 'buffer')}, alignment {report['alignment']}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -151,14 +151,21 @@ def test_snapshot_in(tmp_path: Path) -> None:
         (["."], "tidalpool plan: {tmp}: not a file\n"),
         (["junk.csv"], "tidalpool plan: {tmp}/junk.csv: unknown format: expected a trace CSV v1"),
         (["bad.csv"], "tidalpool plan: {tmp}/bad.csv:3: size 0 is not positive\n"),
-        (["four.csv", "--alignment", "0"], "tidalpool plan: --alignment must be at least 1, got 0"),
+        (
+            ["four.csv", "--alignment", "0"],
+            "tidalpool plan: --alignment must be a power of two (1, 2, 4, ...), got 0\n",
+        ),
+        (
+            ["four.csv", "--alignment", "3"],
+            "tidalpool plan: --alignment must be a power of two (1, 2, 4, ...), got 3\n",
+        ),
         (
             ["four.csv", "--time-limit", "0"],
             "tidalpool plan: --time-limit must be positive, got 0.0",
         ),
         (
             ["four.csv", "--out", "no/such/dir/s.csv"],
-            "tidalpool plan: no/such/dir/s.csv: cannot write: No such file or directory\n",
+            "tidalpool plan: --out no/such/dir/s.csv: no such directory no/such/dir\n",
         ),
     ],
 )
