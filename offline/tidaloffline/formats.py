@@ -385,8 +385,18 @@ def read_snapshot(path: str | Path, device: int | None = None) -> Problem:
 # -- format detection ------------------------------------------------------------------------------
 
 
-def detect_format(path: str | Path) -> str:
-    """Which reader fits: "problem", "trace" or "snapshot", by header line or pickle magic."""
+FORMATS = {
+    "trace": f"a trace CSV v1 (header {','.join(TRACE_HEADER)})",
+    "problem": "a placement CSV (header id,lower,upper,size)",
+    "snapshot": "a PyTorch memory snapshot pickle",
+}
+"""What `detect_format` returns, and how a message names each."""
+
+
+def detect_format(path: str | Path, accepted: Sequence[str] = tuple(FORMATS)) -> str:
+    """Which reader fits: "problem", "trace" or "snapshot", by header line or pickle magic.
+    A file of none of them is refused with the `accepted` ones named (those its command reads).
+    """
     path = Path(path)
     with path.open("rb") as f:
         head = f.read(65536)
@@ -402,7 +412,6 @@ def detect_format(path: str | Path) -> str:
         if set(columns) <= _ALIASES.keys() and "size" in columns:
             return "problem"
         break
-    raise FormatError(
-        f"{path}: unknown format: expected a trace CSV v1 (header {','.join(TRACE_HEADER)}), "
-        "a placement CSV (header id,lower,upper,size) or a PyTorch memory snapshot pickle"
-    )
+    names = [FORMATS[kind] for kind in accepted]
+    expected = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+    raise FormatError(f"{path}: unknown format: expected {expected}")

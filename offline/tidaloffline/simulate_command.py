@@ -30,16 +30,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tidalcore.units import ALIGNMENT, SIZE_HELP, format_size, parse_size
 from tidalplan.model import Iteration
 
+from tidaloffline.outputs import output_problem, plural
 from tidaloffline.plot import missing_matplotlib
 
 if TYPE_CHECKING:
@@ -71,14 +74,37 @@ class Row:
             return None
         return self.plan.result.iteration_ns / self.bound_ns
 
+    @property
+    def reason(self) -> str | None:
+        """Why the plan is not feasible (None when it is): its numbers are then those of a
+        simulation that stopped where it got stuck, or of a placement over the limit, and
+        are shown as none."""
+        p = self.plan
+        if p.fits:
+            return None
+        if not p.result.feasible:
+            return (
+                "its schedule cannot run under the limit (a malloc or a swap-in never fits,"
+                " or the blocks live at the start are over it)"
+            )
+        return (
+            f"its placement needs {format_size(p.footprint or 0)}, over the limit"
+            f" {format_size(p.limit)}"
+            if p.footprint is not None
+            else "its placement does not fit the limit"
+        )
+
     def as_json(self) -> dict[str, Any]:
         p = self.plan
         r = p.result
-        return {
+        head: dict[str, Any] = {
             "name": self.name,
             **({"of": self.of} if self.of is not None else {}),
             "feasible": p.fits,
             "schedule_feasible": r.feasible,
+            "reason": self.reason,
+        }
+        numbers = {
             "overhead": r.overhead,
             "iteration_ns": r.iteration_ns,
             "bound_ns": self.bound_ns,
@@ -94,6 +120,9 @@ class Row:
             "swaps": len(p.schedule.swaps),
             "recomputes": len(p.schedule.recomputes),
         }
+        if not p.fits:  # an aborted simulation's numbers: nothing but the reason is shown
+            numbers = dict.fromkeys(numbers) | {"bound_ns": self.bound_ns}
+        return head | numbers
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,10 +160,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--limit",
         default=None,
         metavar="SIZE|FRACTION",
-        help="device memory limit: a size (6GiB; " + SIZE_HELP.replace("%", "%%") + ") or a"
-        " fraction of the unconstrained peak (0.6 = 60%%; a number up to 1 is a fraction,"
-        " above 1 bytes); default 1.0. With --sweep: the sweep's lowest limit (default the"
-        " op-wise bound). A limit under the op-wise bound is refused: no plan fits it",
+        help="device memory limit: a size (6GiB, 6442450944 or 6.4e9 bytes; "
+        + SIZE_HELP.replace("%", "%%")
+        + ") or a fraction of the unconstrained peak (0.6 = 60%%; a number up to 1 is a"
+        " fraction, above 1 bytes); default 1.0. With --sweep: the sweep's lowest limit"
+        " (default the op-wise bound). A limit under the op-wise bound is refused: no plan fits it",
     )
     parser.add_argument(
         "--bandwidth",
@@ -212,8 +242,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def load(path: Path) -> Iteration:
-    """The steady iteration of the trace at `path` (InputError naming the file if unusable)."""
+def load(path: Path, command: str = "simulate") -> Iteration:
+    """The steady iteration of the trace at `path` (InputError naming the file if unusable,
+    and `command`, the one that reads it, when it is not a trace)."""
     from tidalplan import learn
 
     from tidaloffline import formats as tracecsv
@@ -221,9 +252,14 @@ def load(path: Path) -> Iteration:
     if not path.is_file():
         raise InputError(f"{path}: no such file" if not path.exists() else f"{path}: not a file")
     try:
-        kind = tracecsv.detect_format(path)
+        kind = tracecsv.detect_format(path, accepted=("trace",))
         if kind != "trace":
-            raise InputError(f"{path}: a {kind} file; simulate needs a trace CSV v1 (with ops)")
+            what = tracecsv.FORMATS[kind].split(" (")[0]
+            raise InputError(
+                f"{path}: {what}; {command} reads a trace CSV v1 (header"
+                f" {','.join(tracecsv.TRACE_HEADER)}, with ops), as tidalpool.torch.record"
+                " writes it"
+            )
         events = tracecsv.read_trace_csv(path)
         it = learn.extract_finished(events).iteration  # the one `plan` places
     except OSError as e:
@@ -237,7 +273,12 @@ def load(path: Path) -> Iteration:
 
 
 def parse_limit(text: str, peak: int) -> int:
-    """Bytes from '0.6' (a fraction of `peak`) or '6GiB' / '6442450944' (bytes)."""
+    """Bytes from '0.6' (a fraction of `peak`), or '6GiB' / '6442450944' / '6.4e9' (bytes: a
+    number above 1, in exponent notation too, must be a whole number of them)."""
+    accepted = (
+        "a size (6GiB, 6442450944, 6.4e9 bytes) or a fraction of the unconstrained peak"
+        " (0.6; a number up to 1)"
+    )
     try:
         value = float(text)
     except ValueError:
@@ -246,12 +287,27 @@ def parse_limit(text: str, peak: int) -> int:
         if not value > 0:
             raise InputError(f"--limit {text}: a fraction must be above 0")
         return int(value * peak)
-    try:
-        limit = int(parse_size(text))
-    except ValueError as e:
-        raise InputError(f"--limit {text}: {e}") from None
+    if value is not None:
+        if not math.isfinite(value):
+            raise InputError(f"--limit {text}: not a number of bytes; give {accepted}")
+        try:
+            exact = Fraction(text.strip())
+        except ValueError:  # a form float() reads and Fraction does not ("1_000.5")
+            exact = Fraction(value)
+        if exact.denominator != 1:
+            raise InputError(
+                f"--limit {text}: a number above 1 is bytes, and this one is not whole"
+            )
+        limit = int(exact)
+    else:
+        try:
+            limit = int(parse_size(text))
+        except ValueError as e:
+            raise InputError(f"--limit {text}: {e}; give {accepted}") from None
     if limit <= 0:
         raise InputError(f"--limit {text}: must be positive")
+    if limit >= 2**63:
+        raise InputError(f"--limit {text}: {limit} bytes is beyond a 64-bit size")
     return limit
 
 
@@ -401,12 +457,9 @@ def _options(args: argparse.Namespace) -> tuple[float, float, list[str]]:
             raise InputError(f"--page {args.page} bytes: a power of two of {ALIGNMENT} or more")
     if args.sweep and args.timeline is not None:
         raise InputError("--timeline writes the step at one limit: leave out --sweep")
-    if args.plot is not None or args.timeline is not None:
-        for option, path in (("--plot", args.plot), ("--timeline", args.timeline)):
-            if path is not None and not path.parent.is_dir():
-                raise InputError(f"{option} {path}: no such directory {path.parent}")
-            if path is not None and path.is_dir():
-                raise InputError(f"{option} {path}: a directory, not a file")
+    for option, path in (("--plot", args.plot), ("--timeline", args.timeline)):
+        if why := output_problem(option, path):
+            raise InputError(why)
     if args.plot is not None and (why := missing_matplotlib(args.plot)):
         raise InputError(why)
     return out_gbps, in_gbps, policies(args.policy)
@@ -542,7 +595,7 @@ def _one(
         ]
         write(args.timeline, it, chosen, facts.out_gbps, facts.in_gbps, args.compute_scale)
         if not args.json:
-            plans = f"{len(chosen)} feasible plan{'s' if len(chosen) != 1 else ''}"
+            plans = plural(len(chosen), "feasible plan")
             print(f"timeline: {args.timeline} ({plans}; open it in ui.perfetto.dev)")
     if not any(r.plan.fits for r in rows):
         share = f" ({limit / facts.peak:.0%} of the peak)" if facts.peak else ""
@@ -666,7 +719,8 @@ def _limit_line(limit: int, facts: Facts, step_bound: int | None) -> str:
 
 LEGEND = (
     "peak: the simulated device bytes at their highest; placed: the bytes the placed\n"
-    "plan needs; both include the {persistent} of persistent blocks. —: not feasible.\n"
+    "plan needs; both include the {persistent} of persistent blocks. Not feasible:\n"
+    "no: stuck (its schedule cannot run under the limit), no: placed X (over it).\n"
     "daemon: the plan the daemon sends a session (swaps alone) and the session runs."
 )
 PAGED_LEGEND = (
@@ -696,19 +750,23 @@ def table(rows: list[Row]) -> Fitted:
     for row in rows:
         p = row.plan
         r = p.result
-        if p.fits:
-            feasible = (
-                "yes" if p.planned_for == p.limit else f"yes, for {format_size(p.planned_for)}"
+        name = row.name if row.of is None else f"{row.name} ({row.of})"
+        if not p.fits:  # its numbers are an aborted simulation's: the reason alone
+            why = (
+                "no: stuck"
+                if not r.feasible
+                else f"no: placed {format_size(p.footprint)}"
+                if p.footprint is not None
+                else "no: placed over"
             )
-        elif r.feasible:
-            feasible = "no: placed over"
-        else:
-            feasible = "no"
+            cells.append((name, why, *("—",) * (len(headers) - 2)))
+            continue
+        feasible = "yes" if p.planned_for == p.limit else f"yes, for {format_size(p.planned_for)}"
         cells.append(
             (
-                row.name if row.of is None else f"{row.name} ({row.of})",
+                name,
                 feasible,
-                _percent(r.overhead) if p.fits else "—",
+                _percent(r.overhead),
                 f"{row.ratio:.3f}" if row.ratio is not None else "—",
                 format_size(r.peak_bytes),
                 format_size(p.footprint) if p.footprint is not None else "—",

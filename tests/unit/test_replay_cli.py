@@ -211,7 +211,10 @@ def test_bad_traces_are_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     problem = tmp_path / "problem.csv"
     problem.write_text("id,lower,upper,size\n1,0,2,4\n")
     assert main(["replay", str(problem), "--limit", "0.5"]) == 2
-    assert "simulate needs a trace CSV v1" in capsys.readouterr().err
+    assert capsys.readouterr().err == (
+        f"tidalpool replay: {problem}: a placement CSV; replay reads a trace CSV v1 (header"
+        " kind,id,size,ns,name, with ops), as tidalpool.torch.record writes it\n"
+    )
 
 
 def test_no_daemon_at_the_socket_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

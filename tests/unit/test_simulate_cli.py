@@ -113,7 +113,10 @@ def test_bad_inputs_are_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     problem = tmp_path / "problem.csv"
     problem.write_text("id,lower,upper,size\n1,0,2,4\n")
     assert main(["simulate", str(problem)]) == 2
-    assert "simulate needs a trace CSV v1" in capsys.readouterr().err
+    assert capsys.readouterr().err == (
+        f"tidalpool simulate: {problem}: a placement CSV; simulate reads a trace CSV v1 (header"
+        " kind,id,size,ns,name, with ops), as tidalpool.torch.record writes it\n"
+    )
 
 
 def test_the_daemon_row_is_the_plan_the_daemon_sends(

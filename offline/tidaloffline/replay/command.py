@@ -169,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
     socket_dir = args.replay_socket_dir or getattr(args, "socket_dir", None)
     try:
         _check_options(args)
-        it = load(args.trace)
+        it = load(args.trace, "replay")
         peak = int(load_curve(it).max(initial=0))
         limit = parse_limit(args.limit, peak)
         bound = op_bound(it)
