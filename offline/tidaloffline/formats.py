@@ -47,6 +47,22 @@ class FormatError(ValueError):
     """An input file the planner cannot read; the message names file, line and problem."""
 
 
+MAX_TOTAL = 2**62
+"""The most bytes a file may hold live at once (a trace) or in all (a placement CSV): half of a
+signed 64-bit integer, so that every sum the tools make of them (a block's instance in the next
+iteration beside its own, sizes rounded up to an alignment, persistent bytes with the rest)
+stays within the 64-bit integers their arrays hold."""
+
+
+MAX_ALIGNMENT = 2**30
+"""The largest alignment (1 GiB): with `MAX_TOTAL`, sizes rounded up to it add up within 64 bits."""
+
+
+def too_many_bytes(total: int) -> str:
+    """The end of a message refusing `total` bytes."""
+    return f"{total} bytes, {MAX_TOTAL} (2**62) at most: sums of them would overflow 64 bits"
+
+
 # -- trace CSV v1 ----------------------------------------------------------------------------------
 
 
@@ -107,6 +123,7 @@ def read_trace_csv(path: str | Path) -> Events:
     name_ids = [0] * n
     names: dict[str, int] = {}
     live: dict[int, int] = {}
+    live_bytes = 0
     for i, (number, fields) in enumerate(rows[1:]):
         if len(fields) != 5:
             if len(fields) > 5:
@@ -130,11 +147,18 @@ def read_trace_csv(path: str | Path) -> Events:
             if block in live:
                 raise FormatError(f"{path}:{number}: alloc of block {block}, which is live")
             live[block] = sizes[i] = size
+            live_bytes += size
+            if live_bytes > MAX_TOTAL:
+                raise FormatError(
+                    f"{path}:{number}: alloc of block {block} brings the bytes live at once to"
+                    f" {too_many_bytes(live_bytes)}"
+                )
         elif kind == FREE:
             freed = live.pop(block, 0)
             if not freed:
                 raise FormatError(f"{path}:{number}: free of block {block}, which is not live")
             sizes[i] = freed
+            live_bytes -= freed
         elif kind == OP:
             if ns_text:
                 durations[i] = _whole(path, number, "ns", ns_text)
@@ -237,6 +261,7 @@ def read_problem_csv_with_labels(path: str | Path) -> tuple[Problem, tuple[str, 
     labels: list[str] = []
     bounds: list[tuple[int, int, int, int]] = []  # line, lower, upper, size
     alignment = 1
+    total = 0
     for number, fields in rows[1:]:
         if len(fields) != len(header):
             raise FormatError(f"{path}:{number}: {len(fields)} fields, expected {len(header)}")
@@ -255,7 +280,18 @@ def read_problem_csv_with_labels(path: str | Path) -> tuple[Problem, tuple[str, 
             a = whole("alignment")
             if a <= 0 or a & (a - 1):
                 raise FormatError(f"{path}:{number}: alignment {a} is not a power of two")
+            if a > MAX_ALIGNMENT:
+                raise FormatError(
+                    f"{path}:{number}: alignment {a}: at most {MAX_ALIGNMENT} (1 GiB), so that"
+                    " sizes rounded up to it stay within 64 bits"
+                )
             alignment = max(alignment, a)
+        total += size
+        if total > MAX_TOTAL:
+            raise FormatError(
+                f"{path}:{number}: size {size} brings the buffers' total size to"
+                f" {too_many_bytes(total)}"
+            )
         labels.append(fields[columns["id"]])
         bounds.append((number, lower, upper, size))
 
@@ -374,6 +410,8 @@ def read_snapshot(path: str | Path, device: int | None = None) -> Problem:
     buffers.extend((lower, len(entries), size) for lower, size in live.values())
     buffers.sort()
     kept = [(lo, up, sz) for lo, up, sz in buffers if up > lo and sz > 0]
+    if (total := sum(sz for _, _, sz in kept)) > MAX_TOTAL:
+        raise FormatError(f"{path}: device {device}: blocks of {too_many_bytes(total)}")
     return Problem(
         buffers=tuple(
             Buffer(id=i, lower=Tick(lo), upper=Tick(up), size=Bytes(sz))

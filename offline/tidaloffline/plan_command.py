@@ -102,6 +102,11 @@ def load(path: Path, alignment: int | None) -> Loaded:
 
     if alignment is not None and (alignment < 1 or alignment & (alignment - 1)):
         raise InputError(f"--alignment must be a power of two (1, 2, 4, ...), got {alignment}")
+    if alignment is not None and alignment > tracecsv.MAX_ALIGNMENT:
+        raise InputError(
+            f"--alignment {alignment}: at most {tracecsv.MAX_ALIGNMENT} (1 GiB), so that sizes"
+            " rounded up to it stay within 64 bits"
+        )
     if not path.exists():
         raise InputError(f"{path}: no such file")
     if not path.is_file():

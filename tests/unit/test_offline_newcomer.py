@@ -164,9 +164,7 @@ def test_plan_counts_one_buffer_in_the_singular(
     lines = capsys.readouterr().out.splitlines()
     assert f"input: {problem} (placement CSV, 1 buffer, alignment 1)" in lines
     assert f"input: {trace} (trace CSV, iteration 1: 3 buffers, alignment 256)" in lines
-    assert (
-        "persistent: 4096 B (4 KiB): 1 block kept across iterations, outside the arena" in lines
-    )
+    assert "persistent: 4096 B (4 KiB): 1 block kept across iterations, outside the arena" in lines
 
 
 @pytest.mark.parametrize(
@@ -239,6 +237,67 @@ def test_an_infeasible_row_carries_its_reason_and_no_numbers(
     assert main(argv) == 3
     (row,) = [line for line in capsys.readouterr().out.splitlines() if "checkmate" in line]
     assert [c.strip() for c in row.split("│")[1:-1]] == ["checkmate", "no: stuck", *["—"] * 8]
+
+
+# -- item 6: totals beyond 64 bits are refused, naming the line ------------------------------------
+
+TOO_MANY = "4611686018427387904 (2**62) at most: sums of them would overflow 64 bits"
+
+
+@pytest.mark.parametrize(
+    ("rows", "line", "size", "total"),
+    [
+        (["0,0,2,9223372036854775807", "1,1,3,9223372036854775807"], 2, 2**63 - 1, 2**63 - 1),
+        (["0,0,2,2305843009213693952"] * 3, 4, 2**61, 3 * 2**61),  # the third passes 2**62
+    ],
+)
+def test_plan_refuses_a_placement_csv_whose_sizes_overflow(
+    rows: list[str],
+    line: int,
+    size: int,
+    total: int,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    problem = tmp_path / "big.csv"
+    text = "id,lower,upper,size\n" + "".join(
+        f"{k},{row.split(',', 1)[1]}\n" for k, row in enumerate(rows)
+    )
+    problem.write_text(text)
+    assert main(["plan", str(problem)]) == 2
+    assert capsys.readouterr().err == (
+        f"tidalpool plan: {problem}:{line}: size {size} brings the buffers' total size to"
+        f" {total} bytes, {TOO_MANY}\n"
+    )
+
+
+@pytest.mark.parametrize("command", ["plan", "simulate", "replay"])
+def test_a_trace_whose_live_bytes_overflow_is_refused_at_its_line(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "big.trace.csv"
+    # 4 KiB persistent, then one more persistent block that takes the total past 2**62.
+    big = 2**62 - 100
+    trace.write_text(TRACE_CSV.replace("alloc,1,4096,,\n", f"alloc,1,4096,,\nalloc,9,{big},,\n"))
+    argv = [command, str(trace), *([] if command == "plan" else ["--limit", "0.9"])]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        f"tidalpool {command}: {trace}:3: alloc of block 9 brings the bytes live at once to"
+        f" {big + 4096} bytes, {TOO_MANY}\n"
+    )
+
+
+@pytest.mark.parametrize("alignment", [str(2**31), str(2**62)])
+def test_plan_refuses_an_alignment_whose_rounding_could_overflow(
+    alignment: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    problem = tmp_path / "six.csv"
+    problem.write_text(PROBLEM_CSV)
+    assert main(["plan", str(problem), "--alignment", alignment]) == 2
+    assert capsys.readouterr().err == (
+        f"tidalpool plan: --alignment {alignment}: at most 1073741824 (1 GiB), so that sizes"
+        " rounded up to it stay within 64 bits\n"
+    )
 
 
 # -- item 14: messages name the command and the formats it reads ------------------------------------
