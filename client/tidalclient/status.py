@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -163,8 +164,22 @@ def plain(message: Message) -> dict[str, Any]:
     return out
 
 
+def fact(text: str) -> str | int | float:
+    """A backend fact as the backend gave it: the wire carries facts as text (`str()` of an
+    int, a float or a string), so a number's text is a number again."""
+    for number in (int, float):
+        try:
+            value = number(text)
+        except ValueError:
+            continue
+        if str(value) == text and math.isfinite(value):  # " 1", "1_0", "nan" stay text
+            return value
+    return text
+
+
 def as_json(pool: admin_pb2.PoolStatusResponse, sessions: admin_pb2.ListSessionsResponse) -> str:
-    """The pools and sessions as one JSON object; byte counts and times are numbers."""
-    return json.dumps(
-        {"pool": plain(pool), "sessions": [plain(s) for s in sessions.sessions]}, indent=2
-    )
+    """The pools and sessions as one JSON object; byte counts, times and numeric facts are
+    numbers."""
+    shown = plain(pool)
+    shown["facts"] = {key: fact(value) for key, value in shown["facts"].items()}
+    return json.dumps({"pool": shown, "sessions": [plain(s) for s in sessions.sessions]}, indent=2)

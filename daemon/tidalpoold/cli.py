@@ -1,7 +1,10 @@
 """`tidalpoold`: the daemon's command line.
 
-Every error it reports is one line on stderr and a non-zero exit status: 2 for what the command
-line or the settings got wrong (argparse's errors included), 1 for a daemon that cannot start.
+Every error it reports is one line on stderr, after "tidalpoold:", and a non-zero exit status:
+2 for what the command line or the settings got wrong (argparse's errors included, and what
+start-up finds wrong with a setting: a socket or plan-cache directory that is a file, pools of
+more chunks than open files allow), 1 for a daemon that cannot start for another reason
+(another daemon on the directory, a directory others could write).
 `--debug` (or TIDALPOOL_DEBUG=1) shows the traceback instead.
 """
 
@@ -20,7 +23,13 @@ from tidalcore.cli import DEBUG_ENV, Parser, debug_from_env
 from tidalpoold import __version__, log
 from tidalpoold.notify import Notifier
 from tidalpoold.server import build_daemon
-from tidalpoold.settings import SettingsError, add_arguments, settings_from_args
+from tidalpoold.settings import (
+    SettingRefused,
+    SettingsError,
+    add_arguments,
+    setting_options,
+    settings_from_args,
+)
 
 
 def one_line(error: BaseException) -> str:
@@ -44,9 +53,23 @@ def _parser() -> tuple[Parser, Parser]:
     return parser, serve
 
 
+def joined_values(argv: list[str]) -> list[str]:
+    """`argv` with a setting's value that starts with "-" joined to its option ("--device-pool
+    -1GiB" as "--device-pool=-1GiB"): argparse would take "-1GiB" for an option and say only
+    "expected one argument", where the setting's own check says what is wrong with it."""
+    options = setting_options()
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1] in options and arg[:1] == "-" and arg[1:2].isdigit():
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser, serve = _parser()
-    args, extra = parser.parse_known_args(argv)
+    args, extra = parser.parse_known_args(joined_values(sys.argv[1:] if argv is None else argv))
     if extra:  # named by the command they were given to
         serve.error(f"unrecognized arguments: {' '.join(extra)}")
     debug = args.debug or debug_from_env(os.environ)
@@ -93,7 +116,10 @@ def _serve(args: argparse.Namespace, serve: Parser, debug: bool) -> int:
         return 1
     except SystemExit as e:  # a refusal that names its cause (another daemon, too few fds)
         notifier.send(f"STATUS=cannot start: {e}")
-        raise
+        if debug or not isinstance(e.code, str):
+            raise
+        print(f"tidalpoold: {one_line(e)}", file=sys.stderr)
+        return 2 if isinstance(e, SettingRefused) else 1
     notifier.send(  # the pools are allocated and both sockets listen
         "READY=1",
         f"STATUS=serving GPU {settings.gpu} ({settings.backend}) on {settings.socket_dir}",

@@ -14,6 +14,9 @@ whose own modes say who may connect).
 One daemon per directory: the daemon holds an exclusive `flock` on `tidalpoold.lock` in it for
 its lifetime. The kernel drops the lock when the process dies however it dies, so a daemon
 killed with SIGKILL never blocks the next one, and two started together cannot both serve.
+
+The plan cache's directory is checked here too, at start: a file where it should be is
+refused before the first plan would find it.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from pathlib import Path
 
 from tidalcore.wire import LOCK_FILE
 
+from tidalpoold.settings import SettingRefused
+
 _DIRECTORY_MODE = 0o755
 
 
@@ -36,16 +41,17 @@ def prepare(directory: Path, uid: int | None = None) -> None:
     """Make `directory` (and its parents) if missing, then check that no uid but `uid` (the
     daemon's, by default) or root can replace what is in it; SystemExit says why not."""
     uid = os.getuid() if uid is None else uid
-    if not directory.exists():
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileExistsError):  # made meanwhile: checked below as any
-            os.mkdir(directory, _DIRECTORY_MODE)
+    _refuse_file("socket_dir", directory)
     try:
+        if not directory.exists():
+            directory.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileExistsError):  # made meanwhile: checked below as any
+                os.mkdir(directory, _DIRECTORY_MODE)
         st = os.stat(directory)
     except OSError as e:
-        raise SystemExit(f"socket directory {directory}: {e.strerror}") from e
-    if not stat.S_ISDIR(st.st_mode):
-        raise SystemExit(f"socket directory {directory} is not a directory")
+        raise SettingRefused(f"socket_dir {directory} cannot be used: {e.strerror}") from e
+    if not stat.S_ISDIR(st.st_mode):  # made a file meanwhile
+        raise SettingRefused(f"socket_dir {directory} is not a directory")
     if st.st_uid not in (uid, 0):
         raise SystemExit(
             f"socket directory {directory} belongs to uid {st.st_uid}, not to this daemon's uid"
@@ -61,6 +67,24 @@ def prepare(directory: Path, uid: int | None = None) -> None:
             " directory only the daemon's uid can write (chmod go-w), or a subdirectory the"
             " daemon makes itself"
         )
+
+
+def check_plan_cache(directory: Path) -> None:
+    """SettingRefused when `directory` cannot become the plan cache: it, or the nearest of its
+    parents that exists, is not a directory. One the daemon may not write is not refused
+    (plans are then not kept, and each write says so)."""
+    _refuse_file("plan_cache_dir", directory)
+
+
+def _refuse_file(setting: str, directory: Path) -> None:
+    """SettingRefused naming `setting` when `directory`, or the nearest of its parents that
+    exists, is not a directory (so it cannot be one, or be made)."""
+    there = directory
+    while not there.exists() and not there.is_symlink() and there != there.parent:
+        there = there.parent
+    if not there.is_dir():
+        what = "is not" if there == directory else f"is under {there}, which is not"
+        raise SettingRefused(f"{setting} {directory} {what} a directory")
 
 
 @dataclass

@@ -37,6 +37,12 @@ _MiB = 1024 * _KiB
 _GiB = 1024 * _MiB
 
 
+class SettingRefused(SystemExit):
+    """The daemon will not start with its settings, as it found at start-up (the file system
+    or a process limit said so, not the value alone): the command line exits 2 with the
+    message, as for a `SettingsError`."""
+
+
 class SettingsError(ValueError):
     """A setting is malformed or out of range.
 
@@ -93,6 +99,8 @@ def _parse_int(raw: object) -> int:
 
 
 def _parse_size(raw: object) -> Bytes:
+    if isinstance(raw, str) and raw.strip().startswith("-"):
+        raise ValueError("a size must not be negative")
     if isinstance(raw, str | int) and not isinstance(raw, bool):
         return parse_size(raw)
     raise ValueError("expected a size such as 4GiB, 512MB or a number of bytes")
@@ -596,6 +604,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help=f"TOML file whose top-level keys are setting names (default: ${CONFIG_ENV} if set)",
     )
+
+
+def setting_options() -> frozenset[str]:
+    """The command line's options that take a setting's value (`add_arguments`)."""
+    return frozenset(["--config", *("--" + name.replace("_", "-") for name in _NAMES)])
 
 
 def settings_from_args(ns: argparse.Namespace, env: Mapping[str, str]) -> Settings:

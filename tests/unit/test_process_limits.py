@@ -75,7 +75,7 @@ def test_the_daemon_refuses_to_start_when_its_chunks_cannot_be_open_files() -> N
             preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, 512)),
             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
         )
-    assert out.returncode == 1
+    assert out.returncode == 2  # a setting (the pools, chunk_size) the limit refuses
     assert "the pools are 1024 chunks of chunk_size 2097152 bytes" in out.stderr
 
 
