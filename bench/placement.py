@@ -13,7 +13,10 @@ decreasing size) and its seconds, tidalpool's height, height / bound, seconds of
 (lower bound included) and whether the plan is proven optimal. Every placement is checked
 by the validator. `--no-exact` runs the heuristics alone.
 
-    .venv/bin/python bench/placement.py [--json] [--time-limit S] [--no-exact]
+    .venv/bin/python bench/placement.py [--json] [--time-limit S] [--no-exact] [--traces DIR]
+
+The instances are read from DIR (default ../shared/traces, beside this repository); without
+them the script says what is missing and where to get it, and exits 2.
 """
 
 from __future__ import annotations
@@ -32,8 +35,14 @@ from tidalplan.placement import lower_bound, smartpool, solve
 from tidalplan.validate import validate
 
 SHARED = Path(__file__).resolve().parents[2] / "shared/traces"
-CHALLENGING = SHARED / "minimalloc/challenging"
-MODELS = SHARED / "models"
+CHALLENGING = "minimalloc/challenging"  # under the traces directory
+MODELS = "models"
+WHERE = {
+    CHALLENGING: "MiniMalloc's challenging instances, *.csv: the benchmarks/challenging folder of"
+    " github.com/google/minimalloc",
+    MODELS: "model traces, *.trace.csv: recorded by tidalpool.torch.record (traces/record.py"
+    " --out DIR records the sample models; docs/torch.md)",
+}
 SCALE_TRACE = "densenet121.b32.trace.csv"
 SCALE_BUFFERS = 100_000
 SCALE_TIME_LIMIT = 5.0  # the target: 100,000 buffers within 5 s
@@ -105,13 +114,40 @@ def measure(group: str, name: str, problem: Problem, time_limit: float, exact: b
     )
 
 
+def missing(traces: Path) -> list[str]:
+    """What the benchmark lacks under `traces`, a line each naming the folder, what belongs
+    there and where it comes from (none: every set is there)."""
+    lines = []
+    for folder, pattern in ((CHALLENGING, "*.csv"), (MODELS, "*.trace.csv")):
+        path = traces / folder
+        if not any(path.glob(pattern)):
+            state = "no such directory" if not path.is_dir() else f"no {pattern} in it"
+            lines.append(f"  {path} ({state}): {WHERE[folder]}")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print JSON rows")
     parser.add_argument("--time-limit", type=float, default=10.0, metavar="S")
     parser.add_argument("--no-exact", action="store_true", help="heuristics only")
     parser.add_argument("--skip-scale", action="store_true", help="leave out the 100k instances")
+    parser.add_argument(
+        "--traces",
+        type=Path,
+        default=SHARED,
+        metavar="DIR",
+        help="the instances' directory: minimalloc/challenging/*.csv and models/*.trace.csv"
+        f" (default {SHARED})",
+    )
     args = parser.parse_args(argv)
+    if lacking := missing(args.traces):
+        print(
+            f"bench/placement.py: instances are missing from {args.traces} (the shared data"
+            " beside this repository, or --traces DIR):\n" + "\n".join(lacking),
+            file=sys.stderr,
+        )
+        return 2
     exact = not args.no_exact
     if exact:
         try:
@@ -138,12 +174,12 @@ def main(argv: list[str] | None = None) -> int:
             f" {'smartpool':>12} {'ratio':>7} {'s':>6} {'tidalpool':>12} {'ratio':>7} {'s':>6}"
             f" {'optimal':>7}  solver"
         )
-    for path in sorted(CHALLENGING.glob("*.csv")):
+    for path in sorted((args.traces / CHALLENGING).glob("*.csv")):
         name = path.name.split(".")[0]
         emit(measure("challenging", name, read_problem_csv(path), args.time_limit, exact))
 
     base: tuple[Problem, int] | None = None
-    for path in sorted(MODELS.glob("*.trace.csv")):
+    for path in sorted((args.traces / MODELS).glob("*.trace.csv")):
         loaded = steady_iteration(path)
         if loaded is None:
             print("note: tidalplan.learn is missing: model traces skipped", file=sys.stderr)

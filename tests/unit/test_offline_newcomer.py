@@ -6,6 +6,7 @@ command and the formats it reads."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
@@ -48,7 +49,7 @@ def _no_solve(*args: Any, **kwargs: Any) -> NoReturn:
     raise AssertionError("the solver ran before the output paths were checked")
 
 
-# -- item 13: output paths first -------------------------------------------------------------------
+# -- output paths first ----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -76,7 +77,7 @@ def test_plan_refuses_an_output_path_before_it_solves(
     assert capsys.readouterr().err == f"tidalpool plan: {message.format(tmp=tmp_path)}\n"
 
 
-# -- item 15: --alignment, --json, plurals, --limit in exponent notation ----------------------------
+# -- --alignment, --json, plurals, --limit in exponent notation ------------------------------------
 
 
 @pytest.mark.parametrize("alignment", ["3", "0", "384"])
@@ -201,7 +202,7 @@ def test_simulate_takes_a_limit_in_exponent_notation(
     assert json.loads(capsys.readouterr().out)["limit_bytes"] == 10**10
 
 
-# -- item 7: an infeasible row shows its reason alone -----------------------------------------------
+# -- an infeasible row shows its reason alone ------------------------------------------------------
 
 
 def test_an_infeasible_row_carries_its_reason_and_no_numbers(
@@ -239,7 +240,7 @@ def test_an_infeasible_row_carries_its_reason_and_no_numbers(
     assert [c.strip() for c in row.split("│")[1:-1]] == ["checkmate", "no: stuck", *["—"] * 8]
 
 
-# -- item 6: totals beyond 64 bits are refused, naming the line ------------------------------------
+# -- totals beyond 64 bits are refused, naming the line --------------------------------------------
 
 TOO_MANY = "4611686018427387904 (2**62) at most: sums of them would overflow 64 bits"
 
@@ -300,7 +301,47 @@ def test_plan_refuses_an_alignment_whose_rounding_could_overflow(
     )
 
 
-# -- item 14: messages name the command and the formats it reads ------------------------------------
+# -- bench/placement.py without its instances ------------------------------------------------------
+
+PLACEMENT_BENCH = ROOT / "bench/placement.py"
+
+
+def _bench(*argv: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, str(PLACEMENT_BENCH), *argv]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_the_placement_bench_says_which_instances_are_missing(tmp_path: Path) -> None:
+    (tmp_path / "models").mkdir()
+    done = _bench("--traces", str(tmp_path), "--no-exact")
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert done.stderr.splitlines() == [
+        f"bench/placement.py: instances are missing from {tmp_path} (the shared data beside this"
+        " repository, or --traces DIR):",
+        f"  {tmp_path}/minimalloc/challenging (no such directory): MiniMalloc's challenging"
+        " instances, *.csv: the benchmarks/challenging folder of github.com/google/minimalloc",
+        f"  {tmp_path}/models (no *.trace.csv in it): model traces, *.trace.csv: recorded by"
+        " tidalpool.torch.record (traces/record.py --out DIR records the sample models;"
+        " docs/torch.md)",
+    ]
+
+
+def test_the_placement_bench_measures_the_instances_it_is_given(tmp_path: Path) -> None:
+    (tmp_path / "minimalloc/challenging").mkdir(parents=True)
+    (tmp_path / "minimalloc/challenging/six.csv").write_text(PROBLEM_CSV)
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models/mlp.b64.trace.csv").write_text((TRACES / "mlp.b64.trace.csv").read_text())
+    done = _bench("--traces", str(tmp_path), "--no-exact", "--json", "--skip-scale")
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(done.stdout)
+    assert [(r["group"], r["instance"], r["lower_bound"]) for r in rows] == [
+        ("challenging", "six", 7),
+        ("model", "mlp.b64", 7922176),
+    ]
+
+
+# -- messages name the command and the formats it reads --------------------------------------------
 
 
 @pytest.mark.parametrize("command", ["simulate", "replay"])
