@@ -36,6 +36,8 @@ from tidalcore.events import ALLOC, FREE, OP, EventKind, Events
 from tidalcore.units import Bytes, Tick
 from tidalplan.model import Buffer, Placement, Problem
 
+from tidaloffline.outputs import plural
+
 KIND_NAMES = {kind.name.lower(): int(kind) for kind in EventKind}
 """The kind column of a trace CSV v1: each event kind by its name in lower case."""
 
@@ -127,7 +129,9 @@ def read_trace_csv(path: str | Path) -> Events:
     for i, (number, fields) in enumerate(rows[1:]):
         if len(fields) != 5:
             if len(fields) > 5:
-                raise FormatError(f"{path}:{number}: {len(fields)} fields, expected at most 5")
+                raise FormatError(
+                    f"{path}:{number}: {plural(len(fields), 'field')}, expected at most 5"
+                )
             fields += [""] * (5 - len(fields))
         kind_text, id_text, size_text, ns_text, name = fields
         kind = KIND_NAMES.get(kind_text)
@@ -264,7 +268,9 @@ def read_problem_csv_with_labels(path: str | Path) -> tuple[Problem, tuple[str, 
     total = 0
     for number, fields in rows[1:]:
         if len(fields) != len(header):
-            raise FormatError(f"{path}:{number}: {len(fields)} fields, expected {len(header)}")
+            raise FormatError(
+                f"{path}:{number}: {plural(len(fields), 'field')}, expected {len(header)}"
+            )
 
         def whole(key: str, fields: list[str] = fields, number: int = number) -> int:
             return _whole(path, number, key, fields[columns[key]])
@@ -372,7 +378,7 @@ def read_snapshot(path: str | Path, device: int | None = None) -> Problem:
                   for t in traces]  # fmt: skip
         device = counts.index(max(counts)) if counts else 0
     if not 0 <= device < len(traces):
-        raise FormatError(f"{path}: no trace for device {device} ({len(traces)} devices)")
+        raise FormatError(f"{path}: no trace for device {device} ({plural(len(traces), 'device')})")
     entries = traces[device]
 
     buffers: list[tuple[int, int, int]] = []  # lower, upper, size

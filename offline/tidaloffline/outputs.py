@@ -6,9 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def plural(count: int, noun: str) -> str:
-    """`count` and `noun`, in the plural unless the count is one: "1 buffer", "2 buffers"."""
-    return f"{count} {noun}{'' if count == 1 else 's'}"
+def plural(count: int, noun: str, nouns: str | None = None) -> str:
+    """`count` and `noun`, in the plural (`nouns`, or the noun and an s) unless the count is
+    one: "1 buffer", "2 buffers", "3 accesses"."""
+    return f"{count} {noun if count == 1 else nouns or noun + 's'}"
 
 
 def output_problem(option: str, path: Path | None) -> str | None:

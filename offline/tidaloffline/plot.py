@@ -16,6 +16,8 @@ from typing import Any
 from tidalcore.units import format_size
 from tidalplan.model import Placement, Problem
 
+from tidaloffline.outputs import plural
+
 ANNOTATED = 5  # the largest blocks a placement picture names
 MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*", "<", ">", "h", "p", "d", "8")
 LINESTYLES = ("-", "--", "-.", ":")
@@ -125,7 +127,7 @@ def placement_figure(
     _legend_outside(axes)
     axes.set_xlabel("tick")
     axes.set_ylabel(f"address ({unit})")
-    axes.set_title(title or f"{len(problem.buffers)} buffers, {placement.solver}")
+    axes.set_title(title or f"{plural(len(problem.buffers), 'buffer')}, {placement.solver}")
     return figure
 
 

@@ -168,6 +168,47 @@ def test_plan_counts_one_buffer_in_the_singular(
     assert "persistent: 4096 B (4 KiB): 1 block kept across iterations, outside the arena" in lines
 
 
+def test_a_csv_row_of_one_field_says_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    problem = tmp_path / "short.csv"
+    problem.write_text("id,lower,upper,size\n0\n")
+    assert main(["plan", str(problem)]) == 2
+    assert capsys.readouterr().err == f"tidalpool plan: {problem}:2: 1 field, expected 4\n"
+
+
+def test_the_replay_report_counts_one_swap_stamp_and_access_in_the_singular() -> None:
+    from rich.console import Console
+    from tidaloffline.replay.replayer import Record
+    from tidaloffline.replay.report import Report, render
+
+    def record(index: int, phase: str) -> Record:
+        return Record(index, phase, "planned", 1_000_000, 0, 0, 0, 0, 0, 0, 4096, 0, 1, 1)
+
+    report = Report(
+        trace="t.csv",
+        backend="sim",
+        daemon="started",
+        limit_bytes=1 << 20,
+        session_limit_bytes=1 << 20,
+        peak_bytes=2 << 20,
+        op_bound_bytes=4096,
+        compute_scale=1.0,
+        copy_gbps=None,
+        records=[record(1, "steady")],  # one stamp checked, one access off the device
+        plan={"id": 7, "version": 2, "limit_bytes": 1 << 20, "swaps": 1},
+        predicted={"step_ns": 1_000_000},
+    )
+    console = Console(record=True, width=200)
+    render(report, console)
+    text = console.export_text()
+    assert "plan 7 (version 2, 1 swap)" in text
+    assert text.splitlines()[-1] == (
+        "out on demand 0 B, in on demand 0 B, piece misses 0; 1 stamp checked, 0 wrong, 1 access"
+        " off the device"
+    )
+
+
 @pytest.mark.parametrize(
     ("text", "limit"),
     [("1e10", 10**10), ("2.5e7", 25_000_000), ("6442450944", 6442450944), ("6GiB", 6 << 30)],

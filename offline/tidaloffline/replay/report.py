@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from tidalcore.units import format_size
 
+from tidaloffline.outputs import plural
 from tidaloffline.replay.replayer import COUNTERS, Record
 
 if TYPE_CHECKING:
@@ -144,7 +145,7 @@ def render(report: Report, console: Any) -> None:
         f" copies {'unthrottled' if report.copy_gbps is None else f'{report.copy_gbps:g} GB/s'};"
         + (f" pages of {format_size(report.page_bytes)};" if report.page_bytes else "")
         + (
-            f" plan {plan['id']} (version {plan['version']}, {plan['swaps']} swaps)"
+            f" plan {plan['id']} (version {plan['version']}, {plural(plan['swaps'], 'swap')})"
             if plan is not None
             else " no plan"
         )
@@ -213,6 +214,6 @@ def render(report: Report, console: Any) -> None:
     console.print(
         f"out on demand {show_size(m['on_demand_out_bytes'])}, in on demand"
         f" {show_size(m['on_demand_in_bytes'])}, piece misses {m['piece_misses']:g};"
-        f" {c['stamps_checked']} stamps checked, {c['mismatches']} wrong,"
-        f" {c['not_resident']} accesses off the device"
+        f" {plural(c['stamps_checked'], 'stamp')} checked, {c['mismatches']} wrong,"
+        f" {plural(c['not_resident'], 'access', 'accesses')} off the device"
     )
