@@ -150,9 +150,9 @@ def run(
             if backend == "cuda":
                 _cupy_or_exit()
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="tidalpool-demo-")))
-            console.print(
-                f"no daemon at {socket_dir}: starting a {backend} daemon in [bold]{tmp}[/]"
-            )
+            # Each path on a line that holds it whole: a terminal of 80 columns does not cut it.
+            console.print(f"no daemon answers at {socket_dir}")
+            console.print(f"starting a {backend} daemon in [bold]{tmp}[/]")
             daemon = stack.enter_context(
                 LocalDaemon.start(tmp, device_pool="1GiB", host_pool="1GiB", backend=backend)
             )
@@ -183,14 +183,14 @@ def run(
             + (f", pages of {format_size(session.page_bytes)}" if session.page_bytes else "")
         )
         title = f"training with tidalpool ({where})"
-        columns = ["iter", "loss", "mode", "live", "footprint", "plan hits", "misses", "events"]
+        columns = ["iter", "loss", "mode", "live", "footprint", "plan hits", "misses", "trace"]
         if swap_limit is not None or copy_gbps is not None:  # the session swaps
             columns += ["resident", "swapped out", "swapped in", "stall"]
         rows: list[SessionStats] = []
         cells: list[list[str]] = []
 
-        def table() -> Fitted:
-            return Fitted(columns, cells, title=title, left=(columns.index("mode"),))
+        def table() -> Fitted:  # unboxed: the columns of a run without swapping fit 80
+            return Fitted(columns, cells, title=title, left=(columns.index("mode"),), plain=True)
 
         def add_row(i: int, loss: float) -> None:
             if swap_limit is not None and i == PLAN_WAIT_AT and i + 1 < iterations:
@@ -222,6 +222,7 @@ def run(
             pooled = train(SessionMemory(session), iterations=iterations, on_iteration=add_row)
         if not console.is_terminal:
             console.line()  # Live leaves its last frame without a newline off a terminal
+        console.print(TRACE_NOTE)
 
     learning = [r.footprint_bytes for r in rows if r.mode == "learning"]
     planned = [r.footprint_bytes for r in rows if r.mode == "planned"]
@@ -274,6 +275,12 @@ def run(
         diff = [i for i, (a, b) in enumerate(zip(pooled, plain, strict=True)) if a != b]
         console.print(f"[red]losses differ from {name} at iterations {diff}[/]")
     return same
+
+
+TRACE_NOTE = (
+    "trace: of the events the session had recorded by the iteration's end (mallocs, frees,"
+    " ops), those the daemon had received / all; it plans from them, the rest are on their way"
+)
 
 
 def _cupy_or_exit() -> Any:
