@@ -144,13 +144,20 @@ def record(name: str, directory: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Record the sample traces of traces/.")
+    parser = argparse.ArgumentParser(
+        prog="traces/record.py", description="Record the sample traces of traces/."
+    )
     parser.add_argument("names", nargs="*", metavar="NAME", help=f"of {', '.join(SAMPLES)}")
-    parser.add_argument("--out", type=Path, default=HERE, help="where to write (default traces/)")
+    where = "where to write, made if missing (default traces/)"
+    parser.add_argument("--out", type=Path, default=HERE, help=where)
     args = parser.parse_args(argv)
     unknown = [n for n in args.names if n not in SAMPLES]
     if unknown:
         parser.error(f"no sample named {', '.join(unknown)} (known: {', '.join(SAMPLES)})")
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)  # a missing --out is made
+    except OSError as e:
+        parser.error(f"--out {args.out} cannot be a directory: {e.strerror}")
     for name in args.names or SAMPLES:
         started = time.perf_counter()
         path = record(name, args.out)
