@@ -87,8 +87,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="BYTES",
-        help=f"offset alignment, a power of two (default {ALIGNMENT} for traces and snapshots,"
-        " the file's own (1 unless it has an alignment column) for placement CSVs)",
+        help=f"offset alignment, a power of two up to 1 GiB (default {ALIGNMENT} for traces and"
+        " snapshots, the file's own (1 unless it has an alignment column) for placement CSVs)",
     )
     parser.add_argument("--no-exact", action="store_true", help="heuristics only, no exact search")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -281,8 +281,7 @@ def _print(report: dict[str, Any], out: TextIO) -> None:
     def ratio(x: float | None) -> str:
         return f"{x:.4f}" if x is not None else "-"
 
-    loaded_line = f"input: {report['input']} ({_description(report)})"
-    print(loaded_line, file=out)
+    print(f"input: {report['input']} ({_description(report)})", file=out)
     if report["steady"] is not None:
         print(f"steady: {report['steady']}", file=out)
     if persistent is None:
