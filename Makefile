@@ -7,7 +7,8 @@
 # The dev install includes everything the demo needs, so `make demo` after `make test` installs
 # nothing more. `make traces` records the sample traces of traces/ again (needs the dev extras).
 # `make prometheus` installs Debian's prometheus package (prometheus and promtool, for the
-# alert-rule and dashboard tests) when they are missing; `make test` runs it first.
+# alert-rule and dashboard tests) when they are missing, and stops and disables the system
+# service the package starts; `make test` runs it first.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -61,16 +62,10 @@ dashboards: $(STAMP)
 traces: $(STAMP)
 	$(PY) traces/record.py
 
+# Installing the package enables and starts a system Prometheus service on :9090: tools.prometheus
+# stops and disables it at once (the tests start their own on free ports).
 prometheus:
-	@if command -v prometheus >/dev/null && command -v promtool >/dev/null; then \
-		echo "prometheus and promtool are installed"; \
-	else \
-		if [ "$$(id -u)" = 0 ]; then sudo=""; else sudo="sudo -n"; fi; \
-		$$sudo apt-get update -q && \
-		$$sudo env DEBIAN_FRONTEND=noninteractive \
-			apt-get install -y -q --no-install-recommends prometheus \
-		|| echo "WARNING: could not install prometheus; its tests will skip, saying why"; \
-	fi
+	@$(PYTHON) -m tools.prometheus
 
 bench: $(STAMP)
 	$(PY) bench/session.py

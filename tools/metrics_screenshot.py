@@ -1,8 +1,11 @@
-"""Draw docs/metrics-dashboard.png from a real run: a sim daemon, training jobs that plan, swap,
-stall, end and get evicted, and a Prometheus scraping it; the panels are the dashboards'
+"""Draw the picture of docs/metrics.md from a real run: a sim daemon, training jobs that plan,
+swap, stall, end and get evicted, and a Prometheus scraping it; the panels are the dashboards'
 queries, read back with query_range and drawn with matplotlib.
 
     .venv/bin/python -m tools.metrics_screenshot [--out PNG] [--seconds N]
+
+It writes to the temporary directory unless told otherwise (`--out docs/metrics-dashboard.png`
+replaces the committed picture).
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ from tidalclient.local import LocalDaemon
 from tools.prometheus import Prometheus, ensure_prometheus, metrics_address
 from tools.workload import Job, Workload
 
-REPO = Path(__file__).resolve().parent.parent
-OUT = REPO / "docs" / "metrics-dashboard.png"
+OUT = Path(tempfile.gettempdir()) / "tidalpool-metrics-dashboard.png"
+"""Where the picture goes by default: not the checkout, whose docs/metrics-dashboard.png is
+committed."""
 
 JOBS = [
     Job("resnet", 150, miss=True, pause_s=0.15, stay=False),
@@ -148,11 +152,15 @@ def draw(prom: Prometheus, start: float, end: float, out: Path) -> None:
     fig.savefig(out)
 
 
-def main() -> None:
+def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--out", type=Path, default=OUT, help=f"the picture (default {OUT})")
     parser.add_argument("--seconds", type=float, default=50.0, help="length of the run")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = arguments().parse_args()
     why_not = ensure_prometheus()
     if why_not is not None:
         raise SystemExit(why_not)

@@ -5,7 +5,11 @@ temporary config and storage, asked through its HTTP API (tests and the metrics 
         prom.wait_for('up{job="tidalpool"} == 1')
         prom.query("tidalpool_pool_bytes")      # the result's series; PromQLError on an error
 
-The Debian package also starts a system Prometheus on :9090; these never touch it.
+Debian's package also enables and starts a system Prometheus (prometheus.service, on :9090);
+where this module installs the package it stops and disables that service at once (the tests
+need only the binaries), and a service that was there before is never touched.
+
+    python -m tools.prometheus   # install if missing (what `make prometheus` runs)
 """
 
 from __future__ import annotations
@@ -64,9 +68,29 @@ def ensure_prometheus() -> str | None:
     if out.returncode != 0:  # the package lists may be missing or stale
         subprocess.run([*sudo, "apt-get", "update"], capture_output=True, env=env)
         out = subprocess.run(install, capture_output=True, text=True, env=env)
+    _quiet_service(sudo)
     if _installed():
         return None
     return f"`{' '.join(install)}` failed (exit {out.returncode}): {out.stderr.strip()[-500:]}"
+
+
+def _quiet_service(sudo: list[str]) -> None:
+    """Stop and disable the system Prometheus that installing the package enabled and started
+    (a machine without systemd has none)."""
+    if shutil.which("systemctl") is not None:
+        stop = [*sudo, "systemctl", "disable", "--now", f"{PACKAGE}.service"]
+        subprocess.run(stop, capture_output=True)
+
+
+def main() -> int:
+    """Install prometheus and promtool if missing; a warning, not a failure, when they cannot
+    be (their tests skip, saying why)."""
+    why_not = ensure_prometheus()
+    if why_not is None:
+        print("prometheus and promtool are installed")
+    else:
+        print(f"WARNING: {why_not}; their tests will skip, saying why")
+    return 0
 
 
 def free_port() -> int:
@@ -207,3 +231,7 @@ class Prometheus:
         self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
