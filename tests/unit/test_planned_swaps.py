@@ -270,3 +270,20 @@ def test_a_swap_in_starts_after_the_event_the_plan_says_not_at_its_issue_op(
     base = ex.inner._arena.base if ex.inner._arena is not None else -1
     assert one(3) == (base + KiB, base + KiB)  # c on its slot, then a on the same bytes
     assert ex.stats().plan_misses == misses and ex.swap_stats().piece_misses == 0
+
+
+def test_a_plan_whose_arena_finds_no_range_engages_at_any_limit(rigs: list[Rig]) -> None:
+    """Blocks placed while learning leave no range long enough for the plan's arena: those
+    that can leave do, at the switch, whether the swap limit is under the lease or not (here
+    the lease itself), and their bytes come back intact."""
+    for limit in (3 * KiB, 4 * KiB):
+        rig = Rig(limit=limit, device=4 * KiB, host=8 * KiB)
+        rigs.append(rig)
+        x, gap, y = rig.filled(KiB, 1), rig.ex.malloc(KiB), rig.filled(KiB, 2)
+        rig.ex.free(gap)  # free: [KiB, 2 KiB) and [3 KiB, 4 KiB), none 2 KiB long
+        table = PlanTable.build(3, [2 * KiB], [0], 2 * KiB, 256)
+        rig.ex.install_plan(Plan(table, version=2, limit=limit))
+        rig.ex.step()
+        assert rig.ex.stats().mode == "planned", limit
+        assert HOST in rig.where(x, y)  # what left made the room
+        assert rig.op(x) == [bytes([1]) * KiB] and rig.op(y) == [bytes([2]) * KiB]

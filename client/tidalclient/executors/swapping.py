@@ -438,10 +438,9 @@ class Swapping:
         """Before the switch: blocks leave until the arena fits under the limit, and their
         copies complete (on demand, and once). First the persistent blocks the plan swaps
         (they go to their pieces at the switch), then the least recently used; every one that
-        can when no range of the lease is long enough for the arena."""
+        can when no range of the lease is long enough for the arena, whatever the limit (at
+        the lease's size too: the arena needs one range)."""
         inner = self.inner
-        if self._limit >= inner.capacity:
-            return
 
         def over() -> int:  # the arena held now goes at the switch
             return inner.used_bytes - inner.arena_bytes + height - self._limit
