@@ -21,10 +21,10 @@ from types import FrameType
 from tidalcore.cli import DEBUG_ENV, Parser, debug_from_env
 
 from tidalpoold import __version__, log
+from tidalpoold.directory import SettingRefused
 from tidalpoold.notify import Notifier
 from tidalpoold.server import build_daemon
 from tidalpoold.settings import (
-    SettingRefused,
     SettingsError,
     add_arguments,
     setting_options,

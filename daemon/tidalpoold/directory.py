@@ -32,9 +32,13 @@ from pathlib import Path
 
 from tidalcore.wire import LOCK_FILE
 
-from tidalpoold.settings import SettingRefused
-
 _DIRECTORY_MODE = 0o755
+
+
+class SettingRefused(SystemExit):
+    """The daemon will not start with its settings, as it found at start-up (the file system
+    or a process limit said so, not the value alone): the command line exits 2 with the
+    message, as for a `SettingsError`."""
 
 
 def prepare(directory: Path, uid: int | None = None) -> None:

@@ -30,7 +30,7 @@ from tidalpoold.plan_worker import PlanWorker, copy_gbps_of
 from tidalpoold.rpc import service, unary, unary_stream
 from tidalpoold.services import AdminService, PoolService
 from tidalpoold.sessions import Reason, Registry
-from tidalpoold.settings import SettingRefused, Settings, describe
+from tidalpoold.settings import Settings, describe
 
 log = logging.getLogger("tidalpoold.server")
 
@@ -313,7 +313,7 @@ def ensure_fd_room(chunks: int, settings: Settings) -> dict[str, int]:
     if soft == resource.RLIM_INFINITY or soft >= need:
         return {"limit": soft, "needed": need}
     if hard != resource.RLIM_INFINITY and hard < need:
-        raise SettingRefused(
+        raise directory.SettingRefused(
             f"the pools are {chunks} chunks of chunk_size {settings.chunk_size} bytes, one open"
             f" file each, and with headroom the daemon needs {need} open files, but the hard"
             f" limit (ulimit -Hn) is {hard}: raise it (LimitNOFILE= in the systemd unit), or"

@@ -37,12 +37,6 @@ _MiB = 1024 * _KiB
 _GiB = 1024 * _MiB
 
 
-class SettingRefused(SystemExit):
-    """The daemon will not start with its settings, as it found at start-up (the file system
-    or a process limit said so, not the value alone): the command line exits 2 with the
-    message, as for a `SettingsError`."""
-
-
 class SettingsError(ValueError):
     """A setting is malformed or out of range.
 

@@ -13,7 +13,6 @@ import tempfile
 import pytest
 from tidalclient.status import as_json, fact
 from tidalcore.v1 import admin_pb2
-
 from tidalpoold.cli import joined_values
 
 
@@ -38,8 +37,7 @@ def serve(*args: str, nofile: tuple[int, int] | None = None) -> subprocess.Compl
     [
         (
             ("--device-pool", "-1GiB"),
-            "tidalpoold: device_pool: a size must not be negative (got '-1GiB' from"
-            " --device-pool)",
+            "tidalpoold: device_pool: a size must not be negative (got '-1GiB' from --device-pool)",
         ),
         (
             ("--default-host-lease", "-2"),
@@ -50,8 +48,7 @@ def serve(*args: str, nofile: tuple[int, int] | None = None) -> subprocess.Compl
         (("--socket-dir", "/etc/passwd"), "tidalpoold: socket_dir /etc/passwd is not a directory"),
         (
             ("--socket-dir", "/etc/passwd/tp"),
-            "tidalpoold: socket_dir /etc/passwd/tp is under /etc/passwd, which is not a"
-            " directory",
+            "tidalpoold: socket_dir /etc/passwd/tp is under /etc/passwd, which is not a directory",
         ),
         (
             ("--plan-cache-dir", "/etc/passwd"),
