@@ -204,8 +204,9 @@ def extract_finished(events: Events) -> Chosen:
     the stream. Taken: the last iteration that the next one repeats (the same allocs, frees
     and ops), which is steady and followed by a whole iteration that shows when what it leaves
     alive is freed. If no iteration repeats the one before it, the last one is taken (the first
-    allocates what later ones keep: gradients, optimizer state); the blocks it leaves alive
-    then count as live to the end of the next iteration. One marked iteration is refused
+    allocates what later ones keep: gradients, optimizer state); a block it leaves alive then
+    counts as live until the next iteration allocates it again (one instance at a time: the
+    placement and the simulator count the same bytes). One marked iteration is refused
     (NoIteration): the first iteration of training is not the steady one. Without marks, the
     iteration is found by its repeats, as `extract` finds it.
     """
@@ -236,7 +237,7 @@ def extract_finished(events: Events) -> Chosen:
             return Chosen(it, n, f"iteration {k + 1} repeats it")
     it = _iteration(events, bounds[n - 1], bounds[n], n - 1)
     why = "the last: none repeats the one before it, so what it leaves alive counts as live"
-    return Chosen(it, n, why + " through the next")
+    return Chosen(it, n, why + " until the next allocates it again")
 
 
 def _iteration(events: Events, start: int, end: int, index: int) -> Iteration:
@@ -254,12 +255,15 @@ def _iteration(events: Events, start: int, end: int, index: int) -> Iteration:
     for i in np.flatnonzero(kinds[start:end] == ALLOC).tolist():
         a = start + i
         f = int(free_of[a])
-        stop = int(before[f]) - base if f >= 0 else 2 * ticks
+        began = int(before[a]) - base
+        # Never freed (the last iteration of a trace none repeats): live until the next
+        # iteration allocates it again, one instance at a time, as the job keeps it.
+        stop = int(before[f]) - base if f >= 0 else began + ticks
         blocks.append(
             IterBlock(
                 id=int(ids[a]),
                 size=Bytes(int(events.sizes[a])),
-                start=Tick(int(before[a]) - base),
+                start=Tick(began),
                 end=Tick(stop),
                 crosses=f < 0 or f >= end,
             )

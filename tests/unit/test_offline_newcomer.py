@@ -113,6 +113,7 @@ def test_plan_json_is_one_object_with_what_the_report_says(
         "lower_bound_bytes": 7,
         "persistent_blocks": None,
         "persistent_bytes": None,
+        "peak_bytes": None,  # a placement CSV has no timeline to simulate
         "smartpool_bytes": report["smartpool_bytes"],
         "smartpool_ratio": report["smartpool_bytes"] / 7,
         "height_bytes": 7,
@@ -143,6 +144,7 @@ def test_plan_json_of_a_trace_names_its_iteration_and_persistent_blocks(
         "lower_bound_bytes": 2560,  # 512 + 2048 after the first free
         "persistent_blocks": 1,
         "persistent_bytes": 4096,
+        "peak_bytes": 2560 + 4096,  # simulate's: the blocks at their most, and the persistent
         "smartpool_bytes": 2560,
         "smartpool_ratio": 1.0,
         "height_bytes": 2560,

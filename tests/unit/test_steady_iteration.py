@@ -36,12 +36,12 @@ def test_of_two_iterations_the_last_is_taken_not_the_first() -> None:
     assert extract(events, events.marks()).index == 0  # between the two marks: the first
     chosen = extract_finished(events)
     # The steady iteration, but its gradient (21) is never freed in the file: it counts as
-    # live to the end of the next iteration (tick 2 * 8).
-    blocks = (STEADY.blocks[0], IterBlock(id=21, size=20, start=4, end=16, crosses=True))
+    # live until the next iteration allocates it again (tick 4 + 8), one instance at a time.
+    blocks = (STEADY.blocks[0], IterBlock(id=21, size=20, start=4, end=12, crosses=True))
     assert chosen.iteration == replace(STEADY, blocks=blocks)
     assert str(chosen) == (
         "iteration 1 of 2 (the last: none repeats the one before it, so what it leaves alive"
-        " counts as live through the next)"
+        " counts as live until the next allocates it again)"
     )
 
 
@@ -109,7 +109,7 @@ def test_plan_of_two_iterations_places_the_second_and_says_so(tmp_path: Path) ->
     assert lines[:4] == [
         f"input: {trace} (trace CSV, iteration 1: 3 buffers, alignment 256)",
         "steady: iteration 1 of 2 (the last: none repeats the one before it, so what it leaves"
-        " alive counts as live through the next)",
+        " alive counts as live until the next allocates it again)",
         "lower bound: 2560 B (2.5 KiB): the arena, the iteration's blocks at their most",
         "persistent: 12288 B (12 KiB): 2 blocks kept across iterations, outside the arena",
     ]
@@ -160,3 +160,27 @@ def test_record_refuses_too_few_iterations_before_anything_runs(
         " leaves alive is freed"
     )
     assert not path.exists()
+
+
+def test_a_trace_none_repeats_gets_the_same_peak_from_plan_and_simulate(tmp_path: Path) -> None:
+    """The MLP sample cut after its second iteration: what the last iteration leaves alive
+    lives one iteration, as one instance (before, until the end of the next, so the simulator
+    counted two instances of each and the placement one), and `plan` names the peak
+    `simulate` reports where its bound is over it."""
+    from tidalcore.units import format_size
+    from tidaloffline.formats import read_trace_csv
+    from tidalplan.learn import live_bytes
+
+    root = Path(__file__).resolve().parents[2]
+    lines = (root / "traces" / "mlp.b64.trace.csv").read_text().splitlines()
+    cut = tmp_path / "mlp2.trace.csv"
+    cut.write_text("\n".join(lines[: lines.index("iter,2,,,")]) + "\n")
+    it = extract_finished(read_trace_csv(cut)).iteration
+    assert all(b.end - b.start <= it.ticks for b in it.blocks)
+    never_freed = [b for b in it.blocks if b.end == b.start + it.ticks]
+    assert len(never_freed) == 6
+    peak = int(live_bytes(it).max()) + sum(size for _, size in it.persistent)
+    status, printed, _ = plan(cut)
+    assert status == 0
+    (said,) = [line for line in printed if line.startswith("lower bound + persistent:")]
+    assert f"the {format_size(peak)} peak tidalpool simulate reports" in said, said
