@@ -98,7 +98,7 @@ def test_a_daemon_that_cannot_start_says_why_in_its_status(short_dir: Path) -> N
             timeout=60,
         )
         status = manager.recv(4096).decode()
-    assert out.returncode == 1, out.stderr
+    assert out.returncode == 2, out.stderr  # a setting refused: usage, as every other one
     assert status.startswith("STATUS=cannot start: "), status
     assert str(blocker) in status
 
