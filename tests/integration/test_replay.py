@@ -200,7 +200,6 @@ def test_json_report_of_the_command_with_a_private_daemon(tmp_path: Path) -> Non
         "backend",
         "daemon",
         "limit_bytes",
-        "session_limit_bytes",
         "unconstrained_peak_bytes",
         "op_bound_bytes",
         "compute_scale",
@@ -223,7 +222,7 @@ def test_json_report_of_the_command_with_a_private_daemon(tmp_path: Path) -> Non
     assert (got["trace"], got["backend"], got["daemon"]) == (str(trace), "sim", "started")
     assert got["unconstrained_peak_bytes"] == 22 * MiB
     assert got["op_bound_bytes"] == 10 * MiB  # bwd3: g, a2 and w3
-    assert got["limit_bytes"] == got["session_limit_bytes"] == int(0.9 * 22 * MiB)
+    assert got["limit_bytes"] == int(0.9 * 22 * MiB)
     assert (got["compute_scale"], got["copy_gbps"], got["outcome"]) == (1.0, 4.0, "compared")
     assert got["page_bytes"] == 0  # no --page: a contiguous lease
     assert got["plan_unavailable"] is None

@@ -274,9 +274,10 @@ def test_a_swap_in_starts_after_the_event_the_plan_says_not_at_its_issue_op(
 
 def test_a_plan_whose_arena_finds_no_range_engages_at_any_limit(rigs: list[Rig]) -> None:
     """Blocks placed while learning leave no range long enough for the plan's arena: those
-    that can leave do, at the switch, whether the swap limit is under the lease or not (here
-    the lease itself), and their bytes come back intact."""
-    for limit in (3 * KiB, 4 * KiB):
+    that can leave do, at the switch, whether the swap limit is under the lease or not, and
+    their bytes come back intact. A plan made for a limit over the lease is made for the
+    lease, as the session's limit is."""
+    for limit in (3 * KiB, 4 * KiB, 1 << 20):  # under, at and over the lease
         rig = Rig(limit=limit, device=4 * KiB, host=8 * KiB)
         rigs.append(rig)
         x, gap, y = rig.filled(KiB, 1), rig.ex.malloc(KiB), rig.filled(KiB, 2)

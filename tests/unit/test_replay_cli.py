@@ -148,7 +148,6 @@ def test_the_report_averages_the_steady_iterations_only() -> None:
         backend="sim",
         daemon="started",
         limit_bytes=12 * MiB,
-        session_limit_bytes=12 * MiB,
         peak_bytes=16 * MiB,
         op_bound_bytes=4 * MiB,
         compute_scale=2.0,

@@ -394,8 +394,10 @@ class Swapping:
     def _stage(self, plan: Plan) -> None:
         """Hand the plan's placement, with its pieces, to the inner executor; its schedule
         starts once the inner executor has switched to it. Under a limit, a plan not made for
-        it runs its schedule alone (see the module doc)."""
-        usable = not self._limited or (plan.version >= 2 and 0 < plan.limit <= self._limit)
+        it runs its schedule alone (see the module doc). A limit over the lease is the lease's
+        size, for the plan as for this session (the daemon sends no plan taller than the lease)."""
+        made_for = min(plan.limit, self.inner.capacity)
+        usable = not self._limited or (plan.version >= 2 and 0 < made_for <= self._limit)
         if usable and (plan.places_swaps or not plan.swaps):
             try:
                 table = plan.table.with_pieces(self._pieces(plan), self.inner.alignment)

@@ -161,19 +161,6 @@ def lease_bytes(peak: int) -> int:
     return align_up(peak + peak // 4 + CHUNK, CHUNK)
 
 
-def session_limit(limit: int, lease: int) -> int:
-    """The swap limit the session gets: `limit`, or a chunk under the lease when it is not
-    below that (the lease holds the peak and a quarter more: no plan for it swaps).
-
-    At the switch the plan's arena needs a free range of the lease beside the blocks placed
-    while learning. Under a limit below the lease the swap engine makes room (blocks leave
-    until the arena fits); at or above it, there is no limit to keep and it makes none, so the
-    session waits for a range that the same blocks, live at every step, never leave: the MLP
-    trace at 30 MiB had 21.3 MiB live at each step, a 7.6 MiB arena and 7.3 MiB as its largest
-    free range, and ran every iteration learning."""
-    return limit if limit < lease else lease - CHUNK
-
-
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from tidalplan.autoswap import load as load_curve
@@ -201,7 +188,6 @@ def run(args: argparse.Namespace) -> int:
         backend=args.backend,
         daemon=str(socket_dir) if socket_dir is not None else "started",
         limit_bytes=limit,
-        session_limit_bytes=session_limit(limit, lease_bytes(peak)),
         peak_bytes=peak,
         op_bound_bytes=bound,
         compute_scale=args.compute_scale,
@@ -278,23 +264,16 @@ def _replay(
             device_limit=lease,
             host_limit=lease,
             job_name="tidalpool-replay",
-            swap_limit=report.session_limit_bytes,
+            swap_limit=report.limit_bytes,
             copy_gbps=args.copy_gbps,
             async_compute=True,
             page_bytes=args.page,
         )
     except AttachError as e:
         raise ReplayError(f"the daemon at {directory} refused the session: {e}") from None
-    clamped = report.session_limit_bytes < report.limit_bytes
     say(
         f"session {session.id}: leases of {format_size(lease)}, swap limit"
-        f" {format_size(report.session_limit_bytes)}"
-        + (
-            f" (--limit {format_size(report.limit_bytes)} is not below the lease: a chunk under"
-            " it, the swap engine makes room for the plan at the switch)"
-            if clamped
-            else ""
-        )
+        f" {format_size(report.limit_bytes)}"
     )
     with session:
         report.backend = "sim" if session.cuda is None else "cuda"
@@ -312,7 +291,7 @@ def _replay(
             if not session.plans_received:
                 raise ReplayError(
                     f"iteration {n} does not fit under the limit of"
-                    f" {format_size(report.session_limit_bytes)} while learning: {e}"
+                    f" {format_size(report.limit_bytes)} while learning: {e}"
                 ) from None
             raise ReplayError(
                 f"iteration {n} failed under plan {session.plan.plan_id if session.plan else '?'}:"

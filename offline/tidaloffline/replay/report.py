@@ -24,7 +24,6 @@ class Report:
     backend: str
     daemon: str  # "started" or the socket directory used
     limit_bytes: int
-    session_limit_bytes: int  # the session's swap limit: `limit_bytes`, or under the lease
     peak_bytes: int
     op_bound_bytes: int
     compute_scale: float
@@ -77,7 +76,6 @@ class Report:
             "backend": self.backend,
             "daemon": self.daemon,
             "limit_bytes": self.limit_bytes,
-            "session_limit_bytes": self.session_limit_bytes,
             "unconstrained_peak_bytes": self.peak_bytes,
             "op_bound_bytes": self.op_bound_bytes,
             "compute_scale": self.compute_scale,
@@ -135,13 +133,7 @@ def render(report: Report, console: Any) -> None:
     console.print(
         f"{report.trace}: {report.backend}, limit {format_size(report.limit_bytes)}"
         f" ({report.limit_bytes / report.peak_bytes:.0%} of the peak"
-        f" {format_size(report.peak_bytes)}"
-        + (
-            f"; the session's {format_size(report.session_limit_bytes)}, under its lease"
-            if report.session_limit_bytes < report.limit_bytes
-            else ""
-        )
-        + f"), compute ×{report.compute_scale:g},"
+        f" {format_size(report.peak_bytes)}), compute ×{report.compute_scale:g},"
         f" copies {'unthrottled' if report.copy_gbps is None else f'{report.copy_gbps:g} GB/s'};"
         + (f" pages of {format_size(report.page_bytes)};" if report.page_bytes else "")
         + (
