@@ -192,7 +192,6 @@ def test_the_replay_report_counts_one_swap_stamp_and_access_in_the_singular() ->
         backend="sim",
         daemon="started",
         limit_bytes=1 << 20,
-        session_limit_bytes=1 << 20,
         peak_bytes=2 << 20,
         op_bound_bytes=4096,
         compute_scale=1.0,
