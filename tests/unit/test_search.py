@@ -326,26 +326,28 @@ def test_eager_issues_a_swap_in_once_the_peak_has_passed() -> None:
     assert plan.swaps == (Swap(0, Tick(1), Tick(7), Tick(4)),)
 
 
+# A's and C's gaps both span B's malloc; A's holds far more compute.
+SPANS = [
+    "a A 1000",  # 0
+    "o 5000 >A",  # 1
+    "o 10000",  # 2
+    "a C 1100",  # 3
+    "o 10 >C",  # 4
+    "a B 1000",  # 5
+    "o 10 >B",  # 6
+    "f B",  # 7
+    "o 10 C",  # 8
+    "f C",  # 9
+    "o 10000",  # 10
+    "o 10 A",  # 11
+    "f A",  # 12
+]
+
+
 def test_the_span_weighted_cover_prefers_the_longer_gap() -> None:
     # A's and C's gaps both span B's malloc; C's larger copies cost less a byte, so the plain
     # cover takes C, whose gap holds 30 ns of compute; A's holds 10,030.
-    it = build(
-        [
-            "a A 1000",  # 0
-            "o 5000 >A",  # 1
-            "o 10000",  # 2
-            "a C 1100",  # 3
-            "o 10 >C",  # 4
-            "a B 1000",  # 5
-            "o 10 >B",  # 6
-            "f B",  # 7
-            "o 10 C",  # 8
-            "f C",  # 9
-            "o 10000",  # 10
-            "o 10 A",  # 11
-            "f A",  # 12
-        ]
-    )
+    it = build(SPANS)
     cands = _Candidates(it, 1.0, 1.0, ())
     tl = _Timeline(it, 2100)
     plain = cover(cands, tl, 1.0, False, False)
@@ -361,23 +363,7 @@ def test_the_span_weighted_cover_prefers_the_longer_gap() -> None:
 
 def test_a_banned_column_is_left_out_of_the_cover_where_another_holds_the_bytes() -> None:
     # The iteration of the span test: the plain cover takes C's gap; with it banned, A's.
-    it = build(
-        [
-            "a A 1000",  # 0
-            "o 5000 >A",  # 1
-            "o 10000",  # 2
-            "a C 1100",  # 3
-            "o 10 >C",  # 4
-            "a B 1000",  # 5
-            "o 10 >B",  # 6
-            "f B",  # 7
-            "o 10 C",  # 8
-            "f C",  # 9
-            "o 10000",  # 10
-            "o 10 A",  # 11
-            "f A",  # 12
-        ]
-    )
+    it = build(SPANS)
     cands = _Candidates(it, 1.0, 1.0, ())
     tl = _Timeline(it, 2100)
     c = next(k for k, g in enumerate(cands.gaps) if (g.block, g.a, g.c) == (1, 4, 8))
