@@ -16,30 +16,11 @@ from tidaloffline import plan_command
 from tidaloffline.simulate_command import InputError, parse_limit
 from tidalpool.cli import main
 
+from .test_plan_cli import ITERATION, PROBLEM_CSV
+
 ROOT = Path(__file__).resolve().parents[2]
 TRACES = ROOT / "traces"
-
-# Six buffers; live bytes per tick 5 6 5 7 6 4: the bound is 7.
-PROBLEM_CSV = """id,lower,upper,size
-a,0,2,4
-b,1,5,2
-c,2,6,3
-d,4,6,1
-e,0,1,1
-f,3,4,2
-"""
-
-# Three iterations of: alloc 1 KiB, alloc 512 B, op, free the first, alloc 2 KiB, op, free, free;
-# one persistent block of 4 KiB.
-ITERATION = """alloc,{a},1024,,
-alloc,{b},512,,
-op,0,,1000,aten.mm.default
-free,{a},,,
-alloc,{c},2048,,
-op,1,,1000,aten.relu.default
-free,{b},,,
-free,{c},,,
-"""
+# test_plan_cli's three iterations, without its header comment (line numbers count from 1).
 TRACE_CSV = "kind,id,size,ns,name\nalloc,1,4096,,\n" + "".join(
     f"iter,{k},,,\n" + ITERATION.format(a=10 * k + 2, b=10 * k + 3, c=10 * k + 4) for k in range(3)
 )
