@@ -386,13 +386,19 @@ def refreshed(
     if not result.feasible:
         raise ValueError(f"the schedule no longer runs within its peak of {limit} bytes")
     parts = split(it, d.schedule, result)
+    starts = [int(parts.pieces.blocks[k].start) for k in _indices(parts.pieces, parts.in_pieces)]
+    return _retimed(update, _prediction(result, int(p.footprint_bytes), gbps), starts)
+
+
+def _retimed(
+    update: pool_pb2.PlanUpdate, prediction: Prediction, starts: Sequence[int]
+) -> pool_pb2.PlanUpdate:
+    """A copy of `update` with another `prediction` and swap-in starts (`swap_in_ticks`)."""
     fresh = pool_pb2.PlanUpdate()
     fresh.CopyFrom(update)
-    fresh.prediction.CopyFrom(_prediction(result, int(p.footprint_bytes), gbps).message())
+    fresh.prediction.CopyFrom(prediction.message())
     del fresh.swap_in_ticks[:]
-    fresh.swap_in_ticks.extend(
-        int(parts.pieces.blocks[k].start) for k in _indices(parts.pieces, parts.in_pieces)
-    )
+    fresh.swap_in_ticks.extend(starts)
     return fresh
 
 
@@ -514,7 +520,7 @@ def encode_paged(it: Iteration, plan: paged.PagedPlan, copy_gbps: float) -> pool
                 mapped_peak=int(plan.mapped_peak),
             ),
             swaps=_swaps(it, schedule),
-            swap_in_ticks=tuple(max(back - 1, 0) for _, back in r.swap_ticks),
+            swap_in_ticks=tuple(_mapped_after(r)),
             limit=int(plan.limit),
             prediction=_prediction(r, int(plan.mapped_peak), copy_gbps),
         )
@@ -599,7 +605,7 @@ def check_paged(
     p = Prediction.of(update.prediction)
     _simulated_as_predicted(result, p)
     validate_swaps(pit, schedule, result, d.limit, gbps, compute_scale)
-    starts = [max(back - 1, 0) for _, back in result.swap_ticks]
+    starts = _mapped_after(result)
     if list(update.swap_in_ticks) != starts:
         raise ValueError(
             f"the swap-ins start after ticks {list(update.swap_in_ticks)}; the simulation"
@@ -612,6 +618,12 @@ def check_paged(
             f" {peak} bytes at most"
         )
     return paged.PagedPlan(schedule, result, lay, Bytes(int(update.limit_bytes)), Bytes(peak))
+
+
+def _mapped_after(result: Result) -> list[int]:
+    """Per swap of a paged plan simulated as `result`: the tick after which its pages are
+    mapped again and its copy in starts (its `swap_in_ticks`)."""
+    return [max(back - 1, 0) for _, back in result.swap_ticks]
 
 
 def _layout(
@@ -682,10 +694,7 @@ def refreshed_paged(
     if not result.feasible:
         raise ValueError(f"the schedule no longer runs within its limit of {d.limit} bytes")
     peak = paged.validate_pages(it, lay, d.schedule, result, d.limit)
-    fresh = pool_pb2.PlanUpdate()
-    fresh.CopyFrom(update)
-    fresh.prediction.CopyFrom(_prediction(result, peak, gbps).message())
-    del fresh.swap_in_ticks[:]
-    fresh.swap_in_ticks.extend(max(back - 1, 0) for _, back in result.swap_ticks)
+    starts = _mapped_after(result)
+    fresh = _retimed(update, _prediction(result, peak, gbps), starts)
     fresh.mapped_peak_bytes = peak
     return fresh
