@@ -14,6 +14,7 @@ from tidalclient.devices.pages import Frames, SimPageSpace
 from tidalclient.devices.streams import Event, Stream
 from tidalclient.executors.base import ARRIVING, DEVICE, HOST, LEAVING
 from tidalclient.executors.residency import Residency
+from tidalclient.timeline import HOST_TRACK, WAIT, Timeline
 from tidalcore.units import Tick
 from tidalplan import paged
 from tidalplan.model import Swap, SwapPlan
@@ -283,3 +284,32 @@ def test_a_stale_page_work_may_still_read_goes_only_once_that_work_is_done(
     finally:
         gate.open()
         compute.close()
+
+
+class _Pending:
+    """A completion not done when asked, done once waited for."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.done = True
+        return True
+
+
+def test_every_wait_is_a_stall_and_a_span_on_the_timeline(
+    parts: tuple[Residency, Frames, Stream, Stream],
+) -> None:
+    r, _, out, into = parts
+    r.timeline = t = Timeline()
+    assert out.timeline is t and into.timeline is t  # the copies go on it too
+    r.wait(_Pending(), "copy in, for an op")
+    done = _Pending()
+    done.done = True
+    r.wait(done, "nothing to wait for")  # already complete: no stall, no span
+    [span] = t.spans
+    assert span.track == HOST_TRACK and span.name == WAIT + "copy in, for an op"
+    assert r.stall_ns == span.end_ns - span.start_ns >= 0

@@ -37,8 +37,10 @@ from tidalcore.cuda_driver import (
     MemHandle,
     StreamHandle,
 )
+from tidalcore.units import format_size
 
 from tidalclient.devices.streams import StreamError
+from tidalclient.timeline import CudaClock, Timeline
 
 
 def _check_chunks(count: int, chunk_bytes: int) -> None:
@@ -241,6 +243,7 @@ class CudaStream:
         self.direction = direction
         self.gbps: float | None = None  # real copies: the link's own speed
         self.bytes_copied = 0
+        self.timeline: Timeline | None = None  # each copy a span between timing events, when set
         self._owned = True
         self._closed = False
         self._errors: list[BaseException] = []  # host-function failures since the last record
@@ -256,6 +259,7 @@ class CudaStream:
         stream.direction = ""
         stream.gbps = None
         stream.bytes_copied = 0
+        stream.timeline = None
         stream._owned = False
         stream._closed = False
         stream._errors = []
@@ -283,7 +287,9 @@ class CudaStream:
         if nbytes < 0:
             raise ValueError(f"copy of {nbytes} bytes")
         if nbytes:
+            start = self.timed() if self.timeline is not None else None
             self._driver.memcpy_dtoh_async(dst, DevicePtr(src), nbytes, self.handle)
+            self._copied(start, nbytes)
         self.bytes_copied += nbytes
 
     def copy_to_device(self, dst: int, src: int, nbytes: int) -> None:
@@ -292,8 +298,28 @@ class CudaStream:
         if nbytes < 0:
             raise ValueError(f"copy of {nbytes} bytes")
         if nbytes:
+            start = self.timed() if self.timeline is not None else None
             self._driver.memcpy_htod_async(DevicePtr(dst), src, nbytes, self.handle)
+            self._copied(start, nbytes)
         self.bytes_copied += nbytes
+
+    def _copied(self, start: CudaEvent | None, nbytes: int) -> None:
+        """A copy just enqueued after `start`: its span on the timeline (when one is set)."""
+        if start is not None and self.timeline is not None:
+            self.timeline.device_span(
+                self.name, format_size(nbytes), start, self.timed(), bytes=nbytes
+            )
+
+    def timed(self) -> CudaEvent:
+        """A timing event recorded now on this stream (for `Timeline.device_span`)."""
+        self._live()
+        handle = self._driver.event_create(timing=True)
+        try:
+            self._driver.event_record(handle, self.handle)
+        except CudaError:
+            _destroy_event(self._driver, handle)
+            raise
+        return CudaEvent(self._driver, handle)
 
     def launch(self, fn: Callable[[], object]) -> None:
         """Run `fn` in stream order (cuLaunchHostFunc); it must not call CUDA. A failure is
@@ -323,6 +349,18 @@ class CudaStream:
         if self._launched:  # host functions ran before it: the event reports their failures
             errors, self._errors, self._launched = self._errors, [], False
         return CudaEvent(self._driver, handle, errors)
+
+    def clock(self) -> CudaClock:
+        """A clock for this context's timing events: a reference event recorded on this
+        stream and waited for, and the host time right after (`Timeline.device_span`s are
+        put on the host clock from it)."""
+        reference = self.timed()
+        reference.wait()
+        host_ns = time.perf_counter_ns()
+        driver = self._driver
+        return CudaClock(
+            reference, host_ns, lambda a, b: driver.event_elapsed_ms(a.handle, b.handle)
+        )
 
     def wait_event(self, event: CudaEvent) -> None:
         """Work enqueued after this starts only once `event` has completed (cuStreamWaitEvent);

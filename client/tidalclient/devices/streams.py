@@ -19,7 +19,12 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+from tidalcore.units import format_size
+
+if TYPE_CHECKING:
+    from tidalclient.timeline import Timeline
 
 Work = Callable[[], object]
 
@@ -34,7 +39,11 @@ class Completion(Protocol):
 
 class CopyStream(Protocol):
     """What the swap engine uses of a stream: sim `Stream` or `devices.cuda.CudaStream`.
-    `wait_event` takes an event of the same kind of stream."""
+    `wait_event` takes an event of the same kind of stream. With a `timeline`, each copy
+    adds a span on the track of the stream's name."""
+
+    name: str
+    timeline: Timeline | None
 
     def copy(self, dst: int, src: int, nbytes: int) -> None: ...
 
@@ -94,6 +103,7 @@ class Stream:
         self._closed = False
         self.bytes_copied = 0
         self.ready_ns = 0  # when the last event this stream waited for completed
+        self.timeline: Timeline | None = None  # each copy a span on it, when set
         self._thread = threading.Thread(target=self._run, name=f"tidalpool-{name}", daemon=True)
         self._thread.start()
 
@@ -154,10 +164,14 @@ class Stream:
         event._complete(error)
 
     def _copy(self, dst: int, src: int, nbytes: int) -> None:
-        start = time.perf_counter()
+        start = time.perf_counter_ns()
         ctypes.memmove(dst, src, nbytes)
         self.bytes_copied += nbytes
         if self._seconds_per_byte:
-            left = start + nbytes * self._seconds_per_byte - time.perf_counter()
+            left = start / 1e9 + nbytes * self._seconds_per_byte - time.perf_counter()
             if left > 0:
                 time.sleep(left)
+        timeline = self.timeline
+        if timeline is not None:
+            end = time.perf_counter_ns()
+            timeline.span(self.name, format_size(nbytes), start, end, bytes=nbytes)

@@ -27,12 +27,15 @@ import itertools
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from tidalcore.units import BlockId, Bytes, Offset, format_size
 
 from tidalclient.hotpath import NativeStats
 from tidalclient.plans import Plan
+
+if TYPE_CHECKING:
+    from tidalclient.timeline import Timeline
 
 DEVICE, LEAVING, HOST, ARRIVING = "device", "leaving", "host", "arriving"
 """Where a block is: on the device, being copied out, in the host lease, being copied in."""
@@ -146,6 +149,9 @@ class Residency(Protocol):
     `begin_op` makes the blocks resident and returns their offsets, `end_op` ends the op; an
     op on no blocks still counts as one of the iteration's ops (a schedule is by op).
     """
+
+    timeline: Timeline | None
+    """Where its copies and the waits of the calling thread go as spans (None: nowhere)."""
 
     def pin(self, block: Block) -> None: ...
 

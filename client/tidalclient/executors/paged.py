@@ -40,11 +40,10 @@ from __future__ import annotations
 
 import bisect
 import logging
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tidalcore.events import ALLOC, FREE
 from tidalcore.pages import MAX_WASTE, owns_pages
@@ -70,6 +69,9 @@ from tidalclient.executors.bestfit import BestFit
 from tidalclient.executors.residency import Residency
 from tidalclient.plans import OpSchedule, Plan
 from tidalclient.recorder import TraceSink
+
+if TYPE_CHECKING:
+    from tidalclient.timeline import Timeline
 
 log = logging.getLogger("tidalpool")
 
@@ -158,7 +160,6 @@ class Paged:
         self.plan_hits = self.plan_misses = 0
         self.planned_out_bytes = self.planned_in_bytes = 0
         self.schedule_skips = 0
-        self.stall_ns = 0
         self.plans_refused = 0
 
     # -- what it is ----------------------------------------------------------------------------
@@ -183,6 +184,15 @@ class Paged:
     def largest_free(self) -> int:
         """Any free pages serve any block: the bytes that may still be mapped."""
         return self._limit_pages * self.page - self.residency.mapped_bytes
+
+    @property
+    def timeline(self) -> Timeline | None:
+        """Where the copies and the waits go as spans (`tidalclient.timeline`; None: nowhere)."""
+        return self.residency.timeline
+
+    @timeline.setter
+    def timeline(self, timeline: Timeline | None) -> None:
+        self.residency.timeline = timeline
 
     def _mapped_pages(self) -> int:
         return self.residency.held_pages
@@ -333,9 +343,7 @@ class Paged:
             if self._mapped_pages() + pages <= self._limit_pages:
                 break
             if res.in_flight:
-                start = time.perf_counter_ns()
                 res.reclaim()
-                self.stall_ns += time.perf_counter_ns() - start
                 continue
             victim = next(
                 (
@@ -411,9 +419,7 @@ class Paged:
             if stream is not None:
                 stream.wait_event(event)
             else:
-                start = time.perf_counter_ns()
-                event.wait()
-                self.stall_ns += time.perf_counter_ns() - start
+                self.residency.wait(event, "copy in, for an op")
 
     def _land_waiting(self) -> None:
         """Issue the scheduled swap-ins that waited for pages, those that fit now."""
@@ -494,7 +500,7 @@ class Paged:
                 if where == ARRIVING:  # still landing: the copy out follows the copy in
                     event = self.residency.ready(live.block.id)
                     assert event is not None
-                    event.wait()
+                    self.residency.wait(event, "its copy in, to send it out")
                     self.residency.poll()
                     where = self.residency.where(live.block.id)
                 if where != DEVICE or not self._evict(live, planned=True):
@@ -581,7 +587,7 @@ class Paged:
                 swapped_in_bytes=swapped_in,
                 swap_outs=res.swap_outs,
                 swap_ins=res.swap_ins,
-                stall_ns=self.stall_ns,
+                stall_ns=res.stall_ns,
                 scheduled_swaps=self._schedule.swaps if self._schedule is not None else 0,
                 schedule_skips=self.schedule_skips,
                 host_used_bytes=res.host_used_bytes,

@@ -35,13 +35,19 @@ the lease has too few free frames; `reclaim` waits for the oldest copy to free i
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tidalclient.devices.pages import Frames, PageSpace
 from tidalclient.devices.streams import Completion, CopyStream
 from tidalclient.executors.base import ARRIVING, DEVICE, HOST, LEAVING
 from tidalclient.executors.bestfit import BestFit
+from tidalclient.timeline import HOST_TRACK, WAIT
+
+if TYPE_CHECKING:
+    from tidalclient.timeline import Timeline
 
 
 @dataclass(slots=True, eq=False)
@@ -88,6 +94,34 @@ class Residency:
         self.peak_mapped_bytes = 0
         self.out_bytes = self.in_bytes = 0
         self.swap_outs = self.swap_ins = 0
+        self.stall_ns = 0  # the calling thread blocked in `wait`
+        self._timeline: Timeline | None = None
+
+    @property
+    def timeline(self) -> Timeline | None:
+        """Where the copies and the waits go as spans (None: nowhere)."""
+        return self._timeline
+
+    @timeline.setter
+    def timeline(self, timeline: Timeline | None) -> None:
+        self._timeline = timeline
+        self._out.timeline = timeline
+        self._in.timeline = timeline
+
+    def wait(self, event: Completion, why: str) -> None:
+        """Block until `event` has completed: the calling thread's stall, counted in
+        `stall_ns` and, with a timeline, a span on its host track named `why`."""
+        if event.query():
+            event.wait()  # raises if the work before it failed
+            return
+        start = time.perf_counter_ns()
+        try:
+            event.wait()
+        finally:
+            end = time.perf_counter_ns()
+            self.stall_ns += end - start
+            if self._timeline is not None:
+                self._timeline.span(HOST_TRACK, WAIT + why, start, end)
 
     @property
     def mapped_bytes(self) -> int:
@@ -204,7 +238,7 @@ class Residency:
         shown = self._stale_frame.get(frame) == p  # its frame is free still, parked for it
         self._forget(p)
         if after is not None:
-            after.wait()
+            self.wait(after, "compute on a page to unmap")
         self.space.unmap(p * self.page, 1)
         if shown:
             self._frames.unpark(frame)
@@ -216,7 +250,7 @@ class Residency:
         for key, h in list(self._flights):
             if h.dropped and h.frames and h.offset < end and start < h.offset + h.size:
                 assert h.event is not None
-                h.event.wait()
+                self.wait(h.event, "copy of a freed block on the pages")
                 self._land(key, h)
 
     def _unmapped(self, page: int, frames: list[int], after: Completion | None) -> None:
@@ -299,7 +333,7 @@ class Residency:
         if h.where != DEVICE:
             raise ValueError(f"block {key} is {h.where}, not on the device")
         if h.event is not None:  # came back while its last copy out still runs: finish that
-            h.event.wait()
+            self.wait(h.event, "its copy out, to send it out again")
             self._land(key, h)
         nbytes = len(h.frames) * self.page
         host = self._host.allocate(nbytes)
@@ -365,7 +399,7 @@ class Residency:
             return False
         key, h = self._flights[0]
         assert h.event is not None
-        h.event.wait()
+        self.wait(h.event, "the oldest copy, for its pages")
         self._land(key, h)
         return True
 

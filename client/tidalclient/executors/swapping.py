@@ -73,7 +73,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from tidalcore.planupdate import ScheduledSwap
 from tidalcore.units import align_up
@@ -95,6 +95,10 @@ from tidalclient.executors.base import (
 from tidalclient.executors.bestfit import BestFit
 from tidalclient.executors.python import PythonExecutor
 from tidalclient.plans import OpSchedule, Plan, PlanRejected, PlanTable
+from tidalclient.timeline import HOST_TRACK, WAIT
+
+if TYPE_CHECKING:
+    from tidalclient.timeline import Timeline
 
 log = logging.getLogger("tidalpool")
 
@@ -191,6 +195,7 @@ class Swapping:
         self.schedule_skips = 0
         self.plans_deferred = 0  # plans whose placement went unused under the limit
         self._compute = compute
+        self._timeline: Timeline | None = None
         self._out: CopyStream
         self._in: CopyStream
         if streams is None:
@@ -334,7 +339,8 @@ class Swapping:
             for j in outs:
                 e = self._resolve(schedule.refs[j])
                 if e is not None and e.where == ARRIVING and e.flight is not None:
-                    self._wait(e.flight.event)  # still landing (moved in at the switch)
+                    # still landing (moved in at the switch)
+                    self._wait(e.flight.event, "its copy in, to send it out")
                     self._reap()
                 if e is not None and e.where == DEVICE and not e.locks and not e.pinned:
                     self._evict(e, planned=True)
@@ -376,7 +382,7 @@ class Swapping:
         table = self.inner.plan_table
         if self._staged is not None and table is not None and table.plan_id == self._staged[0]:
             if self._fences:  # slots of the plan before: their copies end before new holders
-                self._out.synchronize()
+                self._wait(self._out.record(), "copies out of the plan before")
                 self._reap()
                 self._fences.clear()
             self._schedule, self._table, self._staged = self._staged[1], table, None
@@ -455,18 +461,18 @@ class Swapping:
             elif over() > self._leaving and self._lru:
                 self._evict(next(iter(self._lru.values())))
             elif self._outs or self._ins:  # bytes leaving come back; blocks landing can leave
-                self._wait((self._outs or self._ins)[0].event)
+                self._wait((self._outs or self._ins)[0].event, "copies, to switch plans")
                 self._reap()
             else:
                 break  # what stays is locked or pinned: the switch waits for a later step
         if inner.arena_bytes == 0 and inner.largest_free < align_up(height, inner.alignment):
             # Room enough, but no range of the lease for the arena: what is evictable leaves.
-            self._in.synchronize()
+            self._wait(self._in.record(), "copies in, to make a range for the plan")
             self._reap()
             for e in [*moving, *self._lru.values()]:
                 if e.where == DEVICE and e.slot < 0 and not (e.locks or e.pinned):
                     self._evict(e)
-            self._out.synchronize()
+            self._wait(self._out.record(), "copies out, to make a range for the plan")
             self._reap()
 
     def _swapped_persistent(self, schedule: OpSchedule) -> list[_Entry]:
@@ -497,7 +503,7 @@ class Swapping:
             if j >= 0:  # into its piece: once its copy out has ended
                 if e.where == LEAVING:
                     assert e.flight is not None
-                    self._wait(e.flight.event)
+                    self._wait(e.flight.event, "its copy out, to bring it into its piece")
                     self._reap()
                 if not self._piece_in(e, schedule.slots[j], planned=False):
                     self.piece_misses += 1
@@ -598,7 +604,7 @@ class Swapping:
                     if compute is not None:  # the op's kernels start once the copy is done
                         compute.wait_event(e.flight.event)
                     else:
-                        self._wait(e.flight.event)
+                        self._wait(e.flight.event, "copy in, for an op")
                         self._reap()
         except BaseException:
             self._unlock(entries)
@@ -648,9 +654,9 @@ class Swapping:
             if self._lru and (not self._outs or inner.used_bytes - self._leaving + size > limit):
                 self._evict(next(iter(self._lru.values())))
             elif self._outs:  # bytes on their way out come back when their copies complete
-                self._wait(self._outs[0].event)
+                self._wait(self._outs[0].event, "copy out, for room")
             elif self._ins:  # blocks landing become evictable
-                self._wait(self._ins[0].event)
+                self._wait(self._ins[0].event, "copy in, for room")
             else:
                 raise LeaseExceeded(
                     f"{size_text(size)} do not fit under the swap limit of {size_text(limit)}"
@@ -668,7 +674,7 @@ class Swapping:
                     f"cannot swap out {size_text(size)}: the host lease of {lease}"
                     f" is full ({used} swapped out)"
                 )
-            self._wait(flights[0].event)
+            self._wait(flights[0].event, "copies, for host room")
             self._reap()
         return offset
 
@@ -708,7 +714,7 @@ class Swapping:
         flight = e.flight
         assert flight is not None
         if not flight.keepable:
-            self._wait(flight.event)
+            self._wait(flight.event, "its copy out, to bring it back")
             self._reap()
             return
         e.release, flight.device, flight.host, flight.entry = flight.device, None, e.host, None
@@ -793,13 +799,31 @@ class Swapping:
             elif self._compute is not None:
                 self._compute().wait_event(event)
             else:
-                self._wait(event)
+                self._wait(event, "copy, for an op")
 
-    def _wait(self, event: Completion) -> None:
+    def _wait(self, event: Completion, why: str) -> None:
+        """Block until `event` has completed: a stall, counted in `stall_ns` and, with a
+        timeline, a span on its host track named `why`."""
         if not event.query():
             start = time.perf_counter_ns()
-            event.wait()
-            self.stall_ns += time.perf_counter_ns() - start
+            try:
+                event.wait()
+            finally:
+                end = time.perf_counter_ns()
+                self.stall_ns += end - start
+                if self._timeline is not None:
+                    self._timeline.span(HOST_TRACK, WAIT + why, start, end)
+
+    @property
+    def timeline(self) -> Timeline | None:
+        """Where the copies and the waits go as spans (`tidalclient.timeline`; None: nowhere)."""
+        return self._timeline
+
+    @timeline.setter
+    def timeline(self, timeline: Timeline | None) -> None:
+        self._timeline = timeline
+        self._out.timeline = timeline
+        self._in.timeline = timeline
 
     def _reap(self) -> None:
         """Settle every copy whose event has completed (each stream completes in order)."""
