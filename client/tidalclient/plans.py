@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tidalcore import planupdate
 from tidalcore.planupdate import Pages, Prediction, Recompute, ScheduledSwap
@@ -116,6 +116,8 @@ class Plan:
     limit: int = 0  # the device bytes the plan was made to fit (0: no swap limit)
     prediction: Prediction | None = None
     paging: Pages | None = None  # version 3: the table's offsets are its addresses for life
+    # The message it came in (what a tool re-simulates it from); not part of its value.
+    update: pool_pb2.PlanUpdate | None = field(default=None, compare=False, repr=False)
 
     @property
     def plan_id(self) -> int:
@@ -166,6 +168,7 @@ def decode(update: pool_pb2.PlanUpdate, alignment: int = ALIGNMENT) -> Plan:
         c.limit,
         c.prediction,
         paging,
+        update,
     )
 
 

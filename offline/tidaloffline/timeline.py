@@ -27,10 +27,11 @@ from typing import TYPE_CHECKING, Any
 from tidalcore.units import format_size
 from tidalplan.accesses import accesses
 from tidalplan.model import Iteration
-from tidalplan.simulate import copy_ns, rebuilds
+from tidalplan.simulate import Result, copy_ns, rebuilds
 
 if TYPE_CHECKING:
     from tidalplan.combined import Plan
+    from tidalplan.model import SwapPlan
     from tidalplan.paged import PagedPlan
 
 COMPUTE, SWAP_OUT, SWAP_IN = 1, 2, 3
@@ -60,7 +61,23 @@ def process(
 
     if isinstance(plan, paged.PagedPlan):
         it = paged.paged(it, plan.layout)
-    schedule, result = plan.schedule, plan.result
+    return steps(it, plan.schedule, plan.result, name, pid, out_gbps, in_gbps, compute_scale)
+
+
+def steps(
+    it: Iteration,
+    schedule: SwapPlan,
+    result: Result,
+    name: str,
+    pid: int,
+    out_gbps: float,
+    in_gbps: float,
+    compute_scale: float = 1.0,
+    at_ns: Sequence[int] = (0,),
+) -> list[dict[str, Any]]:
+    """The events of `schedule`'s simulated step on `it` (the iteration as simulated) as
+    process `pid` called `name`, once from each start in `at_ns`. ValueError when it did
+    not run to the end."""
     if not result.feasible:
         raise ValueError(f"{name}: the schedule did not run under its limit: no timeline")
     events: list[dict[str, Any]] = [
@@ -159,7 +176,11 @@ def process(
                 "args": {"resident": int(resident)},
             }
         )
-    return events
+    if tuple(at_ns) == (0,):
+        return events
+    meta = [e for e in events if e["ph"] == "M"]
+    timed = [e for e in events if e["ph"] != "M"]
+    return meta + [{**e, "ts": e["ts"] + _us(at)} for at in at_ns for e in timed]
 
 
 def _transient(it: Iteration, index: int) -> tuple[int, int]:

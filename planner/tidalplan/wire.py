@@ -698,3 +698,39 @@ def refreshed_paged(
     fresh = _retimed(update, _prediction(result, peak, gbps), starts)
     fresh.mapped_peak_bytes = peak
     return fresh
+
+
+@dataclass(frozen=True, slots=True)
+class Simulated:
+    """A PlanUpdate's schedule simulated on the iteration it was made for: the iteration as
+    simulated (a paged plan's: blocks in whole pages, `paged.paged`), the schedule on its
+    ticks, and the simulation."""
+
+    iteration: Iteration
+    schedule: SwapPlan
+    result: Result
+
+
+def simulated(
+    it: Iteration,
+    update: pool_pb2.PlanUpdate,
+    persistent_at: Sequence[tuple[int, bool]] = (),
+    compute_scale: float = 1.0,
+) -> Simulated:
+    """Simulate `update` (version 2, or 3 with the session's persistent blocks at
+    `persistent_at`) on `it` at its prediction's copy bandwidth, as `check` and `check_paged`
+    do, without requiring the result to be its prediction: what a tool lays beside a live run
+    (`it` may be the trace the run replayed, its op times not the ones the daemon measured).
+    ValueError names what does not fit `it`."""
+    if not update.HasField("prediction") or not update.prediction.copy_gbps > 0:
+        raise ValueError("the plan has no prediction, or no copy bandwidth to simulate it at")
+    gbps = update.prediction.copy_gbps
+    if update.version == PAGED_VERSION:
+        d = decode_paged(it, update)
+        pit = paged.paged(it, _layout(it, d, persistent_at))
+        result = simulate(pit, d.schedule, d.limit, gbps, gbps, compute_scale)
+        return Simulated(pit, d.schedule, result)
+    v2 = decode(it, update)
+    limit = None if v2.limit is None else int(update.prediction.peak_bytes)
+    result = simulate(it, v2.schedule, limit, gbps, gbps, compute_scale)
+    return Simulated(it, v2.schedule, result)

@@ -217,9 +217,11 @@ def test_json_report_of_the_command_with_a_private_daemon(tmp_path: Path) -> Non
         "step_ratio",
         "peak_resident_bytes",
         "checks",
+        "timeline",
         "per_iteration",
     ]
     assert (got["trace"], got["backend"], got["daemon"]) == (str(trace), "sim", "started")
+    assert got["timeline"] is None  # no --timeline
     assert got["unconstrained_peak_bytes"] == 22 * MiB
     assert got["op_bound_bytes"] == 10 * MiB  # bwd3: g, a2 and w3
     assert got["limit_bytes"] == int(0.9 * 22 * MiB)
@@ -336,3 +338,47 @@ def test_a_plan_the_daemon_cannot_make_ends_the_wait_with_its_reason(
     assert captured.err.splitlines()[-1] == f"tidalpool replay: {got['outcome']}"
     assert [r["phase"] for r in got["per_iteration"]] == ["learning"] * 3
     assert got["plan"] is got["measured"] is None
+
+
+def test_the_timeline_shows_the_run_beside_the_simulated_step(
+    start_daemon: StartDaemon, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--timeline`: every op, copy and wait of the run on its track, and the simulator's step
+    for the plan that ran at each steady iteration's start, with the same ops."""
+    daemon = start_daemon()
+    trace = training_trace(tmp_path / "net.trace.csv")
+    path = tmp_path / "run.json"
+    argv = ["replay", str(trace), "--limit", "0.7", "--copy-gbps", "2", "--compute-scale", "2"]
+    argv += ["--iterations", "6", "--page", "64KiB", "--socket-dir", str(daemon.socket_dir)]
+    status = main([*argv, "--timeline", str(path), "--json"])
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    got = json.loads(captured.out)
+    about = got["timeline"]
+    assert about["path"] == str(path) and "simulated at each steady" in about["note"]
+    compute_ns = 2 * (3 * 500_000 + 3 * 2_000_000 + 3 * 3_000_000)  # the ops at ×2
+    assert about["simulated_compute_busy_ns"] == compute_ns
+    assert about["compute_busy_ns"] >= compute_ns * 0.99  # each op ran at least its time
+    assert about["host_wait_ns"] >= 0 and about["simulated_compute_idle_ns"] >= 0
+
+    events = json.loads(path.read_text())["traceEvents"]
+    process = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert process == {1: "measured (sim)", 2: "simulated (the daemon's plan)"}
+    track = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    spans: dict[tuple[int, str], list[dict[str, object]]] = {}
+    for e in events:
+        if e["ph"] == "X":
+            spans.setdefault((e["pid"], track[(e["pid"], e["tid"])]), []).append(e)
+    iterations = got["iterations"]
+    steady = got["steady_iterations"]
+    assert steady >= 1
+    # Measured: the persistent blocks' three writes, then nine ops an iteration.
+    assert len(spans[(1, "compute")]) == 3 + OPS * iterations
+    host = [str(e["name"]) for e in spans[(1, "host")]]
+    assert sum(name.startswith("iteration ") for name in host) == iterations
+    assert all(n.startswith(("iteration ", "wait: ")) for n in host)
+    moved = sum(r["planned_out_bytes"] + r["on_demand_out_bytes"] for r in got["per_iteration"])
+    assert sum(int(e["args"]["bytes"]) for e in spans[(1, "swap-out")]) == moved  # type: ignore[index,call-overload]
+    # Simulated: the plan's step at each steady iteration, its ops and its copies.
+    assert len(spans[(2, "compute")]) == OPS * steady
+    assert len(spans[(2, "swap-out")]) == got["plan"]["swaps"] * steady

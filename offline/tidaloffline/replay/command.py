@@ -35,7 +35,9 @@ from tidaloffline.simulate_command import InputError, load, parse_limit
 
 if TYPE_CHECKING:
     from tidalclient.session import Session
+    from tidalclient.timeline import Timeline
     from tidalplan.model import Iteration
+    from tidalplan.wire import Simulated
 
 LEARNING_ITERATIONS = 3
 """Iterations the daemon needs before it plans (its `plan_after_iterations`, 3 by default and
@@ -114,6 +116,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="DIR",
         help="use the daemon of DIR (default: start a private one for the run)",
     )
+    parser.add_argument(
+        "--timeline",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="write the run as a Chrome trace (Perfetto, chrome://tracing): when each op, copy"
+        " and wait of the training thread ran, on which stream, beside the simulator's step"
+        " for the daemon's plan at each steady iteration",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=run)
     return parser
@@ -143,6 +154,12 @@ def _check_options(args: argparse.Namespace) -> None:
         raise InputError("--copy-gbps must be positive")
     if not (math.isfinite(args.plan_timeout) and args.plan_timeout > 0):
         raise InputError("--plan-timeout must be a positive number of seconds")
+    if args.timeline is not None:
+        folder = args.timeline.parent
+        if not folder.is_dir():
+            raise InputError(f"--timeline {args.timeline}: no directory {folder} to write it in")
+        if args.timeline.is_dir():
+            raise InputError(f"--timeline {args.timeline}: a directory, not a file")
     if args.page is not None:
         try:
             args.page = parse_size(args.page)
@@ -284,6 +301,7 @@ def _replay(
             compute = CudaCompute(session.compute, session.cuda.ordinal)
         replayer = Replayer(session, it, compute, args.compute_scale)
         report.unresolved_accesses = replayer.script.unresolved
+        timeline = _timeline(session, compute, replayer) if args.timeline is not None else None
         try:
             _iterate(args, session, replayer, report, say)
         except LeaseExceeded as e:
@@ -305,6 +323,124 @@ def _replay(
         swap = session.executor.stats().swap
         report.peak_resident_bytes = swap.peak_resident_bytes if swap is not None else 0
         report.plan, report.predicted = plan_of(session)
+    if timeline is not None:  # after the session: every copy has run
+        report.timeline = _write_timeline(args, it, session, replayer, timeline, report)
+        say(f"timeline written to {args.timeline}")
+
+
+def _timeline(session: Session, compute: Compute, replayer: Replayer) -> Timeline:
+    """A timeline the run's copies, ops, waits and iterations go on."""
+    from tidalclient.timeline import Timeline
+
+    timeline = Timeline()
+    if session.cuda is not None:  # the GPU times its work: one clock for its events
+        timeline.clock = session.compute.clock()
+    assert session.residency is not None  # a replay's session always has a swap limit
+    session.residency.timeline = timeline
+    compute.timeline = timeline
+    replayer.timeline = timeline
+    return timeline
+
+
+def _write_timeline(
+    args: argparse.Namespace,
+    it: Iteration,
+    session: Session,
+    replayer: Replayer,
+    timeline: Timeline,
+    report: Report,
+) -> dict[str, Any]:
+    """Write the run and, at each steady iteration's start, the simulator's step for the plan
+    that ran; what the steady iterations show (means), for the report."""
+    from tidalclient.timeline import COMPUTE_TRACK, HOST_TRACK, WAIT
+
+    from tidaloffline.timeline import steps
+
+    timeline.settle()
+    origin = replayer.spans[0][0] if replayer.spans else 0
+    events = timeline.chrome(1, f"measured ({report.backend})", origin)
+    steady = [
+        span for r, span in zip(report.records, replayer.spans, strict=True) if r.phase == "steady"
+    ]
+    about: dict[str, Any] = {"path": str(args.timeline)}
+    if steady:
+        busy = [timeline.busy_ns(COMPUTE_TRACK, a, b) for a, b in steady]
+        about["compute_busy_ns"] = sum(busy) / len(busy)
+        about["compute_idle_ns"] = (
+            sum(b - a for a, b in steady) / len(steady) - about["compute_busy_ns"]
+        )
+        waits = [timeline.busy_ns(HOST_TRACK, a, b, prefix=WAIT) for a, b in steady]
+        about["host_wait_ns"] = sum(waits) / len(waits)
+    simulated, note = _simulated(it, session, replayer, args.compute_scale)
+    if simulated is not None and steady:
+        gbps = float(report.predicted["copy_gbps"]) if report.predicted else 0.0
+        events += steps(
+            simulated.iteration,
+            simulated.schedule,
+            simulated.result,
+            "simulated (the daemon's plan)",
+            2,
+            gbps,
+            gbps,
+            args.compute_scale,
+            at_ns=[a - origin for a, _ in steady],
+        )
+        scale = args.compute_scale
+        sim_busy = sum(round(op.duration_ns * scale) for op in simulated.iteration.ops)
+        about["simulated_compute_busy_ns"] = sim_busy
+        about["simulated_compute_idle_ns"] = simulated.result.iteration_ns - sim_busy
+    about["note"] = note
+    document = {
+        "traceEvents": events,
+        "displayTimeUnit": "ns",
+        "otherData": {
+            "trace": str(args.trace),
+            "limit_bytes": report.limit_bytes,
+            "compute_scale": args.compute_scale,
+            "plan": report.plan,
+            "simulated": note,
+        },
+    }
+    try:
+        args.timeline.write_text(json.dumps(document, separators=(",", ":")), encoding="utf-8")
+    except OSError as e:
+        raise ReplayError(f"cannot write the timeline to {args.timeline}: {e}") from None
+    return about
+
+
+def _simulated(
+    it: Iteration, session: Session, replayer: Replayer, compute_scale: float
+) -> tuple[Simulated | None, str]:
+    """The plan that ran, simulated on the replayed iteration (None, and why, when there is
+    none to lay beside the run)."""
+    from tidalcore.pages import MAX_WASTE, owns_pages
+    from tidalplan.wire import simulated
+
+    plan = session.plan
+    if plan is None or plan.update is None:
+        return None, "no plan ran: the run alone"
+    page = plan.paging.page if plan.paging is not None else 0
+    persistent_at = [
+        (h.block.offset, bool(page) and owns_pages(int(h.block.size), page, MAX_WASTE))
+        for h in replayer.persistent
+    ]
+    # The daemon knows the persistent blocks by the session's ids, the trace by its own.
+    trace_id = {
+        int(h.block.id): int(pid)
+        for h, (pid, _) in zip(replayer.persistent, it.persistent, strict=True)
+    }
+    update = type(plan.update)()
+    update.CopyFrom(plan.update)
+    for k, persistent in enumerate(update.swap_persistent):
+        if persistent:
+            update.swap_blocks[k] = trace_id.get(update.swap_blocks[k], -1)
+    try:
+        done = simulated(it, update, persistent_at, compute_scale)
+    except ValueError as e:
+        return None, f"plan {plan.plan_id} could not be simulated on the trace: {e}"
+    if not done.result.feasible:
+        return None, f"plan {plan.plan_id} does not run on the trace's iteration"
+    return done, f"plan {plan.plan_id} simulated at each steady iteration's start"
 
 
 def _iterate(

@@ -14,9 +14,14 @@ import struct
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+from tidalclient.timeline import COMPUTE_TRACK
 
 from tidaloffline.replay.errors import ReplayError
+
+if TYPE_CHECKING:
+    from tidalclient.timeline import Timeline
 
 STAMP = 64  # bytes of one stamp
 _MAGIC = 0x7469_6461_6C70_6F6F
@@ -58,9 +63,12 @@ class Mark:
 
 
 class Compute(Protocol):
-    """Where the ops' work runs: in stream order, asynchronously to the training thread."""
+    """Where the ops' work runs: in stream order, asynchronously to the training thread.
+    With a `timeline`, each op is a span on its compute track."""
 
-    def run(self, ns: int, reads: Sequence[Mark], writes: Sequence[Mark]) -> None:
+    timeline: Timeline | None
+
+    def run(self, ns: int, reads: Sequence[Mark], writes: Sequence[Mark], name: str = "op") -> None:
         """Enqueue one op: `ns` of compute, then check the stamps of `reads`, then stamp
         `writes`."""
         ...
@@ -86,9 +94,11 @@ class SimCompute:
         self._wrong = 0
         self._checked = 0  # written by the stream's thread only; read after synchronize
         self._end = 0  # the deadline of the op before (perf_counter_ns)
+        self.timeline: Timeline | None = None
 
-    def run(self, ns: int, reads: Sequence[Mark], writes: Sequence[Mark]) -> None:
+    def run(self, ns: int, reads: Sequence[Mark], writes: Sequence[Mark], name: str = "op") -> None:
         queued = time.perf_counter_ns()
+        timeline = self.timeline
 
         def work() -> None:
             start = max(queued, self._end, self._stream.ready_ns)
@@ -105,6 +115,8 @@ class SimCompute:
                 got = stamp(m.serial, m.writes, m.size)
                 for p in places(m.size):
                     m.view[p : p + len(got)] = memoryview(got)
+            if timeline is not None:  # the op, its checks and stamps included
+                timeline.span(COMPUTE_TRACK, name, start, time.perf_counter_ns())
 
         self._stream.launch(work)
 
@@ -162,6 +174,8 @@ class CudaCompute:
     def __init__(self, stream: Any, ordinal: int) -> None:
         cupy = need_cupy()
         self._cp = cupy
+        self._timed = stream  # a `CudaStream`: its timing events time the ops
+        self.timeline: Timeline | None = None
         self._device = cupy.cuda.Device(ordinal)
         with self._device:
             self._stream = cupy.cuda.ExternalStream(int(stream.handle))
@@ -171,8 +185,10 @@ class CudaCompute:
             self._check = module.get_function("check")
             self._counts = cupy.zeros(2, dtype=cupy.uint64)
 
-    def run(self, ns: int, reads: Sequence[Mark], writes: Sequence[Mark]) -> None:
+    def run(self, ns: int, reads: Sequence[Mark], writes: Sequence[Mark], name: str = "op") -> None:
         u64 = self._cp.uint64
+        timeline = self.timeline
+        start = self._timed.timed() if timeline is not None else None
         with self._device, self._stream:
             self._spin((1,), (1,), (u64(ns),))
             for m in reads:
@@ -182,6 +198,8 @@ class CudaCompute:
                 self._stamp(
                     (3,), (STAMP,), (u64(m.view), u64(m.size), u64(m.serial), u64(m.writes))
                 )
+        if timeline is not None:
+            timeline.device_span(COMPUTE_TRACK, name, start, self._timed.timed())
 
     def synchronize(self) -> None:
         self._stream.synchronize()

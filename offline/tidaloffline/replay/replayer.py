@@ -12,11 +12,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from tidalclient.timeline import HOST_TRACK
+
 from tidaloffline.replay.compute import Compute, Mark
 
 if TYPE_CHECKING:
     from tidalclient.executors.base import Block, SwapStats
     from tidalclient.session import Session
+    from tidalclient.timeline import Timeline
     from tidalplan.model import Iteration
 
 # -- the iteration as a script ---------------------------------------------------------------------
@@ -149,13 +152,15 @@ class Replayer:
         self.names = [op.name or "op" for op in it.ops]
         self._resident = (DEVICE, ARRIVING)  # ARRIVING: the compute stream waits for it
         self._serials = 0
-        self._persistent: list[_Held] = []
+        self.persistent: list[_Held] = []
         self._live: dict[tuple[int, int], _Held] = {}  # (block index, iteration) -> held
         self._due: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (iteration, tick) -> keys
         self._iteration = 0
         self.not_resident = 0
         self.missing = 0  # accesses to an instance not live (a previous one, early on)
         self.records: list[Record] = []
+        self.spans: list[tuple[int, int]] = []  # per iteration: (start, end), perf_counter_ns
+        self.timeline: Timeline | None = None  # each iteration a span on its host track
         self.planned_once = False
         self.fell_back = False
 
@@ -168,7 +173,7 @@ class Replayer:
         needs room for one at a time)."""
         for _, size in self.it.persistent:
             held = self._new(int(size))
-            self._persistent.append(held)
+            self.persistent.append(held)
             self._op("replay.init", 0, (), (held,))
         self.compute.synchronize()
 
@@ -197,12 +202,12 @@ class Replayer:
                 address = view if isinstance(view, int) else _address(view)
                 if where(h.block) not in self._resident or not lo <= address < hi:
                     self.not_resident += 1
-            self.compute.run(ns, checks, stamps)
+            self.compute.run(ns, checks, stamps, name)
 
     def _held(self, ref: Ref) -> _Held | None:
         kind, i, age = ref
         if kind == "persistent":
-            return self._persistent[i]
+            return self.persistent[i]
         held = self._live.get((i, self._iteration - age))
         if held is None:
             self.missing += 1
@@ -266,6 +271,9 @@ class Replayer:
             not_resident=self.not_resident - not_resident0,
         )
         self.records.append(record)
+        self.spans.append((start, start + step_ns))
+        if self.timeline is not None:
+            self.timeline.span(HOST_TRACK, f"iteration {n} ({phase})", start, start + step_ns)
         self._iteration += 1
         return record
 

@@ -39,6 +39,8 @@ class Report:
     # The daemon's word that it cannot plan the session (kind, reason, lowest limit that could
     # work), as a JSON value; None when it said nothing of the kind.
     plan_unavailable: dict[str, Any] | None = None
+    # `--timeline`: where it was written and what it shows of the steady iterations (means).
+    timeline: dict[str, Any] | None = None
 
     def steady(self) -> list[Record]:
         return [r for r in self.records if r.phase == "steady"]
@@ -93,6 +95,7 @@ class Report:
             "step_ratio": self.step_ratio(),
             "peak_resident_bytes": self.peak_resident_bytes,
             "checks": self.checks(),
+            "timeline": self.timeline,
             "per_iteration": [asdict(r) for r in self.records],
         }
 
@@ -195,6 +198,10 @@ def render(report: Report, console: Any) -> None:
     row("high water / footprint", m["footprint_bytes"], p.get("footprint_bytes"), alike=False)
     # The session's peak is over the whole run, learning included.
     row("peak resident", report.peak_resident_bytes, p.get("peak_bytes"), alike=False)
+    t = report.timeline
+    if t is not None and "compute_busy_ns" in t:  # from --timeline: the compute stream's time
+        row("compute busy", t["compute_busy_ns"], t.get("simulated_compute_busy_ns"), size=False)
+        row("compute idle", t["compute_idle_ns"], t.get("simulated_compute_idle_ns"), size=False)
     console.print(
         Fitted(
             ("", "measured", "predicted", "measured / predicted"),
@@ -209,3 +216,5 @@ def render(report: Report, console: Any) -> None:
         f" {plural(c['stamps_checked'], 'stamp')} checked, {c['mismatches']} wrong,"
         f" {plural(c['not_resident'], 'access', 'accesses')} off the device"
     )
+    if t is not None:
+        console.print(f"timeline: {t['path']} ({t['note']})")
