@@ -9,6 +9,11 @@
 # `make prometheus` installs Debian's prometheus package (prometheus and promtool, for the
 # alert-rule and dashboard tests) when they are missing, and stops and disables the system
 # service the package starts; `make test` runs it first.
+# `make gpu-check` runs bench/gpu_check.py: on a machine with an NVIDIA GPU, every GPU test and
+# benchmark within 8 minutes, one JSON under bench/results/; without a GPU, a dry run that lists
+# them (docs/benchmarks.md, "GPU check"). GPU_CHECK_ARGS adds options (--only, --copy-to, ...).
+# `make gpu-wheels` downloads into .gpu-wheels/ (not committed) the wheels bench/gpu-wheels.txt
+# lists, for CPython 3.12 on x86-64: what the lent GPU machines, which have no network, lack.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -18,7 +23,8 @@ SOURCES := pyproject.toml planner/tidalplan/_exact.c client/tidalclient/_native/
            client/tidalclient/_native/hotpath.h client/tidalclient/_native/bench.c
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: demo test lint typecheck unit stubs bench traces prometheus dashboards clean
+.PHONY: demo test lint typecheck unit stubs bench traces prometheus dashboards clean gpu-check \
+        gpu-wheels
 
 define make_venv
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "tidalpool needs Python >= 3.11, $(PYTHON) is " + sys.version.split()[0])'
@@ -74,6 +80,16 @@ bench: $(STAMP)
 	$(PY) bench/swap.py
 	$(PY) bench/native.py
 	$(PY) bench/torch_saved.py
+
+# Standard library only: it installs the package itself on the GPU machine.
+gpu-check:
+	$(PYTHON) bench/gpu_check.py $(GPU_CHECK_ARGS)
+
+gpu-wheels:
+	$(PYTHON) -m pip download --disable-pip-version-check --no-deps --only-binary=:all: \
+	    --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+	    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	    -d .gpu-wheels -r bench/gpu-wheels.txt
 
 clean:
 	rm -rf $(VENV) build *.egg-info client/*.egg-info .pytest_cache .mypy_cache .ruff_cache
