@@ -12,7 +12,9 @@ baseline measured in the same run on the same GPU:
   train     the demo's MLP made big and deep enough for the GPU to bound it (8 hidden layers of
             4096, batch 2048: half its peak still holds the largest op), CuPy arrays: step time
             with tidalpool (every array in the lease, the daemon's plan followed) vs plain CuPy
-            with its default memory pool; and under a swap limit of half the network's peak
+            with its default memory pool; and under swap limits (--limits, fractions of the
+            network's peak), each variant's measured step beside the step the daemon's
+            simulator predicted for its plan (`Plan.prediction`)
 """
 
 from __future__ import annotations
@@ -199,6 +201,7 @@ def bench_train(
 
                 times = _step_times(SessionMemory(s), iterations, shape, wait_for_plan)
                 st = s.stats()
+                plan = s.plan
             finally:
                 tpc.stop()
         info = {
@@ -207,6 +210,16 @@ def bench_train(
             "plan_hits": st.plan_hits,
             "plan_misses": st.plan_misses,
         }
+        if plan is not None and plan.prediction is not None:
+            p = plan.prediction  # the simulator's timeline of the plan the steps followed
+            info |= {
+                "predicted_step_ms": p.step_ns / 1e6,
+                "predicted_baseline_ms": p.baseline_ns / 1e6,
+                "predicted_stall_ms": p.stall_ns / 1e6,
+                "predicted_out_bytes": p.out_bytes,
+                "predicted_in_bytes": p.in_bytes,
+                "predicted_copy_gbps": p.copy_gbps,
+            }
         if st.swap is not None:
             info |= {
                 "swap_limit_bytes": st.swap.limit,
@@ -241,6 +254,8 @@ def bench_train(
     med = {k: statistics.median(v) for k, v in runs.items()}
     result |= {
         "step_ms_median": {k: v * 1e3 for k, v in med.items()},
+        # The daemon's prediction for each variant's plan, beside the measured median above.
+        "step_ms_predicted": {k: i.get("predicted_step_ms") for k, i in infos.items()},
         "throughput_vs_plain": med["plain"] / med["tidalpool"],
         "limit_overhead": {f: med[f"limit {f:g}"] / med["plain"] - 1 for f in limits},
         "info": infos,
@@ -271,8 +286,14 @@ def main() -> int:
         "cupy": cupy.__version__,
         "date": time.strftime("%Y-%m-%d"),
     }
+
+    def save() -> None:  # after every section: a run stopped midway keeps what it measured
+        if args.json is not None:
+            args.json.write_text(json.dumps(results, indent=2, default=str))
+
     if "attach" not in skip:
         results["attach"] = [bench_attach(10 * GiB, c, 5) for c in ("64MiB", "2MiB")]
+        save()
     if not {"copy", "train"} <= skip:
         with (
             tempfile.TemporaryDirectory(prefix="tp-bench-") as tmp,
@@ -286,6 +307,7 @@ def main() -> int:
                 results["copy"] = bench_copy(
                     d.socket_dir, [256 << 10, 4 * MiB, 64 * MiB, 256 * MiB], 2 * GiB
                 )
+                save()
             if "train" not in skip:
                 results["train"] = bench_train(
                     d.socket_dir,
@@ -295,10 +317,8 @@ def main() -> int:
                     args.rounds,
                     [float(f) for f in args.limits.split(",")],
                 )
-    text = json.dumps(results, indent=2, default=str)
-    print(text)
-    if args.json is not None:
-        args.json.write_text(text)
+    save()
+    print(json.dumps(results, indent=2, default=str))
     return 0
 
 
