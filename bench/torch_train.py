@@ -23,7 +23,8 @@ daemon's plan serves the iteration), each ended by torch.cuda.synchronize().
               recomputed ("planned_recompute"; chosen on the meta device, in bf16 autocast
               for the bf16 runs, at --bandwidth GB/s), same batch; tidalpool's saves get a
               swap limit of a quarter of the cap and a lease of saves_lease(that), the
-              allocator the rest of the cap
+              allocator the rest of the cap; their host lease is --host-lease, by default
+              all the daemon's host pool (--host-pool) can lease beside an allocator session
   batch       the largest batch that trains 3 steps in 8 GiB (doubling, then bisection):
               plain PyTorch capped by set_per_process_memory_fraction, planned mode in an
               8 GiB lease, and planned mode with its saved tensors swapped (swap limit
@@ -40,7 +41,6 @@ import argparse
 import contextlib
 import json
 import math
-import os
 import statistics
 import subprocess
 import sys
@@ -51,7 +51,6 @@ from pathlib import Path
 from typing import Any
 
 GiB = 1 << 30
-ROOT = Path(__file__).resolve().parents[1]
 MODES = ("plain", "pool", "planned", "save_on_cpu", "checkpoint", "saved")
 # How the child's step() trains, for record() and plan_recompute() to record the same loop:
 # gradients set to None, the model's output dropped once the loss is computed.
@@ -349,20 +348,46 @@ def latency(step: Callable[[], None], iterations: int = 300) -> float:
 # -- the parent --------------------------------------------------------------------------------
 
 
-def run_child(**options: Any) -> dict[str, Any]:
+def run_child(timeout: float = 900, **options: Any) -> dict[str, Any]:
+    """One configuration in a child process (the package as installed, the environment as it
+    is): its JSON line, or the options with the error that stopped it."""
     command = [sys.executable, __file__, "child"]
     for key, value in options.items():
         if value is True:
             command.append(f"--{key.replace('_', '-')}")
         elif value not in (None, False):
             command += [f"--{key.replace('_', '-')}", str(value)]
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'client'}:{ROOT / 'daemon'}"}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
-    if done.returncode != 0:
-        return {**options, "error": done.stderr.strip().splitlines()[-1][:300]}
-    result: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {**options, "error": f"the child did not end within {timeout:g} s"}
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        said = done.stderr.strip().splitlines()[-1:] or [f"exit status {done.returncode}"]
+        return {**options, "error": said[0][:300]}
+    result: dict[str, Any] = json.loads(lines[-1])
     log("  ", json.dumps(result))
     return result
+
+
+def saves_host_lease(asked: int | None, pool_bytes: int, chunk_bytes: int) -> int:
+    """The saved tensors' host lease: `asked`, or by default all the daemon's host pool can
+    lease beside it (the pool less the one chunk an allocator session leases in planned and
+    pool mode). SystemExit names both when `asked` is more than that, before anything runs."""
+    room = pool_bytes - chunk_bytes
+    if asked is None:
+        return room
+    if asked > room:
+        raise SystemExit(
+            f"torch_train: --host-lease {format_gib(asked)} is more than the daemon's host pool"
+            f" of {format_gib(pool_bytes)} can lease beside an allocator session"
+            f" ({format_gib(room)}): ask for less, or give --host-pool more"
+        )
+    return asked
+
+
+def format_gib(n: int) -> str:
+    return f"{n / GiB:.4g} GiB"
 
 
 BATCH = {"gpt2": 8, "resnet50": 64}
@@ -414,7 +439,9 @@ def main() -> None:
     parser.add_argument("--skip", default="")
     parser.add_argument("--host-pool", default="48GiB", help="the daemon's pinned host pool")
     parser.add_argument(
-        "--host-lease", type=int, default=40 * GiB, help="host lease of the saved tensors"
+        "--host-lease",
+        type=int,
+        help="host lease of the saved tensors (default: what the daemon's host pool can give)",
     )
     parser.add_argument(
         "--batch-swap-limit", type=int, default=2 * GiB, help="saves' swap limit (batch)"
@@ -427,11 +454,17 @@ def main() -> None:
     if a.command == "child":
         print(json.dumps(child(a)))
         return
+    from tidalclient import status
     from tidalclient.local import LocalDaemon
     from tidalpool.torch import saves_lease
 
     skip = set(a.skip.split(",")) - {""}
     results: dict[str, Any] = {"throughput": [], "limit": [], "batch": [], "latency": []}
+
+    def save() -> None:  # after every row: a run stopped midway keeps the rows it finished
+        if a.json:
+            a.json.write_text(json.dumps(results, indent=2))
+
     with (
         tempfile.TemporaryDirectory(prefix="tp-", dir="/tmp") as tmp,
         LocalDaemon.start(
@@ -439,6 +472,9 @@ def main() -> None:
         ) as d,
     ):
         sock = str(d.socket_dir)
+        pool = status.fetch(d.socket_dir)[0]
+        host_lease = saves_host_lease(a.host_lease, pool.host.total_bytes, pool.chunk_bytes)
+        results["host_lease"] = host_lease
         for model in a.models.split(","):
             for dtype in a.dtypes.split(","):
                 common = {"model": model, "dtype": dtype, "steps": a.steps}
@@ -453,10 +489,11 @@ def main() -> None:
                         if "step_ms" in r and "step_ms" in plain:
                             row[f"{mode}_vs_plain"] = plain["step_ms"] / r["step_ms"]
                     results["throughput"].append(row)
+                    save()
                 if "limit" not in skip and "peak_bytes" in plain:
                     cap = plain["peak_bytes"] // 2
                     row = {"model": model, "dtype": dtype, "batch": b, "limit_bytes": cap}
-                    swap = {"socket_dir": sock, "swap_limit": cap // 4, "host_lease": a.host_lease}
+                    swap = {"socket_dir": sock, "swap_limit": cap // 4, "host_lease": host_lease}
                     configurations: dict[str, dict[str, Any]] = {
                         "save_on_cpu": {"mode": "save_on_cpu", "memory_bytes": cap},
                         "checkpoint": {"mode": "checkpoint", "memory_bytes": cap},
@@ -482,6 +519,7 @@ def main() -> None:
                         if "step_ms" in r:
                             row[f"{mode}_overhead"] = r["step_ms"] / plain["step_ms"] - 1
                     results["limit"].append(row)
+                    save()
                 if "batch" not in skip:
 
                     def fits(batch: int, common: dict[str, Any] = common, **extra: Any) -> bool:
@@ -503,7 +541,7 @@ def main() -> None:
                             socket_dir=sock,
                             lease=8 * GiB - saves_lease(a.batch_swap_limit),
                             swap_limit=a.batch_swap_limit,
-                            host_lease=a.host_lease,
+                            host_lease=host_lease,
                         ),
                         b // 2,
                     )
@@ -519,6 +557,7 @@ def main() -> None:
                             "ratio": best / plain_max if plain_max else math.nan,
                         }
                     )
+                    save()
                 if "latency" not in skip and dtype == a.dtypes.split(",")[0]:
                     tiny = {"model": model, "dtype": dtype, "steps": 1, "tiny": True, "batch": 2}
                     p = run_child(mode="plain", latency=True, **tiny)
@@ -532,10 +571,9 @@ def main() -> None:
                             "planned_session_mode": q.get("session_mode"),
                         }
                     )
-    text = json.dumps(results, indent=2)
-    print(text)
-    if a.json:
-        a.json.write_text(text)
+                    save()
+    save()
+    print(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

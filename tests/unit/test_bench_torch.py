@@ -15,7 +15,9 @@ pytest.importorskip("torch")
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
-from torch_train import largest_batch  # noqa: E402
+from torch_train import largest_batch, run_child, saves_host_lease  # noqa: E402
+
+GiB, MiB = 1 << 30, 1 << 20
 
 
 @pytest.mark.parametrize(
@@ -36,6 +38,43 @@ def test_a_small_model_trains_on_the_cpu(model: str, mode: str, dtype: str) -> N
     result = json.loads(done.stdout.splitlines()[-1])
     assert "error" not in result, result
     assert result["step_ms"] > 0 and result["warmup_steps"] == 1
+
+
+def test_a_child_keeps_the_pythonpath_of_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A child sees what the environment's PYTHONPATH holds (a machine that brings its
+    packages that way, as the GPU machines' wheels do), not a path of the bench's own."""
+    (tmp_path / "sitecustomize.py").write_text(
+        f"open({str(tmp_path / 'seen')!r}, 'w').write('yes')\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    result = run_child(
+        model="gpt2",
+        mode="plain",
+        dtype="fp32",
+        batch=2,
+        steps=1,
+        warmup=1,
+        tiny=True,
+        device="cpu",
+    )
+    assert "error" not in result, result
+    assert (tmp_path / "seen").read_text() == "yes"
+
+
+def test_the_saves_host_lease_is_sized_from_the_pool_or_refused_naming_both() -> None:
+    # By default all the pool can lease beside the allocator session's one chunk.
+    assert saves_host_lease(None, 16 * GiB, 64 * MiB) == 16 * GiB - 64 * MiB
+    assert saves_host_lease(8 * GiB, 16 * GiB, 64 * MiB) == 8 * GiB
+    assert saves_host_lease(16 * GiB - 64 * MiB, 16 * GiB, 64 * MiB) == 16 * GiB - 64 * MiB
+    with pytest.raises(SystemExit) as refused:  # the H200 run of 2026-11-27: 40 GiB of 16
+        saves_host_lease(40 * GiB, 16 * GiB, 64 * MiB)
+    assert str(refused.value) == (
+        "torch_train: --host-lease 40 GiB is more than the daemon's host pool of 16 GiB can"
+        " lease beside an allocator session (15.94 GiB): ask for less, or give --host-pool more"
+    )
 
 
 @pytest.mark.parametrize(("limit", "start"), [(1, 1), (37, 4), (64, 8), (1000, 3), (5, 8)])
