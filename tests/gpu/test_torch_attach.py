@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import subprocess
 import sys
@@ -21,17 +20,15 @@ import pytest
 from ..conftest import StartDaemon
 
 CHILD = Path(__file__).with_name("torch_attach_child.py")
-ROOT = Path(__file__).resolve().parents[2]
 LEASE = 1 << 30
 
 
 def run(mode: str, socket_dir: Path) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'client'}:{ROOT / 'daemon'}"}
+    """The child in `mode`, with the package as installed and the environment as it is."""
     done = subprocess.run(
         [sys.executable, str(CHILD), mode, str(socket_dir), str(LEASE)],
         capture_output=True,
         text=True,
-        env=env,
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-4000:]
