@@ -16,10 +16,13 @@ says K (default 1).
 
     .venv/bin/python bench/replay.py [--json PATH] [--traces NAME ...] [--dir DIR]
         [--fractions 0.7,0.5] [--copy-gbps 2] [--compute-scale K] [--iterations 8]
-        [--plan-timeout 600] [--page BYTES]
+        [--plan-timeout 600] [--page BYTES] [--timeline-dir DIR]
 
 `--page` runs every case paged (virtual residency, `tidalpool replay --page`); `--dir traces`
-replays this repository's sample traces instead of the model traces.
+replays this repository's sample traces instead of the model traces; `--timeline-dir` writes
+each case's timeline (`replay --timeline`) and adds what it shows: the compute stream's busy
+and idle time beside the simulator's, the training thread's waits and CPU time, and the rate
+each copy stream reached while it copied.
 """
 
 from __future__ import annotations
@@ -46,14 +49,20 @@ def run_case(
     iterations: int,
     plan_timeout: float,
     page: str | None = None,
+    timeline_dir: Path | None = None,
 ) -> dict[str, Any]:
-    """One `tidalpool replay` run; `gbps` 0 leaves its copies unthrottled; `page`: paged."""
+    """One `tidalpool replay` run; `gbps` 0 leaves its copies unthrottled; `page`: paged;
+    `timeline_dir`: write its timeline there and report what it shows."""
     throttle = ("--copy-gbps", str(gbps)) if gbps > 0 else ()
     paging = ("--page", page) if page else ()
+    timeline = None
+    if timeline_dir is not None:
+        timeline = timeline_dir / f"{trace.name.removesuffix('.trace.csv')}-{fraction}.json"
     argv = [
         *(sys.executable, "-m", "tidalpool", "replay", str(trace)),
         *("--limit", fraction, *throttle, "--compute-scale", f"{scale:g}", *paging),
         *("--iterations", str(iterations), "--plan-timeout", f"{plan_timeout:g}", "--json"),
+        *(("--timeline", str(timeline)) if timeline is not None else ()),
     ]
     started = time.perf_counter()
     done = subprocess.run(argv, capture_output=True, text=True, check=False)
@@ -96,7 +105,35 @@ def run_case(
     )
     if case["measured_step_ns"] and case["predicted_step_ns"]:
         case["step_ratio"] = case["measured_step_ns"] / case["predicted_step_ns"]
+    measured = report.get("measured") or {}
+    case["host_cpu_ns"] = measured.get("host_cpu_ns")
+    if report.get("timeline") is not None and steady:
+        case["timeline"] = report["timeline"] | copy_rates(Path(report["timeline"]["path"]))
     return case
+
+
+def copy_rates(path: Path) -> dict[str, float | None]:
+    """What each copy stream moved in the steady iterations of a `--timeline` file, and at
+    what rate while it copied (GB/s: its bytes over the time its copies took)."""
+    events = json.loads(path.read_text())["traceEvents"]
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    spans = [e for e in events if e["ph"] == "X" and e["pid"] == 1]
+    steady = [
+        (e["ts"], e["ts"] + e["dur"])
+        for e in spans
+        if names[(1, e["tid"])] == "host" and e["name"].endswith("(steady)")
+    ]
+    rates: dict[str, float | None] = {}
+    for track in ("swap-out", "swap-in"):
+        copies = [
+            e
+            for e in spans
+            if names[(1, e["tid"])] == track and any(a <= e["ts"] < b for a, b in steady)
+        ]
+        moved = sum(int(e["args"]["bytes"]) for e in copies)
+        took_us = sum(float(e["dur"]) for e in copies)
+        rates[f"{track}_gbps"] = round(moved / took_us / 1e3, 2) if took_us else None
+    return rates
 
 
 def summary(cases: list[dict[str, Any]]) -> list[str]:
@@ -147,6 +184,12 @@ def main() -> int:
     parser.add_argument("--plan-timeout", type=float, default=600.0)
     parser.add_argument("--page", default=None, help="replay paged, in pages of this size")
     parser.add_argument("--dir", type=Path, default=TRACES, help="where the traces are")
+    parser.add_argument(
+        "--timeline-dir",
+        type=Path,
+        default=None,
+        help="write each case's `replay --timeline` here and report what it shows",
+    )
     args = parser.parse_args()
     scale = args.compute_scale
     if scale is None:
@@ -166,6 +209,7 @@ def main() -> int:
                 args.iterations,
                 args.plan_timeout,
                 args.page,
+                args.timeline_dir,
             )
             print(f"  {case}", file=sys.stderr, flush=True)
             cases.append(case)

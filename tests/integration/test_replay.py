@@ -250,6 +250,7 @@ def test_json_report_of_the_command_with_a_private_daemon(tmp_path: Path) -> Non
     measured = got["measured"]
     assert set(measured) == {
         "step_ns",
+        "host_cpu_ns",
         "planned_out_bytes",
         "planned_in_bytes",
         "on_demand_out_bytes",
@@ -291,7 +292,10 @@ def test_json_report_of_the_command_with_a_private_daemon(tmp_path: Path) -> Non
         "mismatches",
         "stamps_checked",
         "not_resident",
+        "host_cpu_ns",
     }
+    # The training thread's CPU time is part of its wall time.
+    assert all(0 < r["host_cpu_ns"] <= r["step_ns"] for r in rows)
     assert "starting a sim daemon" in out.stderr
     assert f"iteration {len(rows) - 1} (steady)" in out.stderr
 

@@ -120,6 +120,7 @@ class Record:
     mismatches: int
     stamps_checked: int
     not_resident: int
+    host_cpu_ns: int = 0  # CPU time of the training thread in it: issuing, allocating, not waits
 
 
 COUNTERS = (
@@ -227,6 +228,7 @@ class Replayer:
         wrong0, checked0 = self.compute.counts()
         not_resident0 = self.not_resident
         start = time.perf_counter_ns()
+        cpu = time.thread_time_ns()
         session.step()
         mode_at_start = stats().mode
         for t, what in enumerate(sc.at):
@@ -245,6 +247,7 @@ class Replayer:
                 self._op(self.names[k], self.durations[k], reads, writes)
         self.compute.synchronize()
         step_ns = time.perf_counter_ns() - start
+        cpu = time.thread_time_ns() - cpu
         now = stats()
         after = _counters(now.swap)
         wrong, checked = self.compute.counts()
@@ -259,6 +262,7 @@ class Replayer:
             phase=phase,
             mode=now.mode,
             step_ns=step_ns,
+            host_cpu_ns=cpu,
             planned_out_bytes=after["planned_out_bytes"] - before["planned_out_bytes"],
             planned_in_bytes=after["planned_in_bytes"] - before["planned_in_bytes"],
             on_demand_out_bytes=after["on_demand_out_bytes"] - before["on_demand_out_bytes"],

@@ -50,7 +50,8 @@ class Report:
         rows = self.steady()
         if not rows:
             return None
-        names = ["step_ns", *COUNTERS, "footprint_bytes", "mismatches", "not_resident"]
+        names = ["step_ns", "host_cpu_ns", *COUNTERS, "footprint_bytes", "mismatches"]
+        names.append("not_resident")
         means: dict[str, float] = {n: sum(getattr(r, n) for r in rows) / len(rows) for n in names}
         means["out_bytes"] = means["planned_out_bytes"] + means["on_demand_out_bytes"]
         means["in_bytes"] = means["planned_in_bytes"] + means["on_demand_in_bytes"]
@@ -190,6 +191,8 @@ def render(report: Report, console: Any) -> None:
         compared.append((name, fmt(got), fmt(want), ratio))
 
     row("step", m["step_ns"], p.get("step_ns"), size=False)
+    # The training thread's own work: a step near it is the host's pace, not the plan's.
+    row("training thread CPU", m["host_cpu_ns"], None, size=False, alike=False)
     row("out", m["out_bytes"], p.get("out_bytes"))
     row("in", m["in_bytes"], p.get("in_bytes"))
     # The session's stall is the training thread's waits; the prediction's, the compute stream's.
