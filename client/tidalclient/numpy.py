@@ -92,10 +92,11 @@ class _View:
         self.__array_interface__ = {
             "shape": shape,
             "typestr": dtype.str,
-            "descr": dtype.descr,
             "data": (address, False),
             "version": 3,
         }
+        if dtype.fields is not None:  # a record: its fields (building them costs microseconds)
+            self.__array_interface__["descr"] = dtype.descr
 
 
 def view(address: int, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
