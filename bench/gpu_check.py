@@ -11,7 +11,7 @@ SIGKILL, the whole group: its daemons too) and costs only that limit; a part the
 time left for is skipped, and says so; a part whose `needs` failed is skipped, and says which.
 
     install            pip install --no-index --find-links .gpu-wheels -e .
-    imports            the versions of what the parts use; the rest need it
+    imports            the versions of what the parts use; the rest need the package
     tests-gpu          pytest tests/gpu
     conformance-cuda   the conformance suite's cuda cases
     gpu-vmm            bench/gpu_vmm.py: cuMemMap / cuMemUnmap of lease pages
@@ -65,7 +65,9 @@ REPLAY_LIMITS = ("0.9", "0.7")
 TORCH_MODELS = ("gpt2", "resnet50")
 PASSED, FAILED, TIMED_OUT, SKIPPED = "passed", "failed", "timed out", "skipped"
 
-# What `imports` prints: the versions of everything the parts use, one JSON object.
+# What `imports` prints: the versions of everything the parts use, one JSON object. It fails
+# (and the parts after it are skipped) only when the package itself cannot be imported; what
+# else is missing it names, and the parts that need it fail on their own.
 IMPORTS = """
 import importlib, json, sys
 found = {"python": sys.version.split()[0], "executable": sys.executable}
@@ -84,7 +86,9 @@ if "torch" in sys.modules:
     found["torch.cuda.is_available"] = torch.cuda.is_available()
 print(json.dumps(found))
 missing = [name for name, v in found.items() if str(v).startswith("missing")]
-sys.exit("missing: " + ", ".join(missing) if missing else 0)
+if missing:
+    print("missing: " + ", ".join(missing), file=sys.stderr)
+sys.exit(any(name.startswith("tidal") for name in missing))  # the package: the rest need it
 """
 
 
@@ -526,6 +530,11 @@ def note_of(o: Outcome) -> str:
     if "failures" in r:  # pytest
         said = ", ".join(f"{r[k]} {k}" for k in (PASSED, FAILED, "errors", SKIPPED) if r[k])
         return said + (f"; {o.reason}" if o.status == TIMED_OUT else "")
+    if "executable" in r:  # imports
+        missing = [name for name, v in r.items() if str(v).startswith("missing")]
+        if missing:
+            return "missing: " + ", ".join(missing)
+        return f"Python {r['python']}, torch {r.get('torch')}, CuPy {r.get('cupy')}"
     if "outcome" in r:  # tidalpool replay
         measured, predicted = r.get("measured") or {}, r.get("predicted") or {}
         if r["outcome"] == "compared" and "step_ns" in measured and "step_ns" in predicted:
