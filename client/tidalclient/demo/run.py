@@ -183,38 +183,42 @@ def run(
             + (f", pages of {format_size(session.page_bytes)}" if session.page_bytes else "")
         )
         title = f"training with tidalpool ({where})"
-        columns = ["iter", "loss", "mode", "live", "footprint", "plan hits", "misses", "trace"]
-        if swap_limit is not None or copy_gbps is not None:  # the session swaps
-            columns += ["resident", "swapped out", "swapped in", "stall"]
+        swaps = swap_limit is not None or copy_gbps is not None
+        # A session that swaps shows what each iteration moved instead of its blocks and plan
+        # counts (the lines after the table total them): either way the table fits 80 columns.
+        columns = ["iter", "loss", "mode", *(SWAP_COLUMNS if swaps else BLOCK_COLUMNS), "trace"]
         rows: list[SessionStats] = []
         cells: list[list[str]] = []
 
-        def table() -> Fitted:  # unboxed: the columns of a run without swapping fit 80
+        def table() -> Fitted:  # unboxed
             return Fitted(columns, cells, title=title, left=(columns.index("mode"),), plain=True)
 
         def add_row(i: int, loss: float) -> None:
             if swap_limit is not None and i == PLAN_WAIT_AT and i + 1 < iterations:
                 session.wait_for_plan(PLAN_WAIT_S)  # so the rest of the run follows the plan
             s = session.stats()  # sends what is recorded, asks the daemon what it has
+            before = rows[-1].swap if rows else None
             rows.append(s)
-            row = [
-                str(i),
-                f"{loss:.6f}",
-                s.mode,
-                format_size(s.live_bytes),
-                format_size(s.footprint_bytes),
-                f"{s.plan_hits:,}",
-                f"{s.plan_misses:,}",
-                f"{s.events_received:,}/{s.events_sent:,}",
-            ]
-            if len(columns) > len(row):
-                swap = s.swap
+            row = [str(i), f"{loss:.6f}", s.mode]
+            if not swaps:
                 row += [
-                    format_size(swap.resident_bytes) if swap else "–",
-                    format_size(swap.swapped_out_bytes) if swap else "–",
-                    format_size(swap.swapped_in_bytes) if swap else "–",
-                    _ms(swap.stall_ns) if swap else "–",
+                    format_size(s.live_bytes),
+                    format_size(s.footprint_bytes),
+                    f"{s.plan_hits:,}",
+                    f"{s.plan_misses:,}",
                 ]
+            elif (swap := s.swap) is None:
+                row += ["–"] * len(SWAP_COLUMNS)
+            else:
+                row += [
+                    format_size(swap.resident_bytes),
+                    format_size(
+                        swap.swapped_out_bytes - (before.swapped_out_bytes if before else 0)
+                    ),
+                    format_size(swap.swapped_in_bytes - (before.swapped_in_bytes if before else 0)),
+                    _ms(swap.stall_ns - (before.stall_ns if before else 0)),
+                ]
+            row.append(f"{s.events_received:,}/{s.events_sent:,}")
             cells.append(row)
             live.update(table())
 
@@ -223,6 +227,8 @@ def run(
         if not console.is_terminal:
             console.line()  # Live leaves its last frame without a newline off a terminal
         console.print(TRACE_NOTE)
+        if swaps:
+            console.print(SWAP_NOTE)
 
     learning = [r.footprint_bytes for r in rows if r.mode == "learning"]
     planned = [r.footprint_bytes for r in rows if r.mode == "planned"]
@@ -277,6 +283,16 @@ def run(
     return same
 
 
+BLOCK_COLUMNS = ("live", "footprint", "plan hits", "misses")
+SWAP_COLUMNS = ("device", "out", "in", "stall")
+"""The columns between `mode` and `trace`: a run's blocks and its plan's hits and misses so
+far; a swapping run's bytes mapped on the device now, and what the iteration swapped out and
+in and how long its ops waited for copies."""
+
+SWAP_NOTE = (
+    "device: bytes on the device at the iteration's end; out, in: what the iteration swapped"
+    " out and in; stall: how long it waited for copies"
+)
 TRACE_NOTE = (
     "trace: of the events the session had recorded by the iteration's end (mallocs, frees,"
     " ops), those the daemon had received / all; it plans from them, the rest are on their way"
