@@ -43,6 +43,9 @@ def ran(q: Any, k: Any, v: Any, **kwargs: Any) -> set[str]:
     return {RAN[e.key] for e in prof.key_averages() if e.key in RAN}
 
 
+# Should acc_events not keep it quiet in some release: the warning is PyTorch's own, about
+# cycles this one-cycle profile does not have (fixed upstream after 2.11).
+@pytest.mark.filterwarnings("ignore:Warning. Profiler clears events at the end of each cycle")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("head", "masked"), [(64, False), (64, True), (12, False), (6, False)])
 def test_the_gpu_runs_the_kernel_the_recording_runs(dtype: Any, head: int, masked: bool) -> None:
