@@ -49,6 +49,12 @@ plan measured, and no real plan comes near it."""
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
 
 
+MEASURED = -1.0
+"""The `copy_gbps` of the key of a plan for a session whose copies are not throttled: they run
+at the bandwidth the backend measured at start, which differs a little from one start to the
+next, so one plan serves every daemon that measured about as much (`PlanWorker.make`)."""
+
+
 def key(
     signature: bytes,
     swap_limit: int,
@@ -58,9 +64,9 @@ def key(
     persistent_at: Sequence[tuple[int, bool]] = (),
 ) -> str:
     """A plan's name in the cache: the signature in hex, then a hash of the swap limit (0: no
-    swapping), the copy bandwidth in GB/s and the PlanUpdate version, and for a paged plan
-    (`page` > 0) of the page and of each persistent block's address and page ownership
-    (`persistent_at`, in the iteration's order)."""
+    swapping), the copy bandwidth in GB/s (`MEASURED`: whatever the backend measured) and the
+    PlanUpdate version, and for a paged plan (`page` > 0) of the page and of each persistent
+    block's address and page ownership (`persistent_at`, in the iteration's order)."""
     made_for = hashlib.blake2b(struct.pack("<QdI", swap_limit, copy_gbps, version), digest_size=8)
     if page:
         made_for.update(struct.pack("<Q", page))

@@ -70,6 +70,11 @@ log = logging.getLogger("tidalpoold.planning")
 
 Taken = TypeVar("Taken")
 
+MEASURED_SPREAD = 1.5
+"""A cached plan for an unthrottled session serves a daemon whose backend measured a copy
+bandwidth up to this factor from the one it was made at (its prediction retimed at this
+daemon's); further apart, the session gets a plan made for its own."""
+
 DEFAULT_COPY_GBPS = 12.0
 """Bandwidth the swap planner assumes for a session whose copies are not throttled (PCIe 3 x16),
 where the backend measured none."""
@@ -196,21 +201,24 @@ class PlanWorker:
         gbps: float,
         lease: int | None = None,
         host: int | None = None,
+        measured: bool = False,
     ) -> Planned | Unfit:
         """The checked plan of `iteration` for `swap_limit` (0: none) with copies at `gbps`,
         within a device `lease` of that many bytes (None: not bounded): from the cache when a
         plan made for the same is there and passes `wire.check`, else planned, encoded,
-        checked and cached. Unfit when a swap plan does not fit its limit, a plan's
-        footprint is more than the lease, or its swapped-out blocks need more than a `host`
-        lease of that many bytes at once (`profile.host_peak`)."""
+        checked and cached. `measured`: `gbps` is what the backend measured (the session does
+        not throttle its copies), and a plan cached at a bandwidth within `MEASURED_SPREAD`
+        of it serves too. Unfit when a swap plan does not fit its limit, a plan's footprint is
+        more than the lease, or its swapped-out blocks need more than a `host` lease of that
+        many bytes at once (`profile.host_peak`)."""
         from tidalplan import placed, wire
         from tidalplan.learn import signature
 
         # Without a swap limit nothing is copied: the bandwidth changes nothing of the plan (an
         # unthrottled session's is what each daemon measured at start), so it is not its key.
-        made_at = gbps if swap_limit else 0.0
+        made_at = (plan_cache.MEASURED if measured else gbps) if swap_limit else 0.0
         name = plan_cache.key(signature(iteration), swap_limit, made_at, planupdate.ARENA_VERSION)
-        cached = self._cached(name, iteration, swap_limit, gbps, lease)
+        cached = self._cached(name, iteration, swap_limit, gbps, lease, measured)
         if cached is not None:
             return self._host_room(cached, iteration, swap_limit, host)
         time_limit_s = self.settings.plan_time_limit_s
@@ -246,6 +254,7 @@ class PlanWorker:
         persistent_at: list[tuple[int, bool]],
         lease: int | None = None,
         host: int | None = None,
+        measured: bool = False,
     ) -> PlannedPaged | Unfit:
         """The checked paged plan of `iteration` for `swap_limit` mapped bytes with copies at
         `gbps`, in pages of `page` bytes, its persistent blocks at `persistent_at` (per
@@ -254,17 +263,18 @@ class PlanWorker:
         `wire.check_paged`, else planned, encoded, checked and cached. Unfit when no plan
         fits the limit (planned once per layout, at the limit itself: one round), its mapped
         peak is more than the lease, or its swapped-out blocks need more than a `host` lease of
-        that many bytes at once (`profile.host_peak`)."""
+        that many bytes at once (`profile.host_peak`). `measured` as for `make`."""
         from tidalplan import wire
         from tidalplan.learn import signature
 
+        made_at = plan_cache.MEASURED if measured else gbps
         name = plan_cache.key(
-            signature(iteration), swap_limit, gbps, planupdate.PAGED_VERSION, page, persistent_at
+            signature(iteration), swap_limit, made_at, planupdate.PAGED_VERSION, page, persistent_at
         )
         cached = self._from_cache(
             name,
             lambda found, path: _checked_paged(
-                found, path, iteration, swap_limit, gbps, page, persistent_at, lease
+                found, path, iteration, swap_limit, gbps, page, persistent_at, lease, measured
             ),
         )
         if cached is not None:
@@ -310,12 +320,20 @@ class PlanWorker:
         return made
 
     def _cached(
-        self, name: str, iteration: Iteration, swap_limit: int, gbps: float, lease: int | None
+        self,
+        name: str,
+        iteration: Iteration,
+        swap_limit: int,
+        gbps: float,
+        lease: int | None,
+        measured: bool,
     ) -> Planned | None:
         """The plan cached under `name` when it is one made for `iteration`, `swap_limit` and
-        `gbps` that passes `wire.check` within `lease`; None as `_from_cache` says."""
+        `gbps` (`measured`: about as much) that passes `wire.check` within `lease`; None as
+        `_from_cache` says."""
         return self._from_cache(
-            name, lambda found, path: _checked(found, path, iteration, swap_limit, gbps, lease)
+            name,
+            lambda found, path: _checked(found, path, iteration, swap_limit, gbps, lease, measured),
         )
 
     def _from_cache(
@@ -362,6 +380,7 @@ class PlanWorker:
             self.swap_gbps(session),
             session.device.length,
             session.host.length,
+            measured=not session.copy_gbps,
         )
         if isinstance(made, Unfit):
             self._tell_unfit(session, made, iteration)
@@ -461,6 +480,7 @@ class PlanWorker:
             persistent_at,
             session.device.length,
             session.host.length,
+            measured=not session.copy_gbps,
         )
         if isinstance(made, Unfit):
             self._tell_unfit(session, made, iteration)
@@ -548,12 +568,14 @@ def _checked(
     swap_limit: int,
     gbps: float,
     lease: int | None,
+    measured: bool = False,
 ) -> Planned | Defect:
     """A cached `update` (from `path`) as a plan to send, or the defect that refuses it: its
     version, the iteration, limit and bandwidth it was made for (any bandwidth without a
-    limit: nothing is copied), then, with its prediction simulated again on this run's op
-    times at the session's bandwidth (`wire.refreshed`), `wire.check` within `lease`.
-    The bytes are anyone's: any error they raise is a defect, not a failure."""
+    limit: nothing is copied; `measured`: one within `MEASURED_SPREAD` of `gbps`), then, with
+    its prediction simulated again on this run's op times at the session's bandwidth
+    (`wire.refreshed`), `wire.check` within `lease`. The bytes are anyone's: any error they
+    raise is a defect, not a failure."""
     from tidalplan import wire
     from tidalplan.learn import signature
 
@@ -562,7 +584,7 @@ def _checked(
     if update.signature != signature(iteration):
         return Defect(path, "made for another iteration (its signature is not this one's)")
     made_for = (update.limit_bytes, update.prediction.copy_gbps)
-    if made_for[0] != swap_limit or (swap_limit and made_for[1] != gbps):
+    if made_for[0] != swap_limit or (swap_limit and not _serves(made_for[1], gbps, measured)):
         return Defect(
             path,
             f"made for limit {made_for[0]} at {made_for[1]:g} GB/s, not the session's"
@@ -587,10 +609,12 @@ def _checked_paged(
     page: int,
     persistent_at: list[tuple[int, bool]],
     lease: int | None,
+    measured: bool = False,
 ) -> PlannedPaged | Defect:
     """A cached paged `update` (from `path`) as a plan to send, or the defect that refuses
     it: its version and page, then, with its prediction simulated again on this run's op
-    times (`wire.refreshed_paged`), `wire.check_paged` (the iteration, limit, bandwidth and
+    times (`wire.refreshed_paged`; `measured`: at `gbps`, when it was made within
+    `MEASURED_SPREAD` of it), `wire.check_paged` (the iteration, limit, bandwidth and
     persistent addresses it was made for), then its mapped peak within `lease`. The bytes are
     anyone's: any error they raise is a defect, not a failure."""
     from tidalplan import wire
@@ -601,8 +625,17 @@ def _checked_paged(
         return Defect(
             path, f"made for pages of {update.page_bytes} bytes, not the session's {page}"
         )
+    made_at = update.prediction.copy_gbps
+    if measured and not _serves(made_at, gbps, measured):
+        return Defect(
+            path,
+            f"made at {made_at:g} GB/s, more than {MEASURED_SPREAD:g} times from the"
+            f" {gbps:g} GB/s this backend measured",
+        )
     try:
-        update = wire.refreshed_paged(iteration, update, persistent_at)
+        update = wire.refreshed_paged(
+            iteration, update, persistent_at, gbps=gbps if measured else None
+        )
     except Exception as e:  # ValueError and its kin, and what odd values raise
         return Defect(path, f"refused by wire.refreshed_paged: {type(e).__name__}: {e}")
     try:
@@ -616,3 +649,12 @@ def _checked_paged(
             f" lease of {lease}",
         )
     return PlannedPaged(update, checked, "cache")
+
+
+def _serves(made_at: float, gbps: float, measured: bool) -> bool:
+    """Whether a plan made with copies at `made_at` GB/s serves a session whose copies run at
+    `gbps`: the same, or, `measured` (the backend's figure, not a throttle), within
+    `MEASURED_SPREAD` of it."""
+    if not measured:
+        return made_at == gbps
+    return made_at > 0 and max(made_at, gbps) <= MEASURED_SPREAD * min(made_at, gbps)

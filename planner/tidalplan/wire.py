@@ -679,17 +679,19 @@ def refreshed_paged(
     update: pool_pb2.PlanUpdate,
     persistent_at: Sequence[tuple[int, bool]],
     compute_scale: float = 1.0,
+    gbps: float | None = None,
 ) -> pool_pb2.PlanUpdate:
     """A copy of the version-3 `update` with its prediction, swap-in starts and mapped peak
-    simulated again on `it` (its persistent blocks at `persistent_at`), for `check_paged` to
-    judge as any plan: `refreshed` for a session under virtual residency. The schedule runs
-    under the plan's limit. ValueError when `update` does not decode against `it`, or its
-    schedule no longer runs within the limit."""
+    simulated again on `it` (its persistent blocks at `persistent_at`), with copies at `gbps`
+    each way (None: the plan's own bandwidth), for `check_paged` to judge as any plan:
+    `refreshed` for a session under virtual residency. The schedule runs under the plan's
+    limit. ValueError when `update` does not decode against `it`, or its schedule no longer
+    runs within the limit."""
     d = decode_paged(it, update)
     if not update.HasField("prediction") or not d.copy_gbps > 0:
         raise ValueError("the plan has no prediction, or no copy bandwidth to simulate it at")
     lay = _layout(it, d, persistent_at)
-    gbps = d.copy_gbps
+    gbps = d.copy_gbps if gbps is None else gbps
     result = simulate(paged.paged(it, lay), d.schedule, d.limit, gbps, gbps, compute_scale)
     if not result.feasible:
         raise ValueError(f"the schedule no longer runs within its limit of {d.limit} bytes")

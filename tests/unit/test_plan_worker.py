@@ -409,3 +409,32 @@ def test_a_plan_without_a_swap_limit_is_cached_whatever_the_bandwidth(
     assert (cached.offsets, cached.height_bytes) == (made.offsets, made.height_bytes)
     assert (made.prediction.copy_gbps, cached.prediction.copy_gbps) == (1.0, 2.0)
     end(registry, first, second)
+
+
+def test_an_unthrottled_sessions_plan_serves_daemons_that_measured_about_as_much(
+    registry: Registry,
+) -> None:
+    """Copies not throttled run at what each daemon's backend measured at start, a little
+    different each time: a plan cached by a daemon that measured 1.0 GB/s serves one that
+    measured 1.25 (retimed at 1.25), and one that measured 2.0 gets a plan made for it."""
+    workers = [PlanWorker(registry.settings, copy_gbps=g) for g in (1.0, 1.25, 2.0)]
+    try:
+        first, second, third = (session(registry, swap_limit=1500, copy_gbps=0) for _ in workers)
+        made = workers[0].plan(first)
+        cached = workers[1].plan(second)
+        other = workers[2].plan(third)
+        assert made is not None and cached is not None and other is not None
+        assert (workers[1].plans_made, workers[1].plans_cached) == (0, 1)
+        assert (workers[2].plans_made, workers[2].plans_cached) == (1, 0)
+        assert workers[2].cache_defects == 1  # made at 1 GB/s: more than 1.5 times from 2
+        for column in ("offsets", "swap_blocks", "swap_out_after", "swap_in_before"):
+            assert getattr(cached, column) == getattr(made, column), column
+        assert [p.prediction.copy_gbps for p in (made, cached, other)] == [1.0, 1.25, 2.0]
+        # A throttled session's plan is its bandwidth's alone, measured or not.
+        throttled = session(registry, swap_limit=1500, copy_gbps=1.25)
+        assert workers[1].plan(throttled) is not None
+        assert (workers[1].plans_made, workers[1].plans_cached) == (1, 1)
+        end(registry, first, second, third, throttled)
+    finally:
+        for w in workers:
+            w.close()

@@ -314,3 +314,27 @@ def test_a_contiguous_session_may_not_send_live_blocks(
         service._handle(s, mark(s, LIVE))
     service._handle(s, mark(s, {}))  # a mark without them, as before
     assert s.trace.iterations_seen == 1
+
+
+def test_an_unthrottled_paged_plan_serves_a_daemon_that_measured_about_as_much(
+    registry: Registry, sessions: list[Session]
+) -> None:
+    """As for contiguous plans: a paged plan cached by a daemon that measured 100 GB/s serves
+    one that measured 120 (its prediction at 120), and not one that measured 200."""
+    workers = [PlanWorker(registry.settings, copy_gbps=g) for g in (100.0, 120.0, 200.0)]
+    try:
+        plans = []
+        for w in workers:
+            service = PoolService(registry, w)
+            s = attached(service, gbps=0.0)
+            sessions.append(s)
+            traced(service, s, LIVE)
+            plans.append(received(w, s))
+        assert [(w.plans_made, w.plans_cached) for w in workers] == [(1, 0), (0, 1), (1, 0)]
+        assert workers[2].cache_defects == 1
+        for column in ("addresses", "owning", "swap_blocks", "swap_out_after", "swap_in_before"):
+            assert getattr(plans[1], column) == getattr(plans[0], column), column
+        assert [p.prediction.copy_gbps for p in plans] == [100.0, 120.0, 200.0]
+    finally:
+        for w in workers:
+            w.close()
