@@ -100,6 +100,24 @@ def test_a_part_past_its_limit_is_timed_out_and_its_process_group_killed(tmp_pat
     assert not alive(grandchild)
 
 
+def test_what_a_finished_part_leaves_running_is_killed(tmp_path: Path) -> None:
+    """A daemon whose parent exited would hold the GPU's memory through the parts after."""
+    pid_file = tmp_path / "left.pid"
+    script = (
+        "import subprocess, sys\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+    )
+    part = Part("leaver", "exits, leaving a child", (sys.executable, "-c", script), 30)
+    outcome = run_part(part, tmp_path, 30, dict(os.environ))
+    assert (outcome.status, outcome.returncode) == ("passed", 0)
+    left = int(pid_file.read_text())
+    deadline = time.monotonic() + 30
+    while alive(left) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(left)
+
+
 def alive(pid: int) -> bool:
     """Whether `pid` runs (a zombie, killed and not yet reaped by init, does not)."""
     try:
