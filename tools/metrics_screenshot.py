@@ -25,10 +25,13 @@ OUT = Path(tempfile.gettempdir()) / "tidalpool-metrics-dashboard.png"
 """Where the picture goes by default: not the checkout, whose docs/metrics-dashboard.png is
 committed."""
 
+PAGE = 4096
+"""The swapping jobs' pages (virtual residency, as the demo's): their plans fit half the peak."""
+
 JOBS = [
     Job("resnet", 150, miss=True, pause_s=0.15, stay=False),
-    Job("bert-swap", 110, swap_fraction=0.5, copy_gbps=1.0, pause_s=0.15, start_s=6, stay=False),
-    Job("gpt-swap", 90, swap_fraction=0.5, copy_gbps=0.4, pause_s=0.15, start_s=14, stay=False),
+    Job("bert-swap", 110, 0.5, copy_gbps=1.0, page_bytes=PAGE, pause_s=0.15, start_s=6, stay=False),
+    Job("gpt-swap", 90, 0.5, copy_gbps=0.4, page_bytes=PAGE, pause_s=0.15, start_s=14, stay=False),
     Job("resnet-again", 80, pause_s=0.15, start_s=24, stay=False),
     Job("stuck", 20, pause_s=0.5, start_s=30, evict=True),
 ]

@@ -39,6 +39,7 @@ class Job:
     iterations: int
     swap_fraction: float | None = None  # swap under this fraction of the peak; None: no swap
     copy_gbps: float | None = None  # throttle of the swap copies; None: unthrottled
+    page_bytes: int | None = None  # swap in pages of this size (virtual residency); None: not
     miss: bool = False  # one allocation beyond the plan, once the job runs planned
     evict: bool = False  # an operator evicts the session once it has trained
     pause_s: float = 0.0  # between iterations
@@ -120,6 +121,7 @@ class Workload:
             job_name=job.name,
             swap_limit=swap_limit,
             copy_gbps=job.copy_gbps,
+            page_bytes=job.page_bytes if swap_limit is not None else None,
         ) as session:
             missed = False
 
