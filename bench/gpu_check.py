@@ -17,7 +17,8 @@ time left for is skipped, and says so; a part whose `needs` failed is skipped, a
     gpu-vmm            bench/gpu_vmm.py: cuMemMap / cuMemUnmap of lease pages
     gpu-bench          bench/gpu.py: copies, and training at 0.9, 0.75 and 0.5 of the peak with
                        the daemon's predicted step beside the measured one
-    replay-*           tidalpool replay --backend cuda of each sample trace at 0.9 and 0.7
+    replay-*           tidalpool replay --backend cuda of each sample trace at 0.9 and 0.7, each
+                       with its timeline (in the logs' archive)
     torch-train-*      bench/torch_train.py throughput and limit rows, fp32 and bf16
 
 One JSON holds, per part: status (passed, failed, timed out, skipped), the reason, wall
@@ -227,7 +228,8 @@ def parts(python: str, work: Path, wheels: Path) -> list[Part]:
                     f"tidalpool replay {path} --limit {limit} --backend cuda",
                     argv(
                         f"{{python}} -m tidalpool replay {path} --limit {limit} --backend cuda"
-                        " --plan-timeout 30 --json",
+                        f" --plan-timeout 30 --timeline {{work}}/timeline-{trace}-{limit}.json"
+                        " --json",
                         **v,
                     ),
                     50,
