@@ -101,6 +101,7 @@ class Allocator:
         self._dead: deque[Block] = deque()
         self._dead_host: deque[int] = deque()
         self._by_pointer: weakref.WeakValueDictionary[int, _Owner] = weakref.WeakValueDictionary()
+        self._pinned: weakref.WeakSet[_PinnedOwner] = weakref.WeakSet()
         self._host: BestFit | None = None
         if pinned:
             if session.executor.stats().swap is not None:
@@ -152,7 +153,16 @@ class Allocator:
             used = 0 if self._host is None else self._host.used_bytes
             raise cp.memory.OutOfMemoryError(size, used, lease)
         owner = _PinnedOwner(self, offset, self.session.host.address + offset, max(size, 1))
+        self._pinned.add(owner)
         return cp.PinnedMemoryPointer(owner, 0)
+
+    def held(self) -> tuple[list[Block], list[tuple[int, int]]]:
+        """What the job still holds: the blocks under live device arrays, and the (offset,
+        bytes) ranges of the host lease under live pinned arrays."""
+        return (
+            [owner.block for owner in list(self._by_pointer.values())],
+            [(owner.offset, owner.size) for owner in list(self._pinned)],
+        )
 
     # -- arrays -> blocks -----------------------------------------------------------------
     def block_of(self, array: Any) -> Block:
@@ -198,6 +208,14 @@ def stop() -> None:
     cupy.cuda.set_allocator(_previous)
     cupy.cuda.set_pinned_memory_allocator(cupy.get_default_pinned_memory_pool().malloc)
     _current, _previous = None, None
+
+
+def held_by(session: object) -> tuple[list[Block], list[tuple[int, int]]]:
+    """`Allocator.held` of the allocator CuPy uses, when it allocates from `session`; else
+    nothing."""
+    if _current is None or _current.session is not session:
+        return [], []
+    return _current.held()
 
 
 def current() -> Allocator:

@@ -39,6 +39,7 @@ from tidalcore.unplanned import PlanUnavailable
 from tidalcore.v1 import pool_pb2
 from tidalcore.wire import HANDLES_SOCKET
 
+from tidalclient import cupy
 from tidalclient.connection import Connection
 from tidalclient.devices.lease import CudaLease, DeviceLease, HostLease, MappedLease, map_grant
 from tidalclient.devices.pages import CudaPageSpace, Frames, PageSpace, SimPageSpace
@@ -600,6 +601,7 @@ class Session:
         if self._released:
             return
         kept = self._arrays_bytes()  # before the detach: the daemon scrubs the lease then
+        device_keep, host_keep = self._cupy_bytes()
         self.recorder.close()
         if not self.connection.ended:
             recorder = self.recorder
@@ -611,8 +613,8 @@ class Session:
         self.executor.close()  # copies in flight end before the mappings go
         _close_compute(self._compute)
         self.connection.close()
-        self.device.retire()
-        self.host.retire()
+        self.device.retire(device_keep)
+        self.host.retire(host_keep)
         for address, data in kept:  # private memory now: the pool's chunks are out of reach
             ctypes.memmove(address, data, len(data))
 
@@ -626,6 +628,28 @@ class Session:
             address = owner.__array_interface__["data"][0]
             kept.append((address, ctypes.string_at(address, owner.block.size)))
         return kept
+
+    def _cupy_bytes(self) -> tuple[list[tuple[int, bytes]], list[tuple[int, bytes]]]:
+        """(offset in the lease, bytes) under the CuPy arrays of this session still alive, of
+        the device and the host lease: their leases put them back at `retire`. A paged
+        session's blocks lie in its range, which its executor retires: they are lost, and a
+        warning says so."""
+        blocks, ranges = cupy.held_by(self)
+        host = [(o, bytes(self.host.buffer(o, n))) for o, n in ranges]
+        if not blocks:
+            return [], host
+        if self._base != self.device.address:  # paged: the blocks are not in the lease
+            log.warning(
+                "tidalpool: session %s ends with %d CuPy arrays alive; a paged session cannot"
+                " keep their pages past its end: using them now faults",
+                self.id,
+                len(blocks),
+            )
+            return [], host
+        offset = self.executor.offset
+        read = getattr(self.device, "read", None)  # a cuda lease reads its device bytes
+        device = [(offset(b), read(offset(b), b.size) if read is not None else b"") for b in blocks]
+        return device, host
 
     def __enter__(self) -> Session:
         return self

@@ -123,13 +123,23 @@ class ChunkMapping:
             raise ValueError(f"range {offset}+{nbytes} is outside the lease of {self.length} bytes")
         return self._view[offset : offset + nbytes]
 
-    def retire(self) -> None:
-        """Replace the shared chunks with private zero pages at the same address."""
+    def read(self, offset: int, nbytes: int) -> bytes:
+        """A copy of the bytes [offset, offset+nbytes) of the lease."""
+        return bytes(self.buffer(offset, nbytes))
+
+    def retire(self, keep: Sequence[tuple[int, bytes]] = ()) -> None:
+        """Replace the shared chunks with private zero pages at the same address, and put the
+        bytes of `keep`, (offset in the lease, bytes), back into them: what the process still
+        holds stays its own, never zeros (read them before the daemon scrubs the chunks)."""
         if self.retired:
             return
+        for offset, data in keep:
+            self.buffer(offset, len(data))  # bounds, before anything changes
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED
         _mmap(self.address, self.length, _RW, flags, -1, "retire the lease mapping")
         self.retired = True
+        for offset, data in keep:
+            ctypes.memmove(self.address + offset, data, len(data))
 
     def close(self) -> None:
         """Unmap the range (only when no pointer into it is left)."""
@@ -171,11 +181,11 @@ class PinnedChunkMapping(ChunkMapping):
             self.registered = False
             self._driver.host_unregister(self.address)
 
-    def retire(self) -> None:
+    def retire(self, keep: Sequence[tuple[int, bytes]] = ()) -> None:
         if self.retired:
             return
         self._unregister()
-        super().retire()
+        super().retire(keep)
 
     def close(self) -> None:
         """Unregister and unmap (only when no pointer into the range is left)."""

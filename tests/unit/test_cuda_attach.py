@@ -229,6 +229,36 @@ def test_op_on_cuda_takes_cupy_arrays_and_blocks(
             tpc.stop()
 
 
+def test_cupy_arrays_keep_their_bytes_after_the_session_ends(
+    vmm: CudaDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job may still hold arrays when its session ends (a checkpoint saved after the daemon
+    died): device and pinned arrays keep their bytes at their addresses, never zeros."""
+    import ctypes
+
+    import tidalclient.cupy as tpc
+
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy())
+    client = vmm.client()
+    s = tidalpool.attach(vmm.socket_dir, device_limit=2 * C, host_limit=2 * C, driver=client)
+    try:
+        allocator = tpc.use(s)
+        x = Array(allocator.malloc(GRAN + 100))  # over two granules
+        address = int(x.data.mem.ptr)
+        payload = bytes(range(251)) * ((GRAN + 100) // 251) + b"!" * ((GRAN + 100) % 251)
+        client.write(address, payload)
+        pinned = allocator.malloc_pinned(64)
+        ctypes.memmove(pinned.mem.ptr, b"pinned bytes", 12)
+        dropped = Array(allocator.malloc(512))  # let go before the end: not kept
+        del dropped
+        s.close()
+        assert client.read(address, len(payload)) == payload
+        assert ctypes.string_at(pinned.mem.ptr, 12) == b"pinned bytes"
+    finally:
+        tpc.stop()
+        s.close()
+
+
 # -- ipc ----------------------------------------------------------------------------------------
 
 

@@ -102,6 +102,43 @@ def test_retire_releases_the_chunks_and_leaves_a_harmless_range() -> None:
     assert not any(base >= m.address for base in fake.mappings)
 
 
+def test_retire_keeps_what_the_job_holds_at_its_address_in_private_memory() -> None:
+    """Arrays the job still holds when its session ends (a checkpoint written after the
+    daemon died): their bytes stay at their addresses, in granules of this process's own,
+    and every other granule is the zeroed scratch."""
+    fake = FakeDriver(granularity=GRAN)
+    chunks = pool(fake, 2)
+    m = CudaDeviceMapping(fake, [chunks[0][1], chunks[1][1]], C, GRAN)
+    data = bytes(range(256)) * (GRAN // 128)  # 2 GRAN bytes
+    m.write(GRAN + 5, data[:GRAN])  # one array over granules 1 and 2
+    m.retire(keep=[(GRAN + 5, m.read(GRAN + 5, GRAN)), (0, b"")])
+    assert fake.read(m.address + GRAN + 5, GRAN) == data[:GRAN]  # kept, not zeros
+    assert fake.read(m.address + GRAN, 5) == bytes(5)  # the rest of its granules: zeros
+    assert fake.read(m.address, GRAN) == bytes(GRAN)  # the scratch
+    assert fake.read(m.address + 3 * GRAN, GRAN) == bytes(GRAN)
+    fake.write(m.address + 3, b"stale")  # a stale write lands in the scratch, not the array
+    assert fake.read(m.address + GRAN + 5, GRAN) == data[:GRAN]
+    assert fake.names().count("mem_create") - 2 == 1 + 2  # the pool's two, scratch, two own
+    pool_memory = {id(fake.handles[c[0]]) for c in chunks}
+    assert not pool_memory & {id(mapping.phys) for mapping in fake.mappings.values()}
+    m.close()
+    assert set(fake.handles) == {c[0] for c in chunks}  # what retire made is released
+    assert not fake.reserved
+
+
+def test_an_ipc_lease_cannot_keep_arrays_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    fake = FakeDriver(granularity=GRAN)
+    fake.open_device(0)
+    handle = fake.ipc_get_handle(fake.mem_alloc(4 * C))
+    client = FakeDriver(granularity=GRAN, peer=fake)
+    client.open_device(0)
+    m = IpcDeviceMapping(client, handle, C, C)
+    with caplog.at_level("WARNING", logger="tidalpool"):
+        m.retire(keep=[(0, m.read(0, 100)), (200, m.read(200, 28))])
+    assert "2 arrays of 128 bytes in all are still alive" in caplog.text
+    assert "ipc" in caplog.text and "faults" in caplog.text
+
+
 def test_a_failed_import_leaves_nothing_behind() -> None:
     fake = FakeDriver(granularity=GRAN)
     chunks = pool(fake, 2)

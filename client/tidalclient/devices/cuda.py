@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import importlib
+import logging
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -41,6 +42,8 @@ from tidalcore.units import format_size
 
 from tidalclient.devices.streams import StreamError
 from tidalclient.timeline import CudaClock, Timeline
+
+log = logging.getLogger("tidalpool")
 
 
 def _check_chunks(count: int, chunk_bytes: int) -> None:
@@ -70,7 +73,8 @@ class CudaDeviceMapping:
         self._handles: list[MemHandle] = []
         self._mapped = 0  # chunks mapped from the base
         self._scratch: MemHandle | None = None
-        self._scratch_maps = 0
+        self._private: list[MemHandle] = []  # `retire(keep=)`'s granules, this process's own
+        self._scratch_maps = 0  # granules mapped from the base at `retire`
         self.address = int(driver.address_reserve(self.length, granularity))
         try:
             for fd in fds:
@@ -118,20 +122,38 @@ class CudaDeviceMapping:
         if offset < 0 or nbytes < 0 or offset + nbytes > self.length:
             raise ValueError(f"range {offset}+{nbytes} is outside the lease of {self.length} bytes")
 
-    def retire(self) -> None:
-        """Give the lease's chunks back; stale pointers into the range reach only scratch."""
+    def retire(self, keep: Sequence[tuple[int, bytes]] = ()) -> None:
+        """Give the lease's chunks back; stale pointers into the range reach only scratch
+        (one zeroed granule, mapped under every page), except the granules under `keep`,
+        (offset in the lease, bytes) of arrays the job still holds: each gets private memory
+        of this process, zeroed, and the kept bytes are copied back into it."""
         if self.retired:
             return
+        for offset, data in keep:
+            self._check_range(offset, len(data))  # before anything changes
         self.retired = True
         self._unmap_lease()
         driver, step = self._driver, self.granularity
+        own = {
+            k for o, data in keep if data for k in range(o // step, (o + len(data) - 1) // step + 1)
+        }
         self._scratch = driver.mem_create(step, exportable=False)
-        for k in range(self.length // step):
-            driver.mem_map(DevicePtr(self.address + k * step), step, self._scratch)
+        granules = self.length // step
+        for k in range(granules):
+            if k in own:
+                self._private.append(driver.mem_create(step, exportable=False))
+            handle = self._private[-1] if k in own else self._scratch
+            driver.mem_map(DevicePtr(self.address + k * step), step, handle)
             self._scratch_maps += 1
         driver.set_access(DevicePtr(self.address), self.length)
         stream = StreamHandle(0)
-        driver.memset_d8_async(DevicePtr(self.address), 0, step, stream)
+        shared = next((k for k in range(granules) if k not in own), None)
+        for k in sorted(own) + ([] if shared is None else [shared]):  # each memory once
+            driver.memset_d8_async(DevicePtr(self.address + k * step), 0, step, stream)
+        driver.stream_synchronize(stream)
+        for offset, data in keep:
+            src = ctypes.create_string_buffer(data, len(data))
+            driver.memcpy_htod(DevicePtr(self.address + offset), ctypes.addressof(src), len(data))
         driver.stream_synchronize(stream)
 
     def close(self) -> None:
@@ -141,6 +163,8 @@ class CudaDeviceMapping:
         while self._scratch_maps:
             self._scratch_maps -= 1
             driver.mem_unmap(DevicePtr(self.address + self._scratch_maps * step), step)
+        while self._private:
+            driver.mem_release(self._private.pop())
         if self._scratch is not None:
             driver.mem_release(self._scratch)
             self._scratch = None
@@ -174,11 +198,30 @@ class IpcDeviceMapping:
             raise ValueError(f"an ipc-mode lease must be consecutive chunks, got {list(chunks)}")
         return cls(driver, ipc_handle, first * chunk_bytes, len(chunks) * chunk_bytes)
 
-    def retire(self) -> None:
-        """Close the IPC mapping (stale pointers fault: this mode has no scratch range)."""
+    def read(self, offset: int, nbytes: int) -> bytes:
+        """The bytes [offset, offset+nbytes) of the lease (synchronous copy)."""
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.length:
+            raise ValueError(f"range {offset}+{nbytes} is outside the lease of {self.length} bytes")
+        out = ctypes.create_string_buffer(nbytes)
+        self._driver.memcpy_dtoh(ctypes.addressof(out), DevicePtr(self.address + offset), nbytes)
+        return out.raw
+
+    def retire(self, keep: Sequence[tuple[int, bytes]] = ()) -> None:
+        """Close the IPC mapping (stale pointers fault: this mode has no scratch range). The
+        pool's one allocation cannot be replaced beneath `keep`: their bytes go, said in a
+        warning."""
         if self.retired:
             return
         self.retired = True
+        held = [len(data) for _, data in keep if data]
+        if held:
+            log.warning(
+                'tidalpool: %d arrays of %d bytes in all are still alive, but an "ipc" lease'
+                " cannot keep them past the session (its memory is the pool's one allocation):"
+                " using them now faults",
+                len(held),
+                sum(held),
+            )
         self._driver.ipc_close_handle(self._base)
 
 

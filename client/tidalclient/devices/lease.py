@@ -14,6 +14,7 @@ library; a cuda lease constructs the real driver only when no `driver` is given.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -27,23 +28,31 @@ if TYPE_CHECKING:
 
 
 class DeviceLease(Protocol):
-    """A mapped device lease: `length` bytes from `address`; `retire` gives them back."""
+    """A mapped device lease: `length` bytes from `address`; `retire` gives them back, and
+    puts `keep`'s bytes ((offset, bytes): arrays the job still holds, read before the daemon
+    scrubs the chunks) back at their offsets in memory of this process where the mapping can
+    (sim, cuda "vmm"; cuda "ipc" cannot, and says so)."""
 
     address: int
     length: int
 
-    def retire(self) -> None: ...
+    def read(self, offset: int, nbytes: int) -> bytes:
+        """The bytes [offset, offset + nbytes) of the lease (a synchronous copy)."""
+        ...
+
+    def retire(self, keep: Sequence[tuple[int, bytes]] = ()) -> None: ...
 
 
 class HostLease(Protocol):
-    """A mapped host lease, readable and writable from this process."""
+    """A mapped host lease, readable and writable from this process; `retire` as a device
+    lease's."""
 
     address: int
     length: int
 
     def buffer(self, offset: int, nbytes: int) -> memoryview: ...
 
-    def retire(self) -> None: ...
+    def retire(self, keep: Sequence[tuple[int, bytes]] = ()) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
