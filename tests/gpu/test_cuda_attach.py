@@ -4,6 +4,7 @@ SIGKILLed client's lease, seen by the daemon and by NVML."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -184,3 +185,33 @@ def test_the_client_opens_the_daemons_gpu_whatever_cuda_visible_devices_says(
     finally:
         proc.communicate("quit\n", timeout=30)
     assert proc.returncode == 0
+
+
+def test_cupy_arrays_keep_their_data_after_the_daemon_dies_and_the_session_closes(
+    start_daemon: StartDaemon,
+) -> None:
+    """The daemon SIGKILLed while a job holds arrays, then the job's session closed: a device
+    array and a pinned one read their own data afterwards, never zeros (a checkpoint saved by
+    a handler after the crash)."""
+    cupy = pytest.importorskip("cupy")
+    pytest.importorskip("cuda.bindings")
+    import tidalpool
+    import tidalpool.cupy as tpc
+
+    d = start_daemon("--cuda-mode", "vmm", backend="cuda", chunk_size="2MiB")
+    s = tidalpool.attach(d.socket_dir, device_limit=8 << 20, host_limit=8 << 20)
+    try:
+        tpc.use(s)
+        x = cupy.arange(3 << 18, dtype=cupy.float32)  # 3 MiB: over two granules
+        pinned = cupy.cuda.alloc_pinned_memory(4096)
+        host = (ctypes.c_char * 4096).from_address(pinned.ptr)
+        host[:5] = b"saved"
+        want = float(x.sum())
+        d.process.send_signal(signal.SIGKILL)
+        d.process.wait(timeout=10)
+        s.close()
+        assert float(x.sum()) == want
+        assert host[:5] == b"saved"
+    finally:
+        tpc.stop()
+        s.close()
