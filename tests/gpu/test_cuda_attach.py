@@ -204,14 +204,13 @@ def test_cupy_arrays_keep_their_data_after_the_daemon_dies_and_the_session_close
         tpc.use(s)
         x = cupy.arange(3 << 18, dtype=cupy.float32)  # 3 MiB: over two granules
         pinned = cupy.cuda.alloc_pinned_memory(4096)
-        host = (ctypes.c_char * 4096).from_address(pinned.ptr)
-        host[:5] = b"saved"
+        ctypes.memmove(pinned.ptr, b"saved", 5)
         want = float(x.sum())
         d.process.send_signal(signal.SIGKILL)
         d.process.wait(timeout=10)
         s.close()
         assert float(x.sum()) == want
-        assert host[:5] == b"saved"
+        assert ctypes.string_at(pinned.ptr, 5) == b"saved"
     finally:
         tpc.stop()
         s.close()
