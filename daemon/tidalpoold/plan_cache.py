@@ -15,7 +15,12 @@ file and renamed over its name, so neither a link planted at either name is foll
 reader ever sees half a plan:
 
     get:  open(O_NOFOLLOW | O_NONBLOCK) ─▶ fstat: regular, ≤ MAX_PLAN_BYTES ─▶ read ─▶ parse
-    put:  mkstemp (O_EXCL, 0600) ─▶ write ─▶ os.replace(temp, name)
+          ─▶ its time set to now (it was used)
+    put:  mkstemp (O_EXCL, 0600) ─▶ write ─▶ os.replace(temp, name) ─▶ evict
+
+The plans take at most `limit` bytes on disk (`plan_cache_bytes`): after each put, the least
+recently used plan files (by modification time: written, or read by `get`) go until the rest
+fit; the one just written stays, whatever its size.
 """
 
 from __future__ import annotations
@@ -85,10 +90,15 @@ class Defect:
 
 
 class PlanCache:
-    """Plans on disk by `key`; a cache that cannot be written is skipped."""
+    """Plans on disk by `key`, at most `limit` bytes of them (the least recently used go); a
+    cache that cannot be written is skipped."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, limit: int = 256 * 1024 * 1024) -> None:
+        if limit <= 0:
+            raise ValueError(f"a plan cache of {limit} bytes")
         self.directory = directory
+        self.limit = limit
+        self.evicted = 0  # plan files removed to keep the cache under its limit
 
     def path(self, name: str) -> Path:
         """Where the plan named `name` is kept."""
@@ -102,9 +112,12 @@ class PlanCache:
         if data is None or isinstance(data, Defect):
             return data
         try:
-            return pool_pb2.PlanUpdate.FromString(data)
+            plan = pool_pb2.PlanUpdate.FromString(data)
         except DecodeError as e:
             return Defect(path, f"not a PlanUpdate ({len(data)} bytes): {e}")
+        with contextlib.suppress(OSError):  # used now: the last to go (a link is not touched)
+            os.utime(path, follow_symlinks=False)
+        return plan
 
     def put(self, name: str, plan: pool_pb2.PlanUpdate) -> None:
         """Store `plan` under `name`, replacing whatever entry is there (a link is replaced,
@@ -119,10 +132,56 @@ class PlanCache:
             tmp = None
         except OSError as e:
             log.warning("plan.cache_unwritable", extra={"dir": str(self.directory), "why": str(e)})
+            return
         finally:
             if tmp is not None:
                 with contextlib.suppress(OSError):  # already gone: nothing else to undo
                     os.unlink(tmp)
+        self._evict(keep=self.path(name))
+
+    def _evict(self, keep: Path) -> None:
+        """Remove the least recently used plan files but `keep` until the rest take at most
+        `limit` bytes. Only regular `*.plan` files count and go (a link or another kind of
+        entry is neither followed nor removed)."""
+        plans: list[tuple[int, str, int]] = []  # (mtime, name, bytes)
+        try:
+            with os.scandir(self.directory) as entries:
+                for entry in entries:
+                    if not entry.name.endswith(".plan"):
+                        continue
+                    with contextlib.suppress(OSError):  # gone meanwhile
+                        st = entry.stat(follow_symlinks=False)
+                        if stat.S_ISREG(st.st_mode):
+                            plans.append((st.st_mtime_ns, entry.name, st.st_size))
+        except OSError as e:
+            log.warning("plan.cache_unwritable", extra={"dir": str(self.directory), "why": str(e)})
+            return
+        total = sum(size for _, _, size in plans)
+        gone, freed = 0, 0
+        for _, name, size in sorted(plans):
+            if total <= self.limit:
+                break
+            if name == keep.name:
+                continue
+            try:
+                os.unlink(self.directory / name)
+            except FileNotFoundError:  # another daemon took it first
+                pass
+            except OSError as e:  # not ours to remove: the cache stays over its limit
+                log.warning(
+                    "plan.cache_unwritable", extra={"dir": str(self.directory), "why": str(e)}
+                )
+                break
+            else:
+                gone += 1
+                freed += size
+            total -= size
+        if gone:
+            self.evicted += gone
+            log.info(
+                "plan.cache_evicted",
+                extra={"dir": str(self.directory), "plans": gone, "bytes": freed},
+            )
 
 
 def _read(path: Path) -> bytes | Defect | None:

@@ -151,7 +151,7 @@ class PlanWorker:
         self.settings = settings
         self.copy_gbps = copy_gbps  # for sessions whose copies are not throttled
         self.on_planned = on_planned
-        self.cache = PlanCache(settings.plan_cache_dir)
+        self.cache = PlanCache(settings.plan_cache_dir, settings.plan_cache_bytes)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planner")
         self._worker.submit(_import_planner)  # off the start, before the first plan needs it
         self._queued: set[str] = set()

@@ -354,6 +354,14 @@ class Settings:
             _PATH, "plans are kept here by iteration signature (a warm start for the next run)"
         ),
     )
+    plan_cache_bytes: Bytes = field(
+        default=Bytes(256 * _MiB),
+        metadata=_about(
+            _SIZE,
+            "the most the plans in plan_cache_dir take on disk: past it, the least recently"
+            " used go",
+        ),
+    )
 
     def __post_init__(self) -> None:
         problem = next(_problems(self), None)
@@ -474,6 +482,8 @@ def _problems(s: Settings) -> Iterator[tuple[str, str, str | None]]:
         yield "plan_after_iterations", "must be 0 (never plan) or more", None
     if not (math.isfinite(s.plan_time_limit_s) and s.plan_time_limit_s > 0):
         yield "plan_time_limit_s", "must be a finite number of seconds greater than 0", None
+    if s.plan_cache_bytes <= 0:
+        yield "plan_cache_bytes", "must be positive", None
     if not 1 <= s.trace_chunk_events <= 1_000_000:
         yield "trace_chunk_events", "must be between 1 and 1000000", None
     if s.max_trace_events < s.trace_chunk_events:

@@ -378,3 +378,30 @@ def test_the_cache_keeps_a_plan_private_and_reads_no_entry_as_none(tmp_path: Pat
     link = cache.path("link")
     link.symlink_to(cache.path("p"))
     assert cache.get("link") == Defect(link, "a symbolic link, not a plan file: not followed")
+
+
+def test_the_cache_keeps_to_its_size_and_the_least_recently_used_plans_go(
+    tmp_path: Path,
+) -> None:
+    """Plans of 1,000 bytes under a limit of 3,500: after the fourth, the oldest goes; a plan
+    read meanwhile is recent again and stays; what is not a regular plan file is left alone."""
+    cache = PlanCache(tmp_path / "plans", limit=3_500)
+    plan = pool_pb2.PlanUpdate(sizes=[1] * 1_000)
+    size = len(plan.SerializeToString())
+    assert 950 < size < 1_100
+    for k, name in enumerate("abc"):
+        cache.put(name, plan)
+        os.utime(cache.path(name), ns=(k * 10**9, k * 10**9))  # a, b, c in that order
+    (tmp_path / "plans" / "notes.txt").write_bytes(b"x" * 5_000)  # not a plan: not counted
+    (tmp_path / "plans" / "z.plan").symlink_to(tmp_path / "elsewhere")  # not followed
+    assert cache.get("a") == plan  # a read: a is the most recent now
+    cache.put("d", plan)
+    left = sorted(p.name for p in (tmp_path / "plans").glob("*.plan"))
+    assert left == ["a.plan", "c.plan", "d.plan", "z.plan"] and cache.evicted == 1
+    assert (tmp_path / "plans" / "notes.txt").exists()
+    big = pool_pb2.PlanUpdate(sizes=[1] * 5_000)  # over the limit alone: kept, the rest go
+    cache.put("e", big)
+    assert sorted(p.name for p in (tmp_path / "plans").glob("*.plan")) == ["e.plan", "z.plan"]
+    assert cache.get("e") == big and cache.evicted == 4
+    with pytest.raises(ValueError, match="a plan cache of 0 bytes"):
+        PlanCache(tmp_path, limit=0)

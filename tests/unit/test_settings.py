@@ -103,6 +103,7 @@ def test_describe_is_json_friendly() -> None:
         "plan_after_iterations": 3,
         "plan_time_limit_s": 5.0,
         "plan_cache_dir": "/var/cache/tidalpool",
+        "plan_cache_bytes": 256 * MiB,
         "grpc_socket": "/tmp/tp/tidalpool.sock",
         "handles_socket": "/tmp/tp/handles.sock",
         "admin_socket": "/tmp/tp/admin.sock",
