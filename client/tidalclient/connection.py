@@ -62,6 +62,7 @@ class Connection:
         self._flow = threading.Condition()  # guards the two counts below and `goodbye` changes
         self._queued = 0  # messages put in the outbox
         self._taken = 0  # of them, handed to the stream
+        self._backlog_events = 0  # trace events in the outbox
         self._responses: Iterator[pool_pb2.ServerMessage] | None = None
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -126,9 +127,17 @@ class Connection:
 
     def send(self, message: pool_pb2.ClientMessage) -> None:
         """Queue a message on the stream (any thread)."""
+        events = len(message.trace.kinds) if message.HasField("trace") else 0
         with self._flow:
             self._queued += 1
+            self._backlog_events += events
         self._outbox.put(message)
+
+    def backlog_events(self) -> int:
+        """Trace events queued on the stream and not yet handed to it (a daemon that does
+        not read makes them pile up)."""
+        with self._flow:
+            return self._backlog_events
 
     @property
     def ended(self) -> bool:
@@ -215,6 +224,8 @@ class Connection:
                 return
             with self._flow:
                 self._taken += 1
+                if msg.HasField("trace"):
+                    self._backlog_events -= len(msg.trace.kinds)
                 if self._taken >= self._queued:
                     self._flow.notify_all()
             yield msg

@@ -5,10 +5,17 @@ has accumulated every few milliseconds, packs it into columnar `TraceChunk`s
 and hands them to the session stream, followed by any step marks, in order.
 
     malloc/free/op ──append──▶ [pending events] ──drain──▶ TraceChunk ──▶ stream
+
+A daemon that stops taking the stream (stopped, hung) must not make the job hold its trace
+without a bound: once the events sent and not yet taken (`backlog()`) would pass
+`max_backlog_events`, the recorder stops sending the trace for good, drops what it is given
+from then on (`events_dropped`) and says so once. The session goes on, with the plan it has;
+the daemon learns no more of it (a trace with a hole would teach it a wrong iteration).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -17,6 +24,13 @@ from tidalcore.events import ITER
 from tidalcore.v1 import pool_pb2
 
 Event = tuple[int, int, int, int, int]  # kind, block id, size, duration ns, name id
+
+log = logging.getLogger("tidalpool")
+
+MAX_BACKLOG_EVENTS = 1_000_000
+"""Trace events sent and not yet taken by the stream past which the recorder stops (about
+20 MB of packed chunks; a daemon keeps at most `max_trace_events`, 1 million by default, of a
+session's trace)."""
 
 
 class TraceSink(Protocol):
@@ -35,10 +49,16 @@ class Recorder:
         send: Callable[[pool_pb2.ClientMessage], None],
         chunk_events: int = 4096,
         period_s: float = 0.01,
+        backlog: Callable[[], int] | None = None,
+        max_backlog_events: int = MAX_BACKLOG_EVENTS,
     ) -> None:
         self._send = send
         self.chunk_events = chunk_events
         self.period_s = period_s
+        self._backlog = backlog  # trace events `send` has and the stream has not taken
+        self.max_backlog_events = max_backlog_events
+        self.stopped = False  # the trace is no longer sent (the daemon stopped taking it)
+        self.events_dropped = 0
         self._pending: list[Event] = []
         self._names: dict[str, int] = {}
         self._new_names: dict[int, str] = {}
@@ -117,6 +137,20 @@ class Recorder:
             del self._pending[:n]  # appends after index n survive: only this thread deletes
             new_names, self._new_names = self._new_names, {}
             steps, self._steps = self._steps, []
+            if not self.stopped and self._backlog is not None and n:
+                behind = self._backlog()
+                if behind + n > self.max_backlog_events:
+                    self.stopped = True
+                    log.warning(
+                        "tidalpool: the daemon has not taken the last %d trace events of this"
+                        " session: it stops sending its trace (what it records from now on is"
+                        " dropped and counted in events_dropped); it goes on with the plan it"
+                        " has, and the daemon learns no more of it",
+                        behind,
+                    )
+            if self.stopped:
+                self.events_dropped += n
+                return
             for start in range(0, n, self.chunk_events):
                 part = batch[start : start + self.chunk_events]
                 self._send(pool_pb2.ClientMessage(trace=self._pack(part, new_names)))

@@ -93,6 +93,8 @@ class SessionStats:
     # The daemon's word that it cannot plan this session (why, the lowest limit that could
     # work); None once a plan arrives, or while none has been refused.
     plan_unavailable: PlanUnavailable | None = None
+    # Trace events not sent: the daemon stopped taking the stream, so the recorder stopped.
+    events_dropped: int = 0
 
 
 def socket_dir_from_env(socket_dir: str | os.PathLike[str] | None) -> Path:
@@ -196,7 +198,11 @@ def attach(
         )
         undo.append(connection.close)
         reply = connection.attach(swap_bytes, copy_gbps, page)
-        recorder = Recorder(connection.send, chunk_events=reply.trace_chunk_events or 4096)
+        recorder = Recorder(
+            connection.send,
+            chunk_events=reply.trace_chunk_events or 4096,
+            backlog=connection.backlog_events,
+        )
         undo.append(recorder.close)
         executor: Executor
         residency: Residency | None = None  # only under a swap limit (or throttled copies)
@@ -586,6 +592,7 @@ class Session:
             swap=ex.swap,
             native=ex.native,
             plan_unavailable=self.plan_unavailable,
+            events_dropped=self.recorder.events_dropped,
         )
 
     @property

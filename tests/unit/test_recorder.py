@@ -318,3 +318,36 @@ def test_concurrent_steps_follow_their_iter_events(sink: Sink) -> None:
             mark.iteration,
         )
     assert r.events_sent == 20 * 2501
+
+
+def test_a_daemon_that_stops_taking_the_trace_stops_the_recorder_and_it_says_so(
+    sink: Sink, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Nothing the recorder sends is taken (a stopped daemon): once the backlog would pass its
+    bound, it sends no more of the trace, ever, drops and counts what it is given, and warns
+    once; what it sent before is whole and in order."""
+    taken = 0
+
+    def backlog() -> int:
+        return sum(len(c.kinds) for c in sink.chunks) - taken
+
+    r = Recorder(sink, chunk_events=4, period_s=3600, backlog=backlog, max_backlog_events=10)
+    try:
+        with caplog.at_level("WARNING", logger="tidalpool"):
+            record_all(r, SAMPLE)  # 7 events: under the bound
+            r.flush()
+            assert r.events_sent == 7 and not r.stopped
+            record_all(r, SAMPLE[:4])  # 7 behind + 4 > 10
+            r.flush()
+            assert r.stopped and (r.events_sent, r.events_dropped) == (7, 4)
+            r.step(1)  # its ITER event and the mark are dropped too
+            taken = 7  # the daemon catches up: the trace stays stopped (it would have a hole)
+            record_all(r, SAMPLE)
+            r.flush()
+        assert (r.events_sent, r.events_dropped) == (7, 4 + 1 + 7)
+        assert [e for c in sink.chunks for e in events_of(c)] == SAMPLE
+        assert "step" not in sink.bodies()
+        warnings = [m for m in caplog.messages if "stops sending its trace" in m]
+        assert len(warnings) == 1 and "the last 7 trace events" in warnings[0]
+    finally:
+        r.close()
