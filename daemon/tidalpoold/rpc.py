@@ -8,6 +8,7 @@ every typed failure is mapped to its status code by `errors.status_of`.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -83,3 +84,38 @@ def _serialize(msg: Message) -> bytes:
 
 def service(name: str, methods: dict[str, grpc.RpcMethodHandler]) -> Any:
     return grpc.method_handlers_generic_handler(name, methods)
+
+
+class StreamSlots:
+    """At most `count` streams of one kind open at once. A stream holds one of the server's
+    workers for as long as it lasts; without a cap, a peer that opens many (Health/Watch, no
+    token needed) takes every worker, and health checks and attaches time out behind them. A
+    stream past the cap is refused RESOURCE_EXHAUSTED at once, naming `what` and the cap."""
+
+    def __init__(self, count: int, what: str) -> None:
+        if count < 1:
+            raise ValueError(f"{count} slots for {what}")
+        self.count = count
+        self.what = what
+        self._free = threading.BoundedSemaphore(count)
+        self.refused = 0
+
+    def capped(
+        self, fn: Callable[[Req, grpc.ServicerContext], Iterator[Message]]
+    ) -> Callable[[Req, grpc.ServicerContext], Iterator[Message]]:
+        """`fn` (a server-streaming or bidirectional handler) under the cap."""
+
+        def stream(request: Req, context: grpc.ServicerContext) -> Iterator[Message]:
+            if not self._free.acquire(blocking=False):
+                self.refused += 1
+                context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{self.what}: {self.count} streams are open, the most this daemon serves"
+                    " at once; close one, or ask once (Health/Check)",
+                )
+            try:
+                yield from fn(request, context)
+            finally:
+                self._free.release()
+
+        return stream

@@ -20,19 +20,26 @@ from wsgiref.simple_server import WSGIServer
 
 import grpc
 from grpc_health.v1 import health, health_pb2
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from tidalpoold import directory
 from tidalpoold.backends import Backend, open_backend
 from tidalpoold.handles import HandlesServer
 from tidalpoold.metrics import DaemonCollector, Metrics
 from tidalpoold.plan_worker import PlanWorker, copy_gbps_of
-from tidalpoold.rpc import service, unary, unary_stream
+from tidalpoold.rpc import StreamSlots, service, unary, unary_stream
 from tidalpoold.services import AdminService, PoolService
 from tidalpoold.sessions import Reason, Registry
 from tidalpoold.settings import Settings, describe
 
 log = logging.getLogger("tidalpoold.server")
+
+SPARE_WORKERS = 16
+"""Workers of tidalpool.sock's server beyond one per session's stream: unary calls, and the
+capped streams below. At most WATCHES + REFLECTIONS of them are ever held by a stream."""
+WATCHES = 4  # Health/Watch streams open at once on tidalpool.sock
+REFLECTIONS = 4  # server reflection streams open at once on tidalpool.sock
+ADMIN_WORKERS = 4  # admin.sock's server: one Watch and one reflection stream at most
 
 
 @dataclass
@@ -160,16 +167,26 @@ def _build(
     for servicer in (health_servicer, admin_health):  # serving once every socket listens
         servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     interceptors = [metrics.rpc] if metrics else []
-    # A Session stream holds a worker for its lifetime: room for every session, and then some.
-    server = _grpc_server(settings.max_sessions + 16, "grpc", interceptors)
-    server.add_generic_rpc_handlers((pool.handler(), health_handler(health_servicer)))
-    reflection.enable_server_reflection(
-        (pool.name, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    # A stream holds a worker for its lifetime. A Session stream: room for every session.
+    # Health/Watch and reflection streams: a few of each (`StreamSlots`), so that no peer can
+    # hold the workers unary calls (Attach, Health/Check, Stats) need.
+    server = _grpc_server(settings.max_sessions + SPARE_WORKERS, "grpc", interceptors)
+    server.add_generic_rpc_handlers(
+        (pool.handler(), health_handler(health_servicer, StreamSlots(WATCHES, "Health/Watch")))
     )
-    admin_server = _grpc_server(4, "admin", interceptors)
-    admin_server.add_generic_rpc_handlers((admin.handler(), health_handler(admin_health)))
-    reflection.enable_server_reflection(
-        (admin.name, health.SERVICE_NAME, reflection.SERVICE_NAME), admin_server
+    _reflection(
+        (pool.name, health.SERVICE_NAME, reflection.SERVICE_NAME),
+        StreamSlots(REFLECTIONS, "ServerReflectionInfo"),
+        server,
+    )
+    admin_server = _grpc_server(ADMIN_WORKERS, "admin", interceptors)
+    admin_server.add_generic_rpc_handlers(
+        (admin.handler(), health_handler(admin_health, StreamSlots(1, "Health/Watch")))
+    )
+    _reflection(
+        (admin.name, health.SERVICE_NAME, reflection.SERVICE_NAME),
+        StreamSlots(1, "ServerReflectionInfo"),
+        admin_server,
     )
     for grpc_server, path, mode in (
         (server, settings.grpc_socket, settings.socket_mode),
@@ -245,16 +262,36 @@ def _grpc_server(workers: int, name: str, interceptors: list[Any]) -> grpc.Serve
     )
 
 
-def health_handler(servicer: health.HealthServicer) -> Any:
+def health_handler(servicer: health.HealthServicer, watches: StreamSlots) -> Any:
     """grpc.health.v1.Health with requests parsed by `rpc` (a malformed one is answered
-    INVALID_ARGUMENT, where the stock registration's deserializer says INTERNAL)."""
+    INVALID_ARGUMENT, where the stock registration's deserializer says INTERNAL), and at most
+    `watches` Watch streams open at once."""
     return service(
         health.SERVICE_NAME,
         {
             "Check": unary("Check", health_pb2.HealthCheckRequest, servicer.Check),
-            "Watch": unary_stream("Watch", health_pb2.HealthCheckRequest, servicer.Watch),
+            "Watch": unary_stream(
+                "Watch", health_pb2.HealthCheckRequest, watches.capped(servicer.Watch)
+            ),
         },
     )
+
+
+class _Reflection(reflection.ReflectionServicer):  # type: ignore[misc]  # untyped library
+    """Server reflection with at most `slots` streams open at once."""
+
+    def __init__(self, names: tuple[str, ...], slots: StreamSlots) -> None:
+        super().__init__(names)
+        self._info = slots.capped(super().ServerReflectionInfo)
+
+    def ServerReflectionInfo(self, requests: Any, context: grpc.ServicerContext) -> Any:
+        return self._info(requests, context)
+
+
+def _reflection(names: tuple[str, ...], slots: StreamSlots, server: grpc.Server) -> None:
+    """Register server reflection of `names` on `server` (as `enable_server_reflection`),
+    under `slots`."""
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(_Reflection(names, slots), server)
 
 
 def _address_of(server: WSGIServer | None) -> str:
