@@ -19,13 +19,17 @@ start); on sim one fstat per chunk. Per-session series exist for live sessions o
 
 from __future__ import annotations
 
+import logging
 import math
 import re
+import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from socketserver import ThreadingMixIn
 from typing import Any
-from wsgiref.simple_server import WSGIServer
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import grpc
 from prometheus_client import (
@@ -33,7 +37,7 @@ from prometheus_client import (
     Counter,
     Histogram,
     disable_created_metrics,
-    start_http_server,
+    make_wsgi_app,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
@@ -42,6 +46,8 @@ from prometheus_client.registry import Collector
 from tidalpoold import __version__
 from tidalpoold.plan_worker import PlanWorker
 from tidalpoold.sessions import Registry, Snapshot
+
+log = logging.getLogger("tidalpoold.metrics")
 
 Facts = Mapping[str, str | int | float]
 
@@ -431,11 +437,76 @@ class Metrics:
         port, the returned server's `server_port`); an address that cannot be bound raises
         OSError naming it."""
         host, _, port = address.rpartition(":")
+        host = host.strip("[]")
+        server_class = _MetricsServer6 if ":" in host else _MetricsServer
         try:
-            server, _thread = start_http_server(int(port), host.strip("[]"), registry=self.registry)
+            server = make_server(
+                host, int(port), make_wsgi_app(self.registry), server_class, _QuietHandler
+            )
         except OSError as e:
             raise OSError(
                 f"cannot serve metrics on metrics_address {address!r}: {e.strerror or e}"
                 ' (choose another with --metrics-address HOST:PORT, or "" for none)'
             ) from e
+        threading.Thread(
+            target=server.serve_forever, name="tidalpoold-metrics", daemon=True
+        ).start()
         return server
+
+
+METRICS_CONNECTIONS = 32
+"""Connections the metrics endpoint serves at once, a thread each; one past them is closed
+at once. A Prometheus scrapes on one."""
+METRICS_IDLE_S = 5.0
+"""How long a metrics connection may send nothing before it is closed (a scrape's request
+comes at once)."""
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """Answers a scrape; closes a connection idle for METRICS_IDLE_S; logs nothing."""
+
+    timeout = METRICS_IDLE_S
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Nothing: a scrape a second would fill the log."""
+
+
+class _MetricsServer(ThreadingMixIn, WSGIServer):
+    """A thread per connection, at most METRICS_CONNECTIONS of them: one more is closed at
+    once, so that idle or slow peers hold neither unbounded threads nor file descriptors."""
+
+    daemon_threads = True
+    request_queue_size = 128  # the listen backlog (5 by default: a burst waits on SYN retries)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._slots = threading.BoundedSemaphore(METRICS_CONNECTIONS)
+        self.refused = 0
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)  # starts its thread
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A peer that timed out or went away mid-request is nothing to say; anything else is
+        one line in the log (the stock server prints a traceback on stderr)."""
+        error = sys.exc_info()[1]
+        if not isinstance(error, OSError):
+            log.warning("metrics.request_failed", extra={"why": f"{type(error).__name__}: {error}"})
+
+
+class _MetricsServer6(_MetricsServer):
+    address_family = socket.AF_INET6
