@@ -2,10 +2,16 @@
 
 `tidalpool health` prints the answer and exits 0 when the daemon serves, 1 otherwise: the
 contract of a container HEALTHCHECK and of a Kubernetes exec probe.
+
+The daemon as a whole is asked on admin.sock when this process may connect to it (the daemon's
+own uid, as its probes run, or root), else on the jobs' tidalpool.sock: admin.sock's server is
+apart from the jobs' and only its uid reaches it, so a job that floods tidalpool.sock with
+connections or streams cannot fail the daemon's probes.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,8 +34,13 @@ class Health:
 def check(socket_dir: Path, service: str = "", timeout: float = 5.0) -> Health:
     """Ask the daemon in `socket_dir` whether `service` ("" for the daemon as a whole; or
     tidalpool.v1.Pool, tidalpool.v1.Admin) is serving, waiting at most `timeout` seconds.
-    Admin is asked on its own socket (admin.sock), the rest on the jobs' (tidalpool.sock)."""
-    path = socket_dir / (ADMIN_SOCKET if service == ADMIN_SERVICE else GRPC_SOCKET)
+    Admin is asked on its own socket (admin.sock), Pool on the jobs' (tidalpool.sock), the
+    daemon on admin.sock when this process may connect to it, else on tidalpool.sock."""
+    admin = socket_dir / ADMIN_SOCKET
+    if service == ADMIN_SERVICE or (not service and os.access(admin, os.W_OK)):
+        path = admin
+    else:
+        path = socket_dir / GRPC_SOCKET
     what = "the daemon" if not service else f"service {service}"
     if not path.exists():
         return Health(False, f"no daemon at {socket_dir}: {path} does not exist")

@@ -40,6 +40,10 @@ capped streams below. At most WATCHES + REFLECTIONS of them are ever held by a s
 WATCHES = 4  # Health/Watch streams open at once on tidalpool.sock
 REFLECTIONS = 4  # server reflection streams open at once on tidalpool.sock
 ADMIN_WORKERS = 4  # admin.sock's server: one Watch and one reflection stream at most
+CONNECTIONS_PER_SESSION = 2  # a session's channel, and one of its job's tools beside it
+SPARE_CONNECTIONS = 64  # probes, `tidalpool status`, `top`, attaches on their way
+HANDSHAKE_S = 5.0  # a connection's HTTP/2 preface and settings come within this, or it goes
+STREAMS_PER_CONNECTION = 16  # a session's channel needs its stream and a few calls at once
 
 
 @dataclass
@@ -170,7 +174,12 @@ def _build(
     # A stream holds a worker for its lifetime. A Session stream: room for every session.
     # Health/Watch and reflection streams: a few of each (`StreamSlots`), so that no peer can
     # hold the workers unary calls (Attach, Health/Check, Stats) need.
-    server = _grpc_server(settings.max_sessions + SPARE_WORKERS, "grpc", interceptors)
+    server = _grpc_server(
+        settings.max_sessions + SPARE_WORKERS,
+        "grpc",
+        interceptors,
+        CONNECTIONS_PER_SESSION * settings.max_sessions + SPARE_CONNECTIONS,
+    )
     server.add_generic_rpc_handlers(
         (pool.handler(), health_handler(health_servicer, StreamSlots(WATCHES, "Health/Watch")))
     )
@@ -179,7 +188,7 @@ def _build(
         StreamSlots(REFLECTIONS, "ServerReflectionInfo"),
         server,
     )
-    admin_server = _grpc_server(ADMIN_WORKERS, "admin", interceptors)
+    admin_server = _grpc_server(ADMIN_WORKERS, "admin", interceptors, SPARE_CONNECTIONS)
     admin_server.add_generic_rpc_handlers(
         (admin.handler(), health_handler(admin_health, StreamSlots(1, "Health/Watch")))
     )
@@ -254,10 +263,19 @@ def _build(
     )
 
 
-def _grpc_server(workers: int, name: str, interceptors: list[Any]) -> grpc.Server:
+def _grpc_server(workers: int, name: str, interceptors: list[Any], connections: int) -> grpc.Server:
+    """A gRPC server of `workers` threads taking at most `connections` connections at once,
+    each of which must finish its HTTP/2 handshake within HANDSHAKE_S and may carry at most
+    STREAMS_PER_CONNECTION streams at once: a peer that opens connections and says nothing
+    holds neither the daemon's file descriptors nor its memory for long."""
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name),
-        options=[("grpc.so_reuseport", 0)],
+        options=[
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_allowed_incoming_connections", connections),
+            ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_S * 1000)),
+            ("grpc.max_concurrent_streams", STREAMS_PER_CONNECTION),
+        ],
         interceptors=interceptors,
     )
 

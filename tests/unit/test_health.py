@@ -3,6 +3,7 @@ real daemon's answers are in tests/integration/test_health.py)."""
 
 from __future__ import annotations
 
+import os
 import socket
 import tempfile
 from collections.abc import Iterator
@@ -78,3 +79,27 @@ def test_a_socket_that_never_answers(short_dir: Path) -> None:
         s.bind(str(path))
         s.listen()  # connections queue, and nothing ever speaks gRPC on them
         assert check(short_dir, timeout=0.3) == Health(False, f"no answer from {path} within 0.3 s")
+
+
+def test_the_daemon_is_asked_on_admin_sock_when_this_process_may_connect_to_it(
+    short_dir: Path, servicer: health.HealthServicer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A probe (the daemon's uid) asks on admin.sock, apart from the jobs' socket; a process
+    that may not connect to admin.sock (a job's uid) asks on tidalpool.sock."""
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    admin_server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    admin_servicer = health.HealthServicer()
+    admin_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)  # tells them apart
+    health_pb2_grpc.add_HealthServicer_to_server(admin_servicer, admin_server)
+    admin = short_dir / "admin.sock"
+    admin_server.add_insecure_port(f"unix:{admin}")
+    admin_server.start()
+    try:
+        assert check(short_dir) == Health(
+            False, f"not serving: the daemon at {admin} is NOT_SERVING"
+        )
+        monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != admin)
+        jobs = short_dir / "tidalpool.sock"
+        assert check(short_dir) == Health(True, f"serving: the daemon at {jobs}")
+    finally:
+        admin_server.stop(None).wait()
