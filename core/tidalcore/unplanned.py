@@ -23,7 +23,9 @@ OVER_LEASE = "over_lease"
 """The plan's footprint is more than the session's device lease."""
 FAILED = "failed"
 """The planner raised; the reason is its one line."""
-KINDS = (UNDER_OP_BOUND, NO_SCHEDULE, OVER_LEASE, FAILED)
+TOO_LARGE = "too_large"
+"""The iteration makes more allocations than the daemon plans (`max_plan_allocations`)."""
+KINDS = (UNDER_OP_BOUND, NO_SCHEDULE, OVER_LEASE, FAILED, TOO_LARGE)
 
 
 @dataclass(frozen=True, slots=True)

@@ -251,6 +251,7 @@ class DaemonCollector(Collector):
         plans.add_metric(["cached"], p.plans_cached)
         plans.add_metric(["unfit"], p.plans_unfit)
         plans.add_metric(["failed"], p.plans_failed)
+        plans.add_metric(["too_large"], p.plans_too_large)
         yield plans
 
     def _device(self, facts: dict[str, str | int | float]) -> Iterator[Metric]:

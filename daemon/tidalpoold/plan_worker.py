@@ -161,6 +161,7 @@ class PlanWorker:
         self.plans_cached = 0
         self.plans_failed = 0
         self.plans_unfit = 0  # plans that did not fit the limit or the lease: not sent
+        self.plans_too_large = 0  # iterations of more than max_plan_allocations: not planned
         self.cache_defects = 0  # cache entries refused (and planned past)
 
     def on_step(self, session: Session) -> None:
@@ -372,6 +373,21 @@ class PlanWorker:
         trace = session.trace
         events = Events.concat(list(trace.chunks), dict(trace.names))
         iteration = extract(events, events.marks())
+        cap = self.settings.max_plan_allocations
+        if len(iteration.blocks) > cap:
+            self.plans_too_large += 1
+            reason = (
+                f"its iteration makes {len(iteration.blocks):,} allocations, more than the"
+                f" {cap:,} this daemon plans (its setting max_plan_allocations): the session"
+                " runs without a plan"
+            )
+            log.warning(
+                "plan.too_large",
+                extra={"session": session.id, "allocations": len(iteration.blocks), "cap": cap},
+            )
+            told = PlanUnavailable(session.swap_limit, unplanned.TOO_LARGE, reason)
+            session.outbox.put(pool_pb2.ServerMessage(unplanned=told.message()))
+            return None
         if session.page_bytes:
             return self._plan_paged(session, iteration, started)
         made = self.make(

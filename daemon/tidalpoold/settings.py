@@ -348,6 +348,14 @@ class Settings:
     plan_time_limit_s: float = field(
         default=5.0, metadata=_about(_SECONDS, "time budget of one placement solve")
     )
+    max_plan_allocations: int = field(
+        default=100_000,
+        metadata=_about(
+            _INT,
+            "the most allocations an iteration may make to be planned (planning time grows"
+            " with them); a session whose iteration makes more is told so and runs unplanned",
+        ),
+    )
     plan_cache_dir: Path = field(
         default=Path("/var/cache/tidalpool"),
         metadata=_about(
@@ -482,6 +490,8 @@ def _problems(s: Settings) -> Iterator[tuple[str, str, str | None]]:
         yield "plan_after_iterations", "must be 0 (never plan) or more", None
     if not (math.isfinite(s.plan_time_limit_s) and s.plan_time_limit_s > 0):
         yield "plan_time_limit_s", "must be a finite number of seconds greater than 0", None
+    if s.max_plan_allocations < 1:
+        yield "max_plan_allocations", "must be at least 1", None
     if s.plan_cache_bytes <= 0:
         yield "plan_cache_bytes", "must be positive", None
     if not 1 <= s.trace_chunk_events <= 1_000_000:

@@ -4,6 +4,7 @@ again when taken from the cache; a plan that does not fit is not sent."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 from tidalcore.events import ALLOC, FREE, ITER, OP, READ, WRITE, Events
 from tidalcore.units import Bytes, format_size
-from tidalcore.unplanned import FAILED, NO_SCHEDULE, UNDER_OP_BOUND, PlanUnavailable
+from tidalcore.unplanned import FAILED, NO_SCHEDULE, TOO_LARGE, UNDER_OP_BOUND, PlanUnavailable
 from tidalcore.v1 import pool_pb2
 from tidalplan import wire
 from tidalplan.learn import extract, signature
@@ -438,3 +439,22 @@ def test_an_unthrottled_sessions_plan_serves_daemons_that_measured_about_as_much
     finally:
         for w in workers:
             w.close()
+
+
+def test_an_iteration_of_more_allocations_than_the_cap_is_not_planned_and_told_so(
+    registry: Registry, planner: PlanWorker
+) -> None:
+    """HIDE makes two allocations an iteration: under a cap of one, its session is told the
+    count and the setting, and no solve runs; at a cap of two it is planned."""
+    planner.settings = dataclasses.replace(registry.settings, max_plan_allocations=1)
+    s = session(registry, swap_limit=1500)
+    assert planner.plan(s) is None
+    reason = (
+        "its iteration makes 2 allocations, more than the 1 this daemon plans (its setting"
+        " max_plan_allocations): the session runs without a plan"
+    )
+    assert told(s) == [PlanUnavailable(1500, TOO_LARGE, reason)]
+    assert (planner.plans_too_large, planner.plans_made) == (1, 0)
+    planner.settings = dataclasses.replace(registry.settings, max_plan_allocations=2)
+    assert planner.plan(s) is not None and planner.plans_made == 1
+    end(registry, s)
