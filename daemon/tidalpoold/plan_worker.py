@@ -1,7 +1,10 @@
 """The daemon's planning worker: trace → steady iteration → plan → checked PlanUpdate → stream.
 
 Runs on one worker thread of the daemon, never on a request thread: a session
-that marks `plan_after_iterations` iterations is queued once. The worker
+that marks `plan_after_iterations` iterations is queued once, and the queue serves
+uids in turn (`Turns`: one uid's many sessions wait behind each other, not in front
+of another uid's); an iteration of more than `max_plan_allocations` allocations is not
+planned (the session is told so). The worker
 extracts its steady iteration and plans it as `tidalpool simulate` does
 (`tidalplan.placed`): under the session's swap limit, the swap schedule of
 tidalpool's search, swaps only (its executor does not rebuild blocks), split
@@ -43,8 +46,8 @@ import logging
 import math
 import threading
 import time
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
@@ -134,6 +137,46 @@ def _import_planner() -> None:
     del paged, placed, wire
 
 
+class Turns:
+    """Sessions waiting for the planning thread, served in turn by uid: the next is the oldest
+    waiting session of the uid served longest ago. One uid's many sessions (a client attaching
+    again and again with new traces) wait behind each other, never in front of another uid's:
+    a session waits at most one plan of each other uid with sessions waiting."""
+
+    def __init__(self) -> None:
+        self._by_uid: OrderedDict[int, deque[Session]] = OrderedDict()
+        self._ready = threading.Condition()
+        self._closed = False
+
+    def put(self, session: Session) -> None:
+        with self._ready:
+            self._by_uid.setdefault(session.uid, deque()).append(session)
+            self._ready.notify()
+
+    def take(self) -> Session | None:
+        """The next session to plan (blocks while none waits); None once closed."""
+        with self._ready:
+            self._ready.wait_for(lambda: self._closed or bool(self._by_uid))
+            if self._closed:
+                return None
+            uid, waiting = next(iter(self._by_uid.items()))
+            session = waiting.popleft()
+            del self._by_uid[uid]
+            if waiting:  # its next one waits behind every other uid's
+                self._by_uid[uid] = waiting
+            return session
+
+    def waiting(self) -> int:
+        with self._ready:
+            return sum(len(q) for q in self._by_uid.values())
+
+    def close(self) -> None:
+        with self._ready:
+            self._closed = True
+            self._by_uid.clear()
+            self._ready.notify_all()
+
+
 _Made = TypeVar("_Made", Planned, PlannedPaged)
 
 
@@ -152,8 +195,7 @@ class PlanWorker:
         self.copy_gbps = copy_gbps  # for sessions whose copies are not throttled
         self.on_planned = on_planned
         self.cache = PlanCache(settings.plan_cache_dir, settings.plan_cache_bytes)
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planner")
-        self._worker.submit(_import_planner)  # off the start, before the first plan needs it
+        self._turns = Turns()
         self._queued: set[str] = set()
         self._lock = threading.Lock()
         self._next_plan_id = 1
@@ -163,6 +205,13 @@ class PlanWorker:
         self.plans_unfit = 0  # plans that did not fit the limit or the lease: not sent
         self.plans_too_large = 0  # iterations of more than max_plan_allocations: not planned
         self.cache_defects = 0  # cache entries refused (and planned past)
+        self._thread = threading.Thread(target=self._run, name="planner", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        _import_planner()  # off the start, before the first plan needs it
+        while (session := self._turns.take()) is not None:
+            self._plan_quietly(session)
 
     def on_step(self, session: Session) -> None:
         """Called after each step mark; queues the session once it has enough iterations."""
@@ -173,7 +222,7 @@ class PlanWorker:
             if session.id in self._queued:
                 return
             self._queued.add(session.id)
-        self._worker.submit(self._plan_quietly, session)
+        self._turns.put(session)
 
     def swap_gbps(self, session: Session) -> float:
         """The copy bandwidth a session's swaps are planned at: its own throttle, else the
@@ -181,7 +230,8 @@ class PlanWorker:
         return session.copy_gbps or self.copy_gbps
 
     def close(self) -> None:
-        self._worker.shutdown(wait=False, cancel_futures=True)
+        """Plan no more: the sessions waiting are dropped; a plan being made ends as it will."""
+        self._turns.close()
 
     def _plan_quietly(self, session: Session) -> None:
         """`plan(session)`; a plan that fails leaves the session learning, logged

@@ -18,7 +18,7 @@ from tidalplan import wire
 from tidalplan.learn import extract, signature
 from tidalpoold import plan_cache
 from tidalpoold.backends import SimBackend
-from tidalpoold.plan_worker import Planned, PlanWorker, Unfit
+from tidalpoold.plan_worker import Planned, PlanWorker, Turns, Unfit
 from tidalpoold.sessions import PlanFootprint, Reason, Registry, Session
 from tidalpoold.settings import Settings
 from tidalpoold.trace import decode_chunk
@@ -458,3 +458,26 @@ def test_an_iteration_of_more_allocations_than_the_cap_is_not_planned_and_told_s
     planner.settings = dataclasses.replace(registry.settings, max_plan_allocations=2)
     assert planner.plan(s) is not None and planner.plans_made == 1
     end(registry, s)
+
+
+class _Waiting:
+    """What Turns looks at of a session: its uid (and its name, to tell them apart)."""
+
+    def __init__(self, name: str, uid: int) -> None:
+        self.id, self.uid = name, uid
+
+
+def test_the_planner_serves_uids_in_turn() -> None:
+    """Uid 1 queued five sessions before uid 2's one and uid 3's two: uid 2's waits for one of
+    uid 1's, not five; each uid's own go in the order they came."""
+    turns = Turns()
+    for name, uid in [("a1", 1), ("a2", 1), ("a3", 1), ("a4", 1), ("a5", 1)]:
+        turns.put(_Waiting(name, uid))  # type: ignore[arg-type]
+    turns.put(_Waiting("b1", 2))  # type: ignore[arg-type]
+    turns.put(_Waiting("c1", 3))  # type: ignore[arg-type]
+    turns.put(_Waiting("c2", 3))  # type: ignore[arg-type]
+    order = [turns.take().id for _ in range(8)]  # type: ignore[union-attr]
+    assert order == ["a1", "b1", "c1", "a2", "c2", "a3", "a4", "a5"]
+    assert turns.waiting() == 0
+    turns.close()
+    assert turns.take() is None  # closed: the planning thread ends
