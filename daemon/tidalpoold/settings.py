@@ -349,7 +349,7 @@ class Settings:
         default=5.0, metadata=_about(_SECONDS, "time budget of one placement solve")
     )
     max_plan_allocations: int = field(
-        default=100_000,
+        default=30_000,
         metadata=_about(
             _INT,
             "the most allocations an iteration may make to be planned (planning time grows"
