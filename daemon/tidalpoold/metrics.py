@@ -78,11 +78,13 @@ class DaemonCollector(Collector):
         planner: PlanWorker,
         facts: Callable[[], Facts],
         started: float | None = None,
+        per_session: bool = True,
     ) -> None:
         self.registry = registry
         self.planner = planner
         self.facts = facts
         self.started = time.time() if started is None else started
+        self.per_session = per_session  # series labelled with each session's id and job
 
     def describe(self) -> Iterable[Metric]:
         return ()  # registering must not scrape
@@ -91,7 +93,8 @@ class DaemonCollector(Collector):
         snap = self.registry.snapshot()
         yield from self._pools(snap)
         yield from self._sessions(snap)
-        yield from self._per_session(snap)
+        if self.per_session:
+            yield from self._per_session(snap)
         yield from self._planner()
         yield from self._device(dict(self.facts()))
 

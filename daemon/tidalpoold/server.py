@@ -161,7 +161,8 @@ def _build(
         on_planned=metrics.on_planned if metrics else None,
     )
     if metrics is not None:
-        metrics.add(DaemonCollector(registry, planner, backend.facts))
+        per_session = settings.metrics_sessions == "on"
+        metrics.add(DaemonCollector(registry, planner, backend.facts, per_session=per_session))
     pool, admin = PoolService(registry, planner), AdminService(registry)
 
     # Two gRPC servers, one per socket: who may connect to a Unix socket is its file mode, so

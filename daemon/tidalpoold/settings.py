@@ -329,6 +329,14 @@ class Settings:
             ' daemon.ready log line says which); "" disables it',
         ),
     )
+    metrics_sessions: str = field(
+        default="on",
+        metadata=_about(
+            _choice("on", "off"),
+            "on: the metrics endpoint has series per session, labelled with its id and job"
+            " name; off: only the daemon's totals, no session's id, job or usage",
+        ),
+    )
     gpu: int = field(default=0, metadata=_about(_INT, "index of the GPU this daemon manages"))
     cuda_mode: str = field(
         default="auto",

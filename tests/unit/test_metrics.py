@@ -151,6 +151,15 @@ def test_pool_sessions_and_counts_have_the_registrys_exact_values(
     assert value(reg, "tidalpool_plans_total", outcome="cached") == 1
     assert value(reg, "tidalpool_plans_total", outcome="failed") == 4
     assert value(reg, "tidalpool_start_time_seconds") == 1000.0
+    # Per-session series off (metrics_sessions = "off"): the totals, and no session's id, job
+    # or usage anywhere.
+    quiet = scrape(
+        DaemonCollector(registry, planner, registry.backend.facts, 1000.0, per_session=False)
+    )
+    assert value(quiet, "tidalpool_plan_misses_total") == 5
+    assert value(quiet, "tidalpool_session_lease_bytes", pool="device", **ka) is None
+    text = generate_latest(quiet).decode()
+    assert a.id not in text and "resnet" not in text and "session_id" not in text
     facts = registry.backend.facts()
     for direction in ("h2d", "d2h"):  # sim measures memmove at start, as cuda probes PCIe
         bandwidth = "tidalpool_copy_bandwidth_bytes_per_second"

@@ -98,6 +98,7 @@ def test_describe_is_json_friendly() -> None:
         "log_format": "text",
         "log_level": "info",
         "metrics_address": "127.0.0.1:9477",
+        "metrics_sessions": "on",
         "gpu": 0,
         "cuda_mode": "auto",
         "plan_after_iterations": 3,
