@@ -2,7 +2,9 @@
 
     python bench/soak.py [--messages 100000] [--attaches 200] [--hostile 100] [--clients 32]
                          [--ops 100000] [--kill-fraction 0.3] [--trace-events N]
-                         [--seconds 900] [--seed S] [--phases fuzz,attach,memory,accounting]
+                         [--seconds 900] [--seed S] [--attack-seconds 10] [--streams 80]
+                         [--flood 1000] [--heavy-allocations 100000]
+                         [--phases fuzz,attach,memory,accounting,starve]
                          [--json OUT]
 
 Starts its own sim daemons (one per phase, in temporary socket directories) and runs:
@@ -21,6 +23,13 @@ Starts its own sim daemons (one per phase, in temporary socket directories) and 
               session, some SIGKILLed at random (and replaced) until every slot has done its
               ops: the pools exact afterwards (leased 0, free == total) and no event of a
               process that closed normally lost
+  starve      peers that would starve the others, each for --attack-seconds: --streams
+              Health/Watch streams, then as many reflection streams, --flood silent
+              connections to tidalpool.sock, as many idle ones to the metrics endpoint; a
+              bystander checks health (admin.sock, as probes ask, and tidalpool.sock) every
+              50 ms and attaches every 200 ms, and the daemon's threads, fds and RSS are
+              sampled (goals: health p99 <= 1 s, attach p99 <= 100 ms); then a small
+              session's plan latency alone and beside one of --heavy-allocations allocations
 
 --seconds bounds the fuzz phase and each half of the attach phase (what ran is reported).
 Progress lines go to stderr; the result is one JSON object (stdout, or --json OUT).
@@ -577,11 +586,302 @@ def accounting(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+# -- peers that would starve the others: streams, connections, the planner ---------------------
+class Watcher:
+    """The bystander of the starve phase: every TICK_S a health check on admin.sock (as the
+    daemon's probes ask) and one on tidalpool.sock, every ATTACH_EVERY-th tick an attach and a
+    detach; and the daemon's threads, open files and RSS, at their most."""
+
+    TICK_S = 0.05
+    ATTACH_EVERY = 4
+
+    def __init__(self, d: LocalDaemon) -> None:
+        self.d = d
+        self.samples: dict[str, list[float]] = {"health": [], "jobs_health": [], "attach": []}
+        self.failed: Counter[str] = Counter()
+        self.most = {"threads": 0, "fds": 0, "rss_mib": 0.0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Watcher:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _timed(self, name: str, fn: Callable[[], bool]) -> None:
+        t = time.monotonic()
+        try:
+            ok = fn()
+        except Exception as e:  # counted by kind: the report says what failed
+            ok = False
+            why = " ".join(str(e).replace(str(self.d.socket_dir), "DIR").split())[:120]
+            self.failed[f"{name}: {type(e).__name__}: {why}"] += 1
+        else:
+            if not ok:
+                self.failed[f"{name}: not serving"] += 1
+        if ok:
+            self.samples[name].append(time.monotonic() - t)
+
+    def _attach(self) -> bool:
+        with tidalpool.attach(self.d.socket_dir, device_limit="2MiB", host_limit="2MiB"):
+            return True
+
+    def _run(self) -> None:
+        from tidalclient.health import check
+        from tidalcore.wire import GRPC_SOCKET
+
+        pid, tick = self.d.process.pid, 0
+        while not self._stop.wait(self.TICK_S):
+            self._timed("health", lambda: check(self.d.socket_dir, timeout=5).serving)
+            self._timed("jobs_health", lambda: _jobs_health(self.d.socket_dir / GRPC_SOCKET))
+            if tick % self.ATTACH_EVERY == 0:
+                self._timed("attach", self._attach)
+            tick += 1
+            with suppress(OSError, StopIteration):
+                threads = next(
+                    int(line.split()[1])
+                    for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                    if line.startswith("Threads:")
+                )
+                self.most["threads"] = max(self.most["threads"], threads)
+                self.most["fds"] = max(self.most["fds"], len(os.listdir(f"/proc/{pid}/fd")))
+                self.most["rss_mib"] = max(self.most["rss_mib"], mib(daemon_rss_bytes(pid)))
+
+    def report(self) -> dict[str, Any]:
+        return {
+            **{name: latency(s) for name, s in self.samples.items()},
+            "failed": dict(self.failed),
+            "daemon_most": dict(self.most),
+        }
+
+
+def _jobs_health(path: Path) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(f"unix:{path}") as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=5
+        )
+    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+@contextmanager
+def _watch_streams(d: LocalDaemon, n: int) -> Iterator[dict[str, int]]:
+    """`n` Health/Watch streams on tidalpool.sock, those served held open."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    channel = grpc.insecure_channel(f"unix:{d.socket_dir / 'tidalpool.sock'}")
+    stub, held, refused = health_pb2_grpc.HealthStub(channel), [], 0
+    for _ in range(n):
+        stream = stub.Watch(health_pb2.HealthCheckRequest())
+        try:
+            next(stream)
+            held.append(stream)
+        except grpc.RpcError:
+            refused += 1
+    try:
+        yield {"opened": n, "served": len(held), "refused": refused}
+    finally:
+        for stream in held:
+            stream.cancel()
+        channel.close()
+
+
+@contextmanager
+def _reflection_streams(d: LocalDaemon, n: int) -> Iterator[dict[str, int]]:
+    """`n` server reflection streams on tidalpool.sock, those served held open."""
+    import grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    hold = threading.Event()
+
+    def requests() -> Iterator[Any]:
+        yield reflection_pb2.ServerReflectionRequest(list_services="")
+        hold.wait()
+
+    channel = grpc.insecure_channel(f"unix:{d.socket_dir / 'tidalpool.sock'}")
+    stub, held, refused = reflection_pb2_grpc.ServerReflectionStub(channel), [], 0
+    for _ in range(n):
+        stream = stub.ServerReflectionInfo(requests())
+        try:
+            next(stream)
+            held.append(stream)
+        except grpc.RpcError:
+            refused += 1
+    try:
+        yield {"opened": n, "served": len(held), "refused": refused}
+    finally:
+        hold.set()
+        for stream in held:
+            stream.cancel()
+        channel.close()
+
+
+@contextmanager
+def _silent_connections(connect: Callable[[], socket.socket], n: int) -> Iterator[dict[str, int]]:
+    """`n` connections that send nothing, each opened again when the daemon closes it."""
+    stop, counts = threading.Event(), {"kept": n, "opened": 0, "closed_by_daemon": 0}
+
+    def keep() -> None:
+        conns: list[socket.socket] = []
+        while not stop.is_set():
+            while len(conns) < n and not stop.is_set():
+                try:
+                    conns.append(connect())
+                    counts["opened"] += 1
+                except OSError:
+                    break
+            for c in list(conns):
+                with suppress(OSError):
+                    c.setblocking(False)
+                    try:
+                        gone = c.recv(1) == b""
+                    except BlockingIOError:
+                        gone = False
+                    except OSError:
+                        gone = True
+                    if gone:
+                        conns.remove(c)
+                        c.close()
+                        counts["closed_by_daemon"] += 1
+            stop.wait(0.1)
+        for c in conns:
+            c.close()
+
+    thread = threading.Thread(target=keep, daemon=True)
+    thread.start()
+    try:
+        yield counts
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _unix(path: Path) -> Callable[[], socket.socket]:
+    def connect() -> socket.socket:
+        c = socket.socket(socket.AF_UNIX)
+        c.settimeout(5)
+        c.connect(str(path))
+        return c
+
+    return connect
+
+
+def _tcp(address: str) -> Callable[[], socket.socket]:
+    host, port = address.rsplit(":", 1)
+    return lambda: socket.create_connection((host, int(port)), timeout=5)
+
+
+def _settled(d: LocalDaemon, seconds: float = 60.0) -> None:
+    """Wait until an attach succeeds (leases left pending by failed attaches are reclaimed
+    after attach_timeout_s)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            with tidalpool.attach(d.socket_dir, device_limit="2MiB"):
+                return
+        except tidalpool.AttachError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def _plan_latency(d: LocalDaemon, salt: int) -> float:
+    """Seconds from a small session's third step to its plan's arrival (its iteration of
+    `salt`'s sizes: not one the plan cache has)."""
+    with tidalpool.attach(d.socket_dir, device_limit="4MiB") as s:
+        t = time.monotonic()
+        for _ in range(3):
+            s.step()
+            blocks = [s.malloc(4096 * (k + 1) + 64 * salt) for k in range(4)]
+            with s.op(reads=blocks[:2], writes=blocks[2:], name="mix", duration_ns=100_000):
+                pass
+            for b in blocks:
+                s.free(b)
+        s.step()
+        if s.wait_for_plan(120) is None:
+            raise RuntimeError(f"no plan within 120 s: {s.plan_unavailable}")
+        return time.monotonic() - t
+
+
+@contextmanager
+def _heavy_iteration(d: LocalDaemon, allocations: int) -> Iterator[dict[str, int]]:
+    """A session whose iterations make `allocations` allocations each, three of them recorded
+    at once, so that the daemon plans (or refuses) it while the bystander's plan waits."""
+    from tidalcore.events import ALLOC, FREE, OP
+
+    s = tidalpool.attach(d.socket_dir, device_limit="4MiB")
+    try:
+        block = 1 << 20
+        for i in range(3):
+            s.recorder.step(i + 1)
+            for _ in range(allocations):
+                block += 1
+                s.recorder.record(ALLOC, block, 64)
+                s.recorder.record(OP, 0, 0, 1000, 0)
+                s.recorder.record(FREE, block)
+        s.recorder.step(4)
+        s.recorder.flush()
+        deadline = time.monotonic() + 120
+        while s.connection.events_received() < s.recorder.events_sent:  # it is planning now
+            if time.monotonic() > deadline:
+                raise RuntimeError("the daemon did not take the heavy session's trace in 120 s")
+            time.sleep(0.05)
+        yield {"allocations": allocations, "events": s.recorder.events_sent}
+    finally:
+        s.close(flush_timeout_s=60)
+
+
+def starve(args: argparse.Namespace) -> dict[str, Any]:
+    """Each attack of hardening II for --attack-seconds, with the bystander (`Watcher`)
+    measuring health on admin.sock (as probes ask) and on tidalpool.sock, and attach, and the
+    daemon's threads, fds and RSS at their most; then the bystander's plan latency alone and
+    beside a session whose iteration makes --heavy-allocations allocations."""
+    report: dict[str, Any] = {"goals": {"health_p99_ms": 1000, "attach_p99_ms": 100}}
+    with daemon("starve", "--metrics-address", "127.0.0.1:0", "--log-format", "json") as d:
+        from tools.prometheus import metrics_address
+
+        metrics = metrics_address(d.log_path)
+        attacks: list[tuple[str, Callable[[], Any]]] = [
+            ("none", suppress),
+            ("watch_streams", lambda: _watch_streams(d, args.streams)),
+            ("reflection_streams", lambda: _reflection_streams(d, args.streams)),
+            (
+                "silent_connections",
+                lambda: _silent_connections(_unix(d.socket_dir / "tidalpool.sock"), args.flood),
+            ),
+            ("metrics_idle", lambda: _silent_connections(_tcp(metrics), args.flood)),
+        ]
+        for name, attack in attacks:
+            with attack() as about, Watcher(d) as w:
+                time.sleep(args.attack_seconds)  # the attack's length: what is measured
+            report[name] = {"attack": about, **w.report()}
+            log("starve", f"{name}: {json.dumps(report[name])[:300]}")
+        _settled(d)  # the attacks' failed attaches left leases pending: wait them out
+        alone = _plan_latency(d, salt=1)
+        with _heavy_iteration(d, args.heavy_allocations) as heavy, Watcher(d) as w:
+            beside = _plan_latency(d, salt=2)
+        report["planner"] = {
+            "heavy": heavy,
+            "bystander_plan_s_alone": round(alone, 3),
+            "bystander_plan_s_beside": round(beside, 3),
+            **w.report(),
+        }
+        log("starve", f"planner: {json.dumps(report['planner'])[:300]}")
+    return report
+
+
 PHASES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "fuzz": fuzz,
     "attach": attach,
     "memory": memory,
     "accounting": accounting,
+    "starve": starve,
 }
 
 
@@ -618,6 +918,19 @@ def main() -> None:
     )
     parser.add_argument(
         "--seconds", type=float, default=900, help="bound on the fuzz phase and each attach half"
+    )
+    parser.add_argument(
+        "--attack-seconds", type=float, default=10, help="how long each starve attack lasts"
+    )
+    parser.add_argument("--streams", type=int, default=80, help="streams a starve attack opens")
+    parser.add_argument(
+        "--flood", type=int, default=1000, help="silent connections a starve attack keeps open"
+    )
+    parser.add_argument(
+        "--heavy-allocations",
+        type=int,
+        default=100_000,
+        help="allocations an iteration of the starve phase's heavy session makes",
     )
     parser.add_argument("--seed", default=str(secrets.randbits(32)))
     parser.add_argument("--phases", default=",".join(PHASES), help="comma-separated, in order")
