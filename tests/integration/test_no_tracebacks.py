@@ -217,9 +217,9 @@ def test_demo_throttled_without_a_limit_runs_and_its_piped_table_is_not_cut() ->
     assert all(len(line) <= 60 for line in lines), [x for x in lines if len(x) > 60]
     assert "…" not in out.stdout
     # Every header and every loss whole (a 60-column table stacks its columns, and folds
-    # its headers at spaces: "plan" over "hits").
+    # its headers at spaces). A swapping run's columns: what each iteration moved.
     words = {w for line in lines if not re.match(r" *\d", line) for w in line.split()}
-    for header in ("iter", "loss", "mode", "footprint", "plan hits", "swapped out", "stall"):
+    for header in ("iter", "loss", "mode", "device", "out", "in", "stall", "trace"):
         assert set(header.split()) <= words, header
     assert len(re.findall(r"^ +\d+ +\d\.\d{6} ", out.stdout, re.M)) == 20
     text = " ".join(out.stdout.split())
