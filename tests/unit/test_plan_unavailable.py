@@ -37,7 +37,7 @@ def test_the_message_carries_every_field_and_comes_back_equal() -> None:
     back = pool_pb2.ServerMessage.FromString(wire)
     assert back.WhichOneof("body") == "unplanned"
     assert PlanUnavailable.of(back.unplanned) == UNDER
-    assert KINDS == ("under_op_bound", "no_schedule", "over_lease", "failed")
+    assert KINDS == ("under_op_bound", "no_schedule", "over_lease", "failed", "too_large")
 
 
 def test_a_reason_is_one_line_and_a_kind_a_newer_daemon_sends_is_kept() -> None:
