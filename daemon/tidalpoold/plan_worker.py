@@ -224,6 +224,11 @@ class PlanWorker:
             self._queued.add(session.id)
         self._turns.put(session)
 
+    def _budget(self, started: float) -> float:
+        """What is left of a plan's `plan_deadline_s` once it started at `started`
+        (perf_counter): the solver starts no new round or layout past it."""
+        return max(0.0, self.settings.plan_deadline_s - (time.perf_counter() - started))
+
     def swap_gbps(self, session: Session) -> float:
         """The copy bandwidth a session's swaps are planned at: its own throttle, else the
         backend's measured one."""
@@ -253,6 +258,7 @@ class PlanWorker:
         lease: int | None = None,
         host: int | None = None,
         measured: bool = False,
+        budget_s: float | None = None,
     ) -> Planned | Unfit:
         """The checked plan of `iteration` for `swap_limit` (0: none) with copies at `gbps`,
         within a device `lease` of that many bytes (None: not bounded): from the cache when a
@@ -281,6 +287,7 @@ class PlanWorker:
                 gbps,
                 gbps,
                 time_limit_s=time_limit_s,
+                budget_s=budget_s,
             )
             if not plan.fits:
                 return Unfit(plan.footprint, swap_limit, int(plan.planned_for), plan.rounds)
@@ -306,6 +313,7 @@ class PlanWorker:
         lease: int | None = None,
         host: int | None = None,
         measured: bool = False,
+        budget_s: float | None = None,
     ) -> PlannedPaged | Unfit:
         """The checked paged plan of `iteration` for `swap_limit` mapped bytes with copies at
         `gbps`, in pages of `page` bytes, its persistent blocks at `persistent_at` (per
@@ -337,6 +345,7 @@ class PlanWorker:
             page,
             persistent_at,
             time_limit_s=self.settings.plan_time_limit_s,
+            budget_s=budget_s,
         )
         if plan.mapped_peak is None:  # it does not fit
             return Unfit(None, swap_limit, swap_limit, 1)
@@ -447,6 +456,7 @@ class PlanWorker:
             session.device.length,
             session.host.length,
             measured=not session.copy_gbps,
+            budget_s=self._budget(started),
         )
         if isinstance(made, Unfit):
             self._tell_unfit(session, made, iteration)
@@ -547,6 +557,7 @@ class PlanWorker:
             session.device.length,
             session.host.length,
             measured=not session.copy_gbps,
+            budget_s=self._budget(started),
         )
         if isinstance(made, Unfit):
             self._tell_unfit(session, made, iteration)

@@ -356,6 +356,14 @@ class Settings:
     plan_time_limit_s: float = field(
         default=5.0, metadata=_about(_SECONDS, "time budget of one placement solve")
     )
+    plan_deadline_s: float = field(
+        default=30.0,
+        metadata=_about(
+            _SECONDS,
+            "time budget of a whole plan, from the trace to the stream: no new round of"
+            " refitting or paged layout starts past it (each may take plan_time_limit_s more)",
+        ),
+    )
     max_plan_allocations: int = field(
         default=30_000,
         metadata=_about(
@@ -498,6 +506,12 @@ def _problems(s: Settings) -> Iterator[tuple[str, str, str | None]]:
         yield "plan_after_iterations", "must be 0 (never plan) or more", None
     if not (math.isfinite(s.plan_time_limit_s) and s.plan_time_limit_s > 0):
         yield "plan_time_limit_s", "must be a finite number of seconds greater than 0", None
+    if not (math.isfinite(s.plan_deadline_s) and s.plan_deadline_s >= s.plan_time_limit_s):
+        yield (
+            "plan_deadline_s",
+            "plan_deadline_s must be a finite number of seconds, at least plan_time_limit_s",
+            "plan_time_limit_s",
+        )
     if s.max_plan_allocations < 1:
         yield "max_plan_allocations", "must be at least 1", None
     if s.plan_cache_bytes <= 0:

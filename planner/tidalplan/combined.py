@@ -52,6 +52,7 @@ def fit(
     rounds: int = 8,
     alignment: int = ALIGNMENT,
     time_limit_s: float = 2.0,
+    budget_s: float | None = None,
 ) -> Plan:
     """`placed.fit` of `policy`: a name in `policies.POLICIES`, or a policy."""
     make: Policy = (
@@ -60,5 +61,14 @@ def fit(
         else policy
     )
     return fit_policy(
-        it, make, limit, out_gbps, in_gbps, compute_scale, rounds, alignment, time_limit_s
+        it,
+        make,
+        limit,
+        out_gbps,
+        in_gbps,
+        compute_scale,
+        rounds,
+        alignment,
+        time_limit_s,
+        budget_s,
     )

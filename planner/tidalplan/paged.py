@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -398,13 +399,15 @@ def plan(
     wastes: Sequence[float] = WASTES,
     time_limit_s: float = 2.0,
     persistent_at: Sequence[tuple[int, bool]] | None = None,
+    budget_s: float | None = None,
 ) -> PagedPlan:
     """The fastest feasible of `policy`'s plans for `limit` mapped bytes (0: no limit, no
     schedule), one per layout of `wastes` (each a `max_waste`; layouts that give the same
     blocks pages are made once), then, only when none is feasible, of `LAST_RESORT`'s; each
     simulated and validated on its paged iteration. When none is feasible, the first. One
     schedule a layout: whatever fits in mapped pages fits as it is placed, so nothing is made
-    again for a lower limit.
+    again for a lower limit. `budget_s`: no layout is started once that many seconds have
+    passed since the call (the first always is); the plans made so far decide.
 
     Which blocks should own pages is a trade: rounding to whole pages costs bytes, while a
     packed block can never leave the device. Small wastes suit loose limits (few blocks need to
@@ -414,8 +417,11 @@ def plan(
     cap = limit or None
     best: PagedPlan | None = None
     seen: set[tuple[tuple[bool, ...], tuple[bool, ...]]] = set()
+    started = time.monotonic()
     for waste in [*wastes, LAST_RESORT]:
         if waste == LAST_RESORT and best is not None and best.fits:
+            break
+        if best is not None and budget_s is not None and time.monotonic() - started >= budget_s:
             break
         lay = layout(it, page, waste, time_limit_s, persistent_at)
         if (lay.owning, lay.persistent_owning) in seen:

@@ -29,6 +29,7 @@ checked by `validate`, fits the limit.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
@@ -205,9 +206,12 @@ def fit(
     rounds: int = 8,
     alignment: int = ALIGNMENT,
     time_limit_s: float = 2.0,
+    budget_s: float | None = None,
 ) -> Plan:
     """The policy's plan whose footprint (placement included) fits `limit`, or, when no
-    schedule tried fits, the one made for `limit` itself (`fits` False).
+    schedule tried fits, the one made for `limit` itself (`fits` False). `budget_s`: no
+    round is started once that many seconds have passed since the call (the first always
+    is), as if `rounds` had run out.
 
     A schedule keeps the live bytes under its limit; the placement of what it leaves adds
     fragmentation, so the footprint can exceed that limit, and by an amount that moves
@@ -225,8 +229,12 @@ def fit(
     lowest, best = limit, None  # the lowest limit tried that did not fit; the least footprint
     first: Plan | None = None
     target = limit
+    started = time.monotonic()
     for k in range(1, rounds + 1):
         if target <= 0:
+            break
+        if k > 1 and budget_s is not None and time.monotonic() - started >= budget_s:
+            k -= 1  # this round does not run
             break
         schedule = policy(it, target, out_gbps, in_gbps)
         result = simulate(it, schedule, target, out_gbps, in_gbps, compute_scale)

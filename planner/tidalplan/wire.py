@@ -462,12 +462,13 @@ def paged_session_plan(
     persistent_at: Sequence[tuple[int, bool]],
     compute_scale: float = 1.0,
     time_limit_s: float = 2.0,
+    budget_s: float | None = None,
 ) -> paged.PagedPlan:
     """The plan the daemon sends a session under virtual residency: `paged.plan` of `it` for
     `limit` mapped bytes (0: no limit, no schedule) in pages of `page` bytes, with
     `session_schedule` as its policy and copies at `gbps` each way, the persistent blocks
     where the session put them (`persistent_at`: address and page ownership per
-    `it.persistent`). Whether it fits is the plan's `fits`."""
+    `it.persistent`), layouts tried within `budget_s`. Whether it fits is the plan's `fits`."""
     return paged.plan(
         it,
         session_schedule,
@@ -478,6 +479,7 @@ def paged_session_plan(
         page=page,
         time_limit_s=time_limit_s,
         persistent_at=persistent_at,
+        budget_s=budget_s,
     )
 
 

@@ -187,3 +187,15 @@ def test_the_host_lease_a_plan_needs_counts_each_swap_from_its_out_to_its_in() -
     size = SMALL.blocks[0].size
     assert host_peak(SMALL, SwapPlan((a,)), 256) == -(-size // 256) * 256
     assert host_peak(SMALL, SwapPlan((a,)), 4 * size) == 4 * size
+
+
+def test_no_layout_starts_past_the_budget() -> None:
+    """With no time left after the first layout (budget_s=0), the plan is the first layout's;
+    with time, the layouts of every waste are tried and the fastest feasible kept."""
+    it = load(ROOT / "traces" / "resnet18.b8.trace.csv")
+    limit = int(max(mapped_by_ticks(it)) * 0.7)
+    hurried = paged.plan(it, daemon_policy, limit, 12.0, 12.0, page=64 << 10, budget_s=0)
+    first = paged.layout(it, 64 << 10, paged.WASTES[0])
+    assert hurried.layout.owning == first.owning
+    full = paged.plan(it, daemon_policy, limit, 12.0, 12.0, page=64 << 10)
+    assert full.fits and full.result.iteration_ns <= hurried.result.iteration_ns

@@ -103,6 +103,7 @@ def test_describe_is_json_friendly() -> None:
         "cuda_mode": "auto",
         "plan_after_iterations": 3,
         "plan_time_limit_s": 5.0,
+        "plan_deadline_s": 30.0,
         "max_plan_allocations": 30_000,
         "plan_cache_dir": "/var/cache/tidalpool",
         "plan_cache_bytes": 256 * MiB,

@@ -161,6 +161,10 @@ def test_fit_lowers_the_schedules_limit_until_its_placement_fits() -> None:
     assert got.combined is not None and got.combined.footprint <= limit < placed.footprint
     assert got.result.feasible and got.result.peak_bytes <= got.planned_for < limit
     assert got.schedule == plan(it, "autoswap-aoa", got.planned_for, 50.0, 50.0)  # deterministic
+    # With no time left after the first round (budget_s=0), no other starts: the schedule made
+    # for the limit itself, which does not fit placed.
+    hurried = fit(it, "autoswap-aoa", limit, 50.0, 50.0, time_limit_s=0, budget_s=0)
+    assert (hurried.rounds, hurried.fits, hurried.planned_for) == (1, False, limit)
     # A policy given as a function makes the same plan as its name.
     again = fit(it, BASELINE_POLICIES["autoswap-aoa"], limit, 50.0, 50.0, time_limit_s=0)
     assert again == got
