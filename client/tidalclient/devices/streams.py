@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from tidalcore.units import format_size
 
+from tidalclient.timeline import HOST_TRACK, WAIT
+
 if TYPE_CHECKING:
     from tidalclient.timeline import Timeline
 
@@ -175,3 +177,37 @@ class Stream:
         if timeline is not None:
             end = time.perf_counter_ns()
             timeline.span(self.name, format_size(nbytes), start, end, bytes=nbytes)
+
+
+class Waits:
+    """A swap engine's waits on its copies' events, and where its copies and waits are seen:
+    `stall_ns` counts the time the calling thread blocked; with a `timeline`, each wait is a
+    span on its host track and the copies of `streams` are spans on theirs."""
+
+    def __init__(self, *streams: CopyStream) -> None:
+        self.stall_ns = 0
+        self._streams = streams
+        self._timeline: Timeline | None = None
+
+    @property
+    def timeline(self) -> Timeline | None:
+        return self._timeline
+
+    @timeline.setter
+    def timeline(self, timeline: Timeline | None) -> None:
+        self._timeline = timeline
+        for stream in self._streams:
+            stream.timeline = timeline
+
+    def wait(self, event: Completion, why: str) -> None:
+        """Block until `event` has completed, when it has not: a stall, named `why`."""
+        if event.query():
+            return
+        start = time.perf_counter_ns()
+        try:
+            event.wait()
+        finally:
+            end = time.perf_counter_ns()
+            self.stall_ns += end - start
+            if self._timeline is not None:
+                self._timeline.span(HOST_TRACK, WAIT + why, start, end)

@@ -35,16 +35,14 @@ the lease has too few free frames; `reclaim` waits for the oldest copy to free i
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tidalclient.devices.pages import Frames, PageSpace
-from tidalclient.devices.streams import Completion, CopyStream
+from tidalclient.devices.streams import Completion, CopyStream, Waits
 from tidalclient.executors.base import ARRIVING, DEVICE, HOST, LEAVING
 from tidalclient.executors.bestfit import BestFit
-from tidalclient.timeline import HOST_TRACK, WAIT
 
 if TYPE_CHECKING:
     from tidalclient.timeline import Timeline
@@ -94,34 +92,27 @@ class Residency:
         self.peak_mapped_bytes = 0
         self.out_bytes = self.in_bytes = 0
         self.swap_outs = self.swap_ins = 0
-        self.stall_ns = 0  # the calling thread blocked in `wait`
-        self._timeline: Timeline | None = None
+        self.waits = Waits(out, into)  # the calling thread's stalls; the timeline
+
+    @property
+    def stall_ns(self) -> int:
+        """Time the calling thread blocked in `wait`."""
+        return self.waits.stall_ns
 
     @property
     def timeline(self) -> Timeline | None:
         """Where the copies and the waits go as spans (None: nowhere)."""
-        return self._timeline
+        return self.waits.timeline
 
     @timeline.setter
     def timeline(self, timeline: Timeline | None) -> None:
-        self._timeline = timeline
-        self._out.timeline = timeline
-        self._in.timeline = timeline
+        self.waits.timeline = timeline
 
     def wait(self, event: Completion, why: str) -> None:
         """Block until `event` has completed: the calling thread's stall, counted in
         `stall_ns` and, with a timeline, a span on its host track named `why`."""
-        if event.query():
-            event.wait()  # raises if the work before it failed
-            return
-        start = time.perf_counter_ns()
-        try:
-            event.wait()
-        finally:
-            end = time.perf_counter_ns()
-            self.stall_ns += end - start
-            if self._timeline is not None:
-                self._timeline.span(HOST_TRACK, WAIT + why, start, end)
+        self.waits.wait(event, why)
+        event.wait()  # raises if the work before it failed (at once: it has completed)
 
     @property
     def mapped_bytes(self) -> int:

@@ -69,7 +69,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -78,7 +77,7 @@ from typing import TYPE_CHECKING, TypeVar
 from tidalcore.planupdate import ScheduledSwap
 from tidalcore.units import align_up
 
-from tidalclient.devices.streams import Completion, CopyStream, Stream
+from tidalclient.devices.streams import Completion, CopyStream, Stream, Waits
 from tidalclient.errors import InvalidBlock, LeaseExceeded
 from tidalclient.executors.base import (
     ARRIVING,
@@ -95,7 +94,6 @@ from tidalclient.executors.base import (
 from tidalclient.executors.bestfit import BestFit
 from tidalclient.executors.python import PythonExecutor
 from tidalclient.plans import OpSchedule, Plan, PlanRejected, PlanTable
-from tidalclient.timeline import HOST_TRACK, WAIT
 
 if TYPE_CHECKING:
     from tidalclient.timeline import Timeline
@@ -191,11 +189,9 @@ class Swapping:
         self.planned_out_bytes = 0  # of swapped_out_bytes: what a schedule asked for
         self.planned_in_bytes = 0
         self.piece_misses = 0  # scheduled swap-ins that could not land at their piece
-        self.stall_ns = 0
         self.schedule_skips = 0
         self.plans_deferred = 0  # plans whose placement went unused under the limit
         self._compute = compute
-        self._timeline: Timeline | None = None
         self._out: CopyStream
         self._in: CopyStream
         if streams is None:
@@ -203,6 +199,7 @@ class Swapping:
             self._in = Stream("swap-in", gbps)
         else:
             self._out, self._in = streams(gbps)
+        self._waits = Waits(self._out, self._in)
 
     # -- blocks ------------------------------------------------------------------------------
     def malloc(self, nbytes: int) -> Block:
@@ -804,26 +801,21 @@ class Swapping:
     def _wait(self, event: Completion, why: str) -> None:
         """Block until `event` has completed: a stall, counted in `stall_ns` and, with a
         timeline, a span on its host track named `why`."""
-        if not event.query():
-            start = time.perf_counter_ns()
-            try:
-                event.wait()
-            finally:
-                end = time.perf_counter_ns()
-                self.stall_ns += end - start
-                if self._timeline is not None:
-                    self._timeline.span(HOST_TRACK, WAIT + why, start, end)
+        self._waits.wait(event, why)
+
+    @property
+    def stall_ns(self) -> int:
+        """Time ops and mallocs blocked for copies."""
+        return self._waits.stall_ns
 
     @property
     def timeline(self) -> Timeline | None:
         """Where the copies and the waits go as spans (`tidalclient.timeline`; None: nowhere)."""
-        return self._timeline
+        return self._waits.timeline
 
     @timeline.setter
     def timeline(self, timeline: Timeline | None) -> None:
-        self._timeline = timeline
-        self._out.timeline = timeline
-        self._in.timeline = timeline
+        self._waits.timeline = timeline
 
     def _reap(self) -> None:
         """Settle every copy whose event has completed (each stream completes in order)."""
