@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,29 +109,7 @@ class Timeline:
         with self._lock:
             spans = sorted(self.spans, key=lambda s: (s.start_ns, s.end_ns))
         tracks = list(TRACKS) + sorted({s.track for s in spans} - set(TRACKS))
-        events: list[dict[str, Any]] = [
-            {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": name}},
-            {
-                "ph": "M",
-                "name": "process_sort_index",
-                "pid": pid,
-                "tid": 0,
-                "args": {"sort_index": pid},
-            },
-        ]
-        for tid, track in enumerate(tracks, start=1):
-            events.append(
-                {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": track}}
-            )
-            events.append(
-                {
-                    "ph": "M",
-                    "name": "thread_sort_index",
-                    "pid": pid,
-                    "tid": tid,
-                    "args": {"sort_index": tid},
-                }
-            )
+        events = names(pid, name, dict(enumerate(tracks, start=1)))
         tid_of = {track: tid for tid, track in enumerate(tracks, start=1)}
         for s in spans:
             events.append(
@@ -166,3 +144,20 @@ class Timeline:
                 total += b - max(a, reach)
                 reach = b
         return total
+
+
+def names(pid: int, name: str, tracks: Mapping[int, str]) -> list[dict[str, Any]]:
+    """The Chrome trace metadata events that name process `pid` `name` and each of its
+    threads (`tracks`: tid → name), and keep them in the order of their ids."""
+
+    def meta(what: str, tid: int, args: dict[str, Any]) -> dict[str, Any]:
+        return {"ph": "M", "name": what, "pid": pid, "tid": tid, "args": args}
+
+    events = [
+        meta("process_name", 0, {"name": name}),
+        meta("process_sort_index", 0, {"sort_index": pid}),
+    ]
+    for tid, track in tracks.items():
+        events.append(meta("thread_name", tid, {"name": track}))
+        events.append(meta("thread_sort_index", tid, {"sort_index": tid}))
+    return events

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tidalclient.timeline import names
 from tidalcore.units import format_size
 from tidalplan.accesses import accesses
 from tidalplan.model import Iteration
@@ -80,29 +81,7 @@ def steps(
     not run to the end."""
     if not result.feasible:
         raise ValueError(f"{name}: the schedule did not run under its limit: no timeline")
-    events: list[dict[str, Any]] = [
-        {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": name}},
-        {
-            "ph": "M",
-            "name": "process_sort_index",
-            "pid": pid,
-            "tid": 0,
-            "args": {"sort_index": pid},
-        },
-    ]
-    for tid, track in TRACKS.items():
-        events.append(
-            {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": track}}
-        )
-        events.append(
-            {
-                "ph": "M",
-                "name": "thread_sort_index",
-                "pid": pid,
-                "tid": tid,
-                "args": {"sort_index": tid},
-            }
-        )
+    events = names(pid, name, TRACKS)
     durations = accesses(it).scaled(compute_scale)
     for op in it.ops:
         tick = int(op.tick)
