@@ -670,15 +670,17 @@ def _jobs_health(path: Path) -> bool:
 
 
 @contextmanager
-def _watch_streams(d: LocalDaemon, n: int) -> Iterator[dict[str, int]]:
-    """`n` Health/Watch streams on tidalpool.sock, those served held open."""
+def _held_streams(
+    d: LocalDaemon, n: int, open_stream: Callable[[Any], Iterator[Any]]
+) -> Iterator[dict[str, int]]:
+    """`n` streams `open_stream(channel)` opens on tidalpool.sock: those served (their first
+    answer read) held open, the others counted as refused."""
     import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     channel = grpc.insecure_channel(f"unix:{d.socket_dir / 'tidalpool.sock'}")
-    stub, held, refused = health_pb2_grpc.HealthStub(channel), [], 0
+    held, refused = [], 0
     for _ in range(n):
-        stream = stub.Watch(health_pb2.HealthCheckRequest())
+        stream = open_stream(channel)
         try:
             next(stream)
             held.append(stream)
@@ -688,14 +690,25 @@ def _watch_streams(d: LocalDaemon, n: int) -> Iterator[dict[str, int]]:
         yield {"opened": n, "served": len(held), "refused": refused}
     finally:
         for stream in held:
-            stream.cancel()
+            stream.cancel()  # type: ignore[attr-defined]
         channel.close()
+
+
+@contextmanager
+def _watch_streams(d: LocalDaemon, n: int) -> Iterator[dict[str, int]]:
+    """`n` Health/Watch streams on tidalpool.sock, those served held open."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    def watch(channel: Any) -> Any:
+        return health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+
+    with _held_streams(d, n, watch) as about:
+        yield about
 
 
 @contextmanager
 def _reflection_streams(d: LocalDaemon, n: int) -> Iterator[dict[str, int]]:
     """`n` server reflection streams on tidalpool.sock, those served held open."""
-    import grpc
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
     hold = threading.Event()
@@ -704,22 +717,15 @@ def _reflection_streams(d: LocalDaemon, n: int) -> Iterator[dict[str, int]]:
         yield reflection_pb2.ServerReflectionRequest(list_services="")
         hold.wait()
 
-    channel = grpc.insecure_channel(f"unix:{d.socket_dir / 'tidalpool.sock'}")
-    stub, held, refused = reflection_pb2_grpc.ServerReflectionStub(channel), [], 0
-    for _ in range(n):
-        stream = stub.ServerReflectionInfo(requests())
-        try:
-            next(stream)
-            held.append(stream)
-        except grpc.RpcError:
-            refused += 1
+    def info(channel: Any) -> Any:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        return stub.ServerReflectionInfo(requests())
+
     try:
-        yield {"opened": n, "served": len(held), "refused": refused}
+        with _held_streams(d, n, info) as about:
+            yield about
     finally:
         hold.set()
-        for stream in held:
-            stream.cancel()
-        channel.close()
 
 
 @contextmanager
