@@ -7,8 +7,9 @@ One short exchange per connection, the peer judged before a byte of it is read:
       │            ▼
       │     error reply, SHUT_WR, drain what it sent (bounded, same deadline), close
       ▼
-    at max_connections: the rest wait in the listen backlog; while one waits, the connection
-    longest without a whole request (past a short grace) is dropped to make room
+    at max_connections: the rest wait in the listen backlog; while one waits, a connection
+    without a whole request (past a short grace) is dropped to make room: the oldest of the
+    process that holds the most, once what it sent is read
 
 A peer of another uid is admitted only if one of its groups is allowed. The reply carries the
 session token and its lease (chunk indices), followed by the fds of exactly those chunks
@@ -33,6 +34,7 @@ import socket
 import struct
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -271,9 +273,11 @@ class HandlesServer:
         """Accept what waits, as room allows; an error backs off and never ends the loop."""
         for _ in range(self.max_connections):
             now = time.monotonic()
-            full = self._held() >= self.max_connections
-            if full and self._oldest_droppable(now) is None:
-                return
+            victim = None
+            if self._held() >= self.max_connections:
+                victim = self._victim(now)
+                if victim is None:
+                    return
             try:
                 sock, _ = self._sock.accept()
             except BlockingIOError:
@@ -283,17 +287,31 @@ class HandlesServer:
                 self._accept_failed(e, now)
                 return
             self._accept_recovered(now)
-            if full:
-                self._make_room(now)
+            if victim is not None:
+                self._make_room(victim, now)
             self._admit(sock, now)
 
-    def _make_room(self, now: float) -> None:
-        """Drop the connection held longest (past its grace) for a peer that waits: a client
-        sends its request as soon as it connects, so that one is slow, silent or refused.
-        One log line when this starts (naming the first peer dropped), one when it ends."""
-        victim = self._oldest_droppable(now)
-        if victim is None:
-            return
+    def _victim(self, now: float) -> _Conn | None:
+        """The connection to drop for a peer that waits: of those past their grace, the oldest
+        of the process holding the most, so a flood from one process never costs another its
+        place while the flood holds more. A request that arrived whole but is not read yet is
+        read and served first (it was never slow), and the choice made again."""
+        while True:
+            ripe = [c for c in self._conns if now - c.accepted >= self._grace_s]
+            if not ripe:
+                return None
+            held = Counter(c.peer.pid for c in self._conns)
+            victim = max(ripe, key=lambda c: held[c.peer.pid])  # the first, the oldest, of ties
+            if victim.refused:
+                return victim
+            self._readable(victim)
+            if victim in self._conns:
+                return victim
+
+    def _make_room(self, victim: _Conn, now: float) -> None:
+        """Drop the victim (see _victim) for a peer that waits: a client sends its request as
+        soon as it connects, so that one is slow, silent or refused. One log line when this
+        starts (naming the first peer dropped), one when it ends."""
         why = (
             f"no whole request after {now - victim.accepted:.2f} s while the handles socket"
             f" holds its {self.max_connections} connections and another peer waits"

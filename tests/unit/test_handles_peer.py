@@ -12,6 +12,8 @@ import pwd
 import resource
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -180,6 +182,40 @@ def test_a_full_server_drops_its_oldest_silent_peer_for_a_waiting_one(
     finally:
         for sock in silent:
             sock.close()
+
+
+# Another process: holds one silent connection to the socket named by argv[1] until told.
+HOLDER = """
+import socket, sys
+sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+sock.connect(sys.argv[1])
+print("connected", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_full_server_drops_from_the_process_holding_the_most_not_the_oldest(
+    make_server: MakeServer, records: Records
+) -> None:
+    server = make_server(timeout_s=60.0, max_connections=4)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(server.path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    silent: list[socket.socket] = []
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "connected\n"
+        silent = [connect(server) for _ in range(3)]  # full: the holder's is the oldest
+        request_lease(server.path, 0, 0, "waits").close()
+        assert reply_of(silent[0]).error_code == "RESOURCE_EXHAUSTED"
+        dropped = [r.__dict__["pid"] for r in records.named("handles.dropped")]
+        assert dropped == [os.getpid()], "a connection of the process holding one was dropped"
+    finally:
+        for sock in silent:
+            sock.close()
+        holder.communicate("", timeout=30)
 
 
 @pytest.mark.parametrize(
