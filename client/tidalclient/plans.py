@@ -116,6 +116,7 @@ class Plan:
     limit: int = 0  # the device bytes the plan was made to fit (0: no swap limit)
     prediction: Prediction | None = None
     paging: Pages | None = None  # version 3: the table's offsets are its addresses for life
+    shape: str = ""  # the iteration shape it was made for (StepMark.shape)
     # The message it came in (what a tool re-simulates it from); not part of its value.
     update: pool_pb2.PlanUpdate | None = field(default=None, compare=False, repr=False)
 
@@ -168,6 +169,7 @@ def decode(update: pool_pb2.PlanUpdate, alignment: int = ALIGNMENT) -> Plan:
         c.limit,
         c.prediction,
         paging,
+        update.shape,
         update,
     )
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -31,6 +32,9 @@ MAX_BACKLOG_EVENTS = 1_000_000
 """Trace events sent and not yet taken by the stream past which the recorder stops (about
 20 MB of packed chunks; a daemon keeps at most `max_trace_events`, 1 million by default, of a
 session's trace)."""
+SHAPES_AHEAD = 4096
+"""Shapes of step marks not yet made that the recorder keeps (`expect`): the native ring's marks
+are made when it is drained, a few steps behind at most."""
 
 
 class TraceSink(Protocol):
@@ -63,6 +67,9 @@ class Recorder:
         self._names: dict[str, int] = {}
         self._new_names: dict[int, str] = {}
         self._steps: list[pool_pb2.StepMark] = []
+        # Shapes of the iterations the next step marks begin, in order (`expect`): a mark made
+        # on another thread (the native ring's) takes the shape given when its step was.
+        self._shapes: deque[str] = deque(maxlen=SHAPES_AHEAD)
         self._lock = threading.Lock()  # drainer vs. step/flush; never taken by record()
         self._wake = threading.Event()
         self._stopped = False
@@ -94,11 +101,18 @@ class Recorder:
         with self._lock:
             return self.events_sent + len(self._pending)
 
+    def expect(self, shape: str) -> None:
+        """The shape of the iteration the next step mark not yet made begins (StepMark.shape);
+        a mark with none expected is of shape ""."""
+        self._shapes.append(shape)
+
     def step(self, iteration: int, live: Sequence[tuple[int, int, bool]] = ()) -> None:
-        """Mark an iteration boundary after every event recorded so far; `live`: under
+        """Mark an iteration boundary after every event recorded so far: an ITER event named
+        by the iteration's shape (`expect`; no name for ""), and a step mark; `live`: under
         virtual residency, every live block as (id, address, owns whole pages)."""
-        self.record(ITER, iteration)
-        mark = pool_pb2.StepMark(iteration=iteration)
+        shape = self._shapes.popleft() if self._shapes else ""
+        self.record(ITER, iteration, 0, 0, self.name_id(shape) if shape else 0)
+        mark = pool_pb2.StepMark(iteration=iteration, shape=shape)
         for block_id, address, owning in live:
             mark.live_block_ids.append(block_id)
             mark.live_addresses.append(address)

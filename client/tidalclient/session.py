@@ -23,9 +23,10 @@ import logging
 import mmap
 import os
 import sys
+import threading
 import time
 import weakref
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from tidalcore.events import OP, READ, WRITE
 from tidalcore.units import parse_size
 from tidalcore.unplanned import PlanUnavailable
 from tidalcore.v1 import pool_pb2
-from tidalcore.wire import HANDLES_SOCKET
+from tidalcore.wire import HANDLES_SOCKET, MAX_SHAPE_BYTES
 
 from tidalclient import cupy
 from tidalclient.connection import Connection
@@ -227,7 +228,15 @@ def attach(
             step()
         raise
     session = Session(
-        grant.response.session_id, mapped, connection, recorder, executor, residency, compute, space
+        grant.response.session_id,
+        mapped,
+        connection,
+        recorder,
+        executor,
+        residency,
+        compute,
+        space,
+        plan_shapes=reply.plan_shapes or 1,
     )
     connection.start(
         on_plan=session._receive_plan,
@@ -355,6 +364,7 @@ class Session:
         residency: Residency | None = None,
         compute: Callable[[], Any] | None = None,
         space: PageSpace | None = None,
+        plan_shapes: int = 1,
     ) -> None:
         self.id = session_id
         self.device: DeviceLease = mapped.device
@@ -382,6 +392,13 @@ class Session:
         self.plans_received = 0
         self.plans_rejected = 0
         self.plan: Plan | None = None  # the plan last received (executed from a step() on)
+        # The plans of the iteration shapes stepped into most recently (at most `plan_shapes`,
+        # as the daemon keeps them), least recent first; `_shape` is the current iteration's.
+        self._plans: OrderedDict[str, Plan] = OrderedDict()
+        self._plan_shapes = plan_shapes
+        self._recent: OrderedDict[str, None] = OrderedDict()  # shapes, least recent first
+        self._shape = ""
+        self._shapes_lock = threading.Lock()  # the training thread's step vs. plans arriving
         # Why the daemon sends no plan, as it last said; None once a plan arrives.
         self.plan_unavailable: PlanUnavailable | None = None
         self._compute = compute
@@ -548,10 +565,46 @@ class Session:
         if source is not None:
             source()
 
-    def step(self) -> None:
-        """An iteration boundary: call it at the start of every training iteration."""
+    def step(self, shape: str = "") -> None:
+        """An iteration boundary: call it at the start of every training iteration.
+
+        `shape` names the shape of the iteration it begins, where iterations differ (a batch
+        size, a sequence length, "eval"): the daemon plans each shape apart, from its own
+        iterations, and this session runs each shape's plan for the iterations of that shape;
+        one of a shape with no plan yet is placed online and recorded, as the first iterations
+        are. At most `plans` shapes keep a plan (the least recently stepped into is forgotten,
+        and planned again if it comes back). "": the session's one shape."""
         self._check_open()
+        if not isinstance(shape, str):
+            raise TypeError(f"shape must be a str, not {type(shape).__name__}")
+        if len(shape.encode()) > MAX_SHAPE_BYTES:
+            raise ValueError(
+                f"shape {shape[:32]!r}... is {len(shape.encode())} bytes, longer than"
+                f" {MAX_SHAPE_BYTES}"
+            )
+        with self._shapes_lock:
+            if shape != self._shape:
+                self.executor.install_plan(self._plans.get(shape))  # None: online from here
+                self._shape = shape
+            self._stepped(shape)
+        self.recorder.expect(shape)
         self.executor.step()
+
+    def _stepped(self, shape: str) -> None:
+        """`shape` is the most recently stepped into: the least recent beyond `plan_shapes`
+        lose their plans, as the daemon forgets them. Under the shapes lock."""
+        self._recent[shape] = None
+        self._recent.move_to_end(shape)
+        while len(self._recent) > self._plan_shapes:
+            gone, _ = self._recent.popitem(last=False)
+            self._plans.pop(gone, None)
+
+    @property
+    def plans(self) -> dict[str, Plan]:
+        """The plan of each iteration shape that has one (the shape "" for a session that
+        names none), least recently stepped into first."""
+        with self._shapes_lock:
+            return dict(self._plans)
 
     def wait_for_plan(self, timeout_s: float) -> Plan | None:
         """Block until the daemon's plan has arrived (it runs from the next `step()`), the
@@ -682,7 +735,11 @@ class Session:
         """Ready a plan for the hot path here, off it; the executor switches at the next step()."""
         try:
             plan = decode(update)
-            self.executor.install_plan(plan)
+            with self._shapes_lock:
+                if plan.shape == self._shape:
+                    self.executor.install_plan(plan)
+                if plan.shape == self._shape or plan.shape in self._recent:
+                    self._plans[plan.shape] = plan
         except PlanRejected as e:  # the native table also checks the plan against its lease
             self.plans_rejected += 1
             log.warning("tidalpool: ignoring a plan: %s", e)

@@ -32,12 +32,14 @@ KINDS = (UNDER_OP_BOUND, NO_SCHEDULE, OVER_LEASE, FAILED, TOO_LARGE)
 class PlanUnavailable:
     """The daemon cannot plan the session for `limit_bytes`: a `kind` in KINDS (a newer
     daemon's kind is kept as it came), a one-line `reason`, and the lowest limit that could
-    work where the daemon knows one (0: not known)."""
+    work where the daemon knows one (0: not known), for the iteration shape `shape` ("": the
+    session's one shape)."""
 
     limit_bytes: int
     kind: str
     reason: str
     lowest_limit_bytes: int = 0
+    shape: str = ""
 
     def message(self) -> pool_pb2.PlanUnavailable:
         """This value as the wire message."""
@@ -46,6 +48,7 @@ class PlanUnavailable:
             kind=self.kind,
             reason=self.reason,
             lowest_limit_bytes=self.lowest_limit_bytes,
+            shape=self.shape,
         )
 
     @classmethod
@@ -56,11 +59,13 @@ class PlanUnavailable:
             message.kind or "unknown",
             " ".join(message.reason.split()),
             int(message.lowest_limit_bytes),
+            message.shape,
         )
 
     def line(self) -> str:
         """One line for a person: the reason, then the lowest limit that could work if known."""
-        text = f"the daemon cannot plan this session: {self.reason}"
+        of = f" (iterations of shape {self.shape!r})" if self.shape else ""
+        text = f"the daemon cannot plan this session{of}: {self.reason}"
         if self.lowest_limit_bytes:
             text += f"; the lowest limit that could work is {format_size(self.lowest_limit_bytes)}"
             text += f" ({self.lowest_limit_bytes} bytes)"

@@ -19,3 +19,5 @@ TOKEN_KEY = "tidalpool-token"
 """gRPC metadata key of a session's token on every session RPC."""
 STREAM_OPEN_KEY = "tidalpool-stream"
 """Header the daemon sends once a session stream is the session's (value "1")."""
+MAX_SHAPE_BYTES = 128
+"""Longest iteration shape (StepMark.shape, UTF-8 bytes) a session may name."""

@@ -42,12 +42,13 @@ queued again at its next step.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
@@ -64,6 +65,7 @@ from tidalpoold.sessions import PlanFootprint, Session
 from tidalpoold.settings import Settings
 
 if TYPE_CHECKING:
+    from tidalcore.events import Events
     from tidalplan.paged import PagedPlan
     from tidalplan.placed import Combined
 
@@ -138,33 +140,33 @@ def _import_planner() -> None:
 
 
 class Turns:
-    """Sessions waiting for the planning thread, served in turn by uid: the next is the oldest
-    waiting session of the uid served longest ago. One uid's many sessions (a client attaching
-    again and again with new traces) wait behind each other, never in front of another uid's:
-    a session waits at most one plan of each other uid with sessions waiting."""
+    """Sessions' iteration shapes waiting for the planning thread, served in turn by uid: the
+    next is the oldest waiting of the uid served longest ago. One uid's many sessions (a client
+    attaching again and again with new traces) or shapes wait behind each other, never in front
+    of another uid's: a plan waits at most one plan of each other uid with plans waiting."""
 
     def __init__(self) -> None:
-        self._by_uid: OrderedDict[int, deque[Session]] = OrderedDict()
+        self._by_uid: OrderedDict[int, deque[tuple[Session, str]]] = OrderedDict()
         self._ready = threading.Condition()
         self._closed = False
 
-    def put(self, session: Session) -> None:
+    def put(self, session: Session, shape: str = "") -> None:
         with self._ready:
-            self._by_uid.setdefault(session.uid, deque()).append(session)
+            self._by_uid.setdefault(session.uid, deque()).append((session, shape))
             self._ready.notify()
 
-    def take(self) -> Session | None:
-        """The next session to plan (blocks while none waits); None once closed."""
+    def take(self) -> tuple[Session, str] | None:
+        """The next session and shape to plan (blocks while none waits); None once closed."""
         with self._ready:
             self._ready.wait_for(lambda: self._closed or bool(self._by_uid))
             if self._closed:
                 return None
             uid, waiting = next(iter(self._by_uid.items()))
-            session = waiting.popleft()
+            taken = waiting.popleft()
             del self._by_uid[uid]
             if waiting:  # its next one waits behind every other uid's
                 self._by_uid[uid] = waiting
-            return session
+            return taken
 
     def waiting(self) -> int:
         with self._ready:
@@ -196,7 +198,7 @@ class PlanWorker:
         self.on_planned = on_planned
         self.cache = PlanCache(settings.plan_cache_dir, settings.plan_cache_bytes)
         self._turns = Turns()
-        self._queued: set[str] = set()
+        self._queued: set[tuple[str, str]] = set()  # (session id, shape) queued or planned
         self._lock = threading.Lock()
         self._next_plan_id = 1
         self.plans_made = 0
@@ -210,19 +212,35 @@ class PlanWorker:
 
     def _run(self) -> None:
         _import_planner()  # off the start, before the first plan needs it
-        while (session := self._turns.take()) is not None:
-            self._plan_quietly(session)
+        while (taken := self._turns.take()) is not None:
+            self._plan_quietly(*taken)
 
-    def on_step(self, session: Session) -> None:
-        """Called after each step mark; queues the session once it has enough iterations."""
-        after = self.settings.plan_after_iterations
-        if not after or session.trace.iterations_seen < after:
-            return
+    def on_step(
+        self, session: Session, ended: str | None = None, forgotten: Sequence[str] = ()
+    ) -> None:
+        """Called after each step mark, which ended an iteration of shape `ended` and made the
+        session forget `forgotten` (`TraceStore.step`): queues each shape of the session once
+        it has marked `plan_after_iterations` iterations, one of them whole (a session of one
+        shape: as soon as it has marked them). A forgotten shape is planned again if it
+        comes back."""
         with self._lock:
-            if session.id in self._queued:
-                return
-            self._queued.add(session.id)
-        self._turns.put(session)
+            for shape in forgotten:
+                self._queued.discard((session.id, shape))
+        after = self.settings.plan_after_iterations
+        if not after:
+            return
+        current = session.trace.shapes.current
+        for shape in {s for s in (ended, current) if s is not None}:
+            count = session.trace.shape_counts(shape)
+            if count is None or count.marks < after:
+                continue
+            if count.whole < 1 and len(session.trace.shapes.counts) > 1:
+                continue
+            with self._lock:
+                if (session.id, shape) in self._queued:
+                    continue
+                self._queued.add((session.id, shape))
+            self._turns.put(session, shape)
 
     def _budget(self, started: float) -> float:
         """What is left of a plan's `plan_deadline_s` once it started at `started`
@@ -238,16 +256,18 @@ class PlanWorker:
         """Plan no more: the sessions waiting are dropped; a plan being made ends as it will."""
         self._turns.close()
 
-    def _plan_quietly(self, session: Session) -> None:
-        """`plan(session)`; a plan that fails leaves the session learning, logged
+    def _plan_quietly(self, session: Session, shape: str = "") -> None:
+        """`plan(session, shape)`; a plan that fails leaves the session learning, logged
         (`plan.failed`) and told why on its stream (`PlanUnavailable`, kind "failed")."""
         try:
-            self.plan(session)
+            self.plan(session, shape)
         except Exception as e:
             self.plans_failed += 1
             why = " ".join(f"{type(e).__name__}: {e}".split())  # one line
-            log.warning("plan.failed", extra={"session": session.id, "why": why})
-            told = PlanUnavailable(session.swap_limit, unplanned.FAILED, f"planning failed: {why}")
+            log.warning("plan.failed", extra={"session": session.id, "shape": shape, "why": why})
+            told = PlanUnavailable(
+                session.swap_limit, unplanned.FAILED, f"planning failed: {why}", shape=shape
+            )
             session.outbox.put(pool_pb2.ServerMessage(unplanned=told.message()))
 
     def make(
@@ -419,19 +439,20 @@ class PlanWorker:
             return None
         return made
 
-    def plan(self, session: Session) -> pool_pb2.PlanUpdate | None:
-        """Plan `session`'s steady iteration and put the plan on its stream; None (and the
-        session keeps learning) when its plan does not fit its swap limit or device lease,
-        which the stream is told once, with why (`PlanUnavailable`, see `unavailable`). A
-        paged session's plan is made by `_plan_paged`."""
+    def plan(self, session: Session, shape: str = "") -> pool_pb2.PlanUpdate | None:
+        """Plan `session`'s steady iteration of `shape` (`of_shape`) and put the plan on its
+        stream, tagged with the shape; None (and the session keeps learning) when its plan does
+        not fit its swap limit or device lease, which the stream is told once, with why
+        (`PlanUnavailable`, see `unavailable`). A paged session's plan is made by
+        `_plan_paged`."""
         from tidalcore.events import Events
-        from tidalplan.learn import extract, to_problem
+        from tidalplan.learn import to_problem
         from tidalplan.placement import lower_bound
 
         started = time.perf_counter()
         trace = session.trace
         events = Events.concat(list(trace.chunks), dict(trace.names))
-        iteration = extract(events, events.marks())
+        iteration = of_shape(events, shape)
         cap = self.settings.max_plan_allocations
         if len(iteration.blocks) > cap:
             self.plans_too_large += 1
@@ -444,11 +465,11 @@ class PlanWorker:
                 "plan.too_large",
                 extra={"session": session.id, "allocations": len(iteration.blocks), "cap": cap},
             )
-            told = PlanUnavailable(session.swap_limit, unplanned.TOO_LARGE, reason)
+            told = PlanUnavailable(session.swap_limit, unplanned.TOO_LARGE, reason, shape=shape)
             session.outbox.put(pool_pb2.ServerMessage(unplanned=told.message()))
             return None
         if session.page_bytes:
-            return self._plan_paged(session, iteration, started)
+            return self._plan_paged(session, shape, iteration, started)
         made = self.make(
             iteration,
             session.swap_limit,
@@ -459,9 +480,10 @@ class PlanWorker:
             budget_s=self._budget(started),
         )
         if isinstance(made, Unfit):
-            self._tell_unfit(session, made, iteration)
+            self._tell_unfit(session, shape, made, iteration)
             return None
         plan = made.update
+        plan.shape = shape
         bound = lower_bound(to_problem(made.checked.pieces, ALIGNMENT)[0])
         about = {
             "height": plan.height_bytes,
@@ -501,6 +523,7 @@ class PlanWorker:
             extra={
                 "session": session.id,
                 "plan": plan.plan_id,
+                "shape": plan.shape,
                 "source": source,
                 "allocations": len(plan.sizes),
                 **about,
@@ -511,7 +534,7 @@ class PlanWorker:
             },
         )
 
-    def _tell_unfit(self, session: Session, made: Unfit, iteration: Iteration) -> None:
+    def _tell_unfit(self, session: Session, shape: str, made: Unfit, iteration: Iteration) -> None:
         """Count and log an unfit plan (`plan.unfit`) and tell the session why (`unavailable`)."""
         self.plans_unfit += 1
         log.warning(
@@ -526,10 +549,11 @@ class PlanWorker:
             },
         )
         told = unavailable(made, iteration, self.swap_gbps(session))
+        told = dataclasses.replace(told, shape=shape)
         session.outbox.put(pool_pb2.ServerMessage(unplanned=told.message()))
 
     def _plan_paged(
-        self, session: Session, iteration: Iteration, started: float
+        self, session: Session, shape: str, iteration: Iteration, started: float
     ) -> pool_pb2.PlanUpdate | None:
         """`plan` for a session under virtual residency: its paged plan, its persistent blocks
         where its latest step mark put them; None when one of them is not there (the session
@@ -546,7 +570,7 @@ class PlanWorker:
                 },
             )
             with self._lock:
-                self._queued.discard(session.id)
+                self._queued.discard((session.id, shape))
             return None
         made = self.make_paged(
             iteration,
@@ -560,13 +584,31 @@ class PlanWorker:
             budget_s=self._budget(started),
         )
         if isinstance(made, Unfit):
-            self._tell_unfit(session, made, iteration)
+            self._tell_unfit(session, shape, made, iteration)
             return None
         plan = made.update
+        plan.shape = shape
         peak = plan.mapped_peak_bytes
         about = {"page": plan.page_bytes, "region": plan.region_bytes, "mapped_peak": peak}
         self._send(session, plan, made.source, PlanFootprint(peak, peak), started, about)
         return plan
+
+
+def of_shape(events: Events, shape: str) -> Iteration:
+    """The steady iteration of `shape` in a session's trace (an iteration's shape is the name
+    of the ITER event that begins it, "" for none): where every iteration held is of that shape
+    (a session of one shape), `learn.extract`'s (the last whole one, or one found by its
+    repeats); else the last whole iteration of that shape. NoIteration if there is none."""
+    from tidalplan.learn import NoIteration, extract
+
+    marks = events.marks()
+    shapes = [events.names.get(int(events.name_ids[m]), "") for m in marks]
+    if all(s == shape for s in shapes):
+        return extract(events, marks)
+    whole = [k for k in range(len(marks) - 1) if shapes[k] == shape]
+    if not whole:
+        raise NoIteration(f"the trace held has no whole iteration of shape {shape!r}")
+    return extract(events, marks[: whole[-1] + 2])
 
 
 def placed_by_session(

@@ -100,6 +100,7 @@ class PoolService:
             lease=lease_message(session, self.registry.backend),
             heartbeat_interval_ms=int(s.heartbeat_interval_s * 1000),
             trace_chunk_events=s.trace_chunk_events,
+            plan_shapes=s.max_plan_shapes,
         )
 
     def session(
@@ -167,12 +168,12 @@ class PoolService:
             self.registry.touch(session)
         elif body == "step":
             live = live_blocks(session, msg.step)
-            session.trace.step(msg.step)
+            ended, forgotten = session.trace.step(msg.step)
             if live is not None:
                 session.live_at = live
             self.registry.touch(session)
             if self.planner is not None:
-                self.planner.on_step(session)
+                self.planner.on_step(session, ended, forgotten)
         else:
             raise InvalidArgument("client message has no body (heartbeat, trace or step)")
 

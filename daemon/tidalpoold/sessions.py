@@ -332,7 +332,7 @@ class Registry:
                 uid=uid,
                 device=device,
                 host=host,
-                trace=TraceStore(s.max_trace_events, s.max_trace_name_bytes),
+                trace=TraceStore(s.max_trace_events, s.max_trace_name_bytes, s.max_plan_shapes),
                 created=self.clock(),
             )
             self._by_id[session.id] = session

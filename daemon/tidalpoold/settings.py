@@ -372,6 +372,14 @@ class Settings:
             " with them); a session whose iteration makes more is told so and runs unplanned",
         ),
     )
+    max_plan_shapes: int = field(
+        default=8,
+        metadata=_about(
+            _INT,
+            "the most iteration shapes (step(shape=)) a session gets a plan for at once; a"
+            " shape stepped into past them forgets the least recently stepped one",
+        ),
+    )
     plan_cache_dir: Path = field(
         default=Path("/var/cache/tidalpool"),
         metadata=_about(
@@ -514,6 +522,8 @@ def _problems(s: Settings) -> Iterator[tuple[str, str, str | None]]:
         )
     if s.max_plan_allocations < 1:
         yield "max_plan_allocations", "must be at least 1", None
+    if not 1 <= s.max_plan_shapes <= 1024:
+        yield "max_plan_shapes", "must be between 1 and 1024", None
     if s.plan_cache_bytes <= 0:
         yield "plan_cache_bytes", "must be positive", None
     if not 1 <= s.trace_chunk_events <= 1_000_000:

@@ -13,6 +13,8 @@ What one session can make the daemon hold here is bounded:
              chunks are stored merged (a slow client flushes a few events every 10 ms)
     names    ≤ max_name_bytes, each name counting its UTF-8 bytes plus NAME_ENTRY_BYTES
              (its string, its id and its slot in the table); a name is at most MAX_NAME_BYTES
+    shapes   the counts of at most `max_shapes` iteration shapes (`Shapes`; a shape is
+             also the name of its ITER events, among the names above)
 
 so at most `bound_bytes(max_events, max_name_bytes)` per session (122 MB with the
 defaults), and max_sessions times that in all. The store is read by the planner's thread
@@ -22,14 +24,15 @@ while its session's reader adds to it: both go through one lock, readers get cop
 from __future__ import annotations
 
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import numpy.typing as npt
 from tidalcore.errors import InvalidArgument
 from tidalcore.v1 import pool_pb2
+from tidalcore.wire import MAX_SHAPE_BYTES
 
 _MAX_KIND = max(pool_pb2.EventKind.values())
 
@@ -77,6 +80,43 @@ def bound_bytes(max_events: int, max_name_bytes: int) -> int:
     return max_events * EVENT_BYTES + chunks * CHUNK_BYTES + max_name_bytes
 
 
+@dataclass(slots=True)
+class ShapeCount:
+    """Of one iteration shape: the step marks that began one, and the iterations that ended
+    (the next mark came)."""
+
+    marks: int = 0
+    whole: int = 0
+
+
+@dataclass(slots=True)
+class Shapes:
+    """The iteration shapes a session's step marks name (StepMark.shape): the counts of the
+    `max_shapes` shapes stepped into most recently; a shape stepped into past those forgets
+    the least recent one (`forgotten` says which, for the planner)."""
+
+    max_shapes: int
+    counts: OrderedDict[str, ShapeCount] = field(default_factory=OrderedDict)
+    current: str | None = None  # the shape of the latest mark's iteration
+
+    def step(self, shape: str) -> tuple[str | None, list[str]]:
+        """Count a mark beginning an iteration of `shape`: the shape whose iteration it ends
+        (None: the first mark, or one forgotten), and the shapes forgotten to make room."""
+        ended = self.current
+        if ended is not None and ended in self.counts:
+            self.counts[ended].whole += 1
+        else:
+            ended = None
+        forgotten: list[str] = []
+        count = self.counts.pop(shape, None)
+        while count is None and len(self.counts) >= self.max_shapes:
+            forgotten.append(self.counts.popitem(last=False)[0])
+        self.counts[shape] = count = count or ShapeCount()
+        count.marks += 1
+        self.current = shape
+        return ended, forgotten
+
+
 def decode_chunk(msg: pool_pb2.TraceChunk) -> Chunk:
     """Check a chunk's columns and turn them into arrays (InvalidArgument if malformed)."""
     n = len(msg.kinds)
@@ -118,7 +158,9 @@ class TraceStore:
     """The events one session has sent, oldest dropped beyond `max_events`, and the op names
     it defined, at most `max_name_bytes` of them (see `name_cost`)."""
 
-    def __init__(self, max_events: int, max_name_bytes: int = DEFAULT_NAME_BYTES) -> None:
+    def __init__(
+        self, max_events: int, max_name_bytes: int = DEFAULT_NAME_BYTES, max_shapes: int = 8
+    ) -> None:
         self.max_events = max_events
         self.max_name_bytes = max_name_bytes
         self._chunks: deque[Chunk] = deque()
@@ -126,6 +168,7 @@ class TraceStore:
         self.name_bytes = 0  # sum of name_cost over the names defined
         self.events_received = 0  # all events ever accepted, dropped ones included
         self.iterations_seen = 0
+        self.shapes = Shapes(max_shapes)
         self._held = 0
         self._lock = threading.Lock()
 
@@ -197,13 +240,28 @@ class TraceStore:
         while self._held > self.max_events and len(self._chunks) > 1:
             self._held -= len(self._chunks.popleft())
 
-    def step(self, mark: pool_pb2.StepMark) -> None:
+    def step(self, mark: pool_pb2.StepMark) -> tuple[str | None, list[str]]:
+        """Count a step mark (InvalidArgument, nothing counted, if it is malformed): the shape
+        whose iteration it ends and the shapes forgotten, as `Shapes.step`."""
         if mark.events_before > self.events_received:
             raise InvalidArgument(
                 f"step mark after event {mark.events_before}, but only "
                 f"{self.events_received} events were sent"
             )
-        self.iterations_seen += 1
+        size = len(mark.shape.encode())
+        if size > MAX_SHAPE_BYTES:
+            raise InvalidArgument(
+                f"step mark's shape is {size} bytes, longer than {MAX_SHAPE_BYTES}"
+            )
+        with self._lock:
+            self.iterations_seen += 1
+            return self.shapes.step(mark.shape)
+
+    def shape_counts(self, shape: str) -> ShapeCount | None:
+        """The counts of `shape` (a copy), None if it is not among those kept."""
+        with self._lock:
+            count = self.shapes.counts.get(shape)
+            return None if count is None else ShapeCount(count.marks, count.whole)
 
     @property
     def events_held(self) -> int:

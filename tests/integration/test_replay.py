@@ -337,6 +337,7 @@ def test_a_plan_the_daemon_cannot_make_ends_the_wait_with_its_reason(
         "kind": "no_schedule",
         "reason": reason,
         "lowest_limit_bytes": 0,
+        "shape": "",
     }
     assert got["outcome"] == f"the daemon cannot plan this session: {reason}"
     assert captured.err.splitlines()[-1] == f"tidalpool replay: {got['outcome']}"

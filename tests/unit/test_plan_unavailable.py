@@ -4,6 +4,8 @@ line a person reads, and how a client's stream reader and session keep it until 
 from __future__ import annotations
 
 import logging
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -117,6 +119,8 @@ def bare_session() -> Session:
     s.id, s.executor = "s-test", Executor()  # type: ignore[assignment]
     s.plans_received = s.plans_rejected = 0
     s.plan, s.plan_unavailable = None, None
+    s._shapes_lock, s._shape = threading.Lock(), ""
+    s._plans, s._recent = OrderedDict(), OrderedDict()
     return s
 
 

@@ -476,7 +476,7 @@ def test_the_planner_serves_uids_in_turn() -> None:
     turns.put(_Waiting("b1", 2))  # type: ignore[arg-type]
     turns.put(_Waiting("c1", 3))  # type: ignore[arg-type]
     turns.put(_Waiting("c2", 3))  # type: ignore[arg-type]
-    order = [turns.take().id for _ in range(8)]  # type: ignore[union-attr]
+    order = [turns.take()[0].id for _ in range(8)]  # type: ignore[index]
     assert order == ["a1", "b1", "c1", "a2", "c2", "a3", "a4", "a5"]
     assert turns.waiting() == 0
     turns.close()

@@ -105,6 +105,7 @@ def test_describe_is_json_friendly() -> None:
         "plan_time_limit_s": 5.0,
         "plan_deadline_s": 30.0,
         "max_plan_allocations": 30_000,
+        "max_plan_shapes": 8,
         "plan_cache_dir": "/var/cache/tidalpool",
         "plan_cache_bytes": 256 * MiB,
         "grpc_socket": "/tmp/tp/tidalpool.sock",

@@ -99,7 +99,8 @@ class Executor(Protocol):
     Blocks: `malloc` (LeaseExceeded when there is no room), `try_malloc` (None instead: the
     hot path's "does not fit" is a value), `free`, `offset` (where its bytes are now).
     Iterations: `step` marks a boundary (a plan installed by `install_plan` takes over at
-    one) and returns the new iteration's number.
+    one; `install_plan(None)`: allocations are placed online again from one, as before any
+    plan, for an iteration of a shape that has none) and returns the new iteration's number.
     """
 
     @property
@@ -133,7 +134,7 @@ class Executor(Protocol):
 
     def step(self) -> int: ...
 
-    def install_plan(self, plan: Plan) -> None: ...
+    def install_plan(self, plan: Plan | None) -> None: ...
 
     def stats(self) -> ExecutorStats: ...
 

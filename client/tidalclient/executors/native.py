@@ -34,7 +34,7 @@ from tidalclient.executors.base import (
     size_text,
 )
 from tidalclient.hotpath import EVENT_DTYPE, HotPath, NativeError, NativeStats, forward
-from tidalclient.plans import Plan, PlanRejected
+from tidalclient.plans import Plan, PlanRejected, PlanTable
 from tidalclient.recorder import Recorder
 
 log = logging.getLogger("tidalpool")
@@ -90,6 +90,7 @@ class NativeExecutor:
         self._closed = False
         self._final: NativeStats | None = None  # the counters when the session ended
         self._warned_overflow = False
+        self._installed = False  # a plan was handed to the table
 
     def connect(self, recorder: Recorder) -> None:
         """Send the trace to `recorder`: its thread pulls the ring before each of its drains."""
@@ -128,17 +129,24 @@ class NativeExecutor:
         ring, in order with the framework's allocations)."""
         return self.hotpath.step()
 
-    def install_plan(self, plan: Plan) -> None:
+    def install_plan(self, plan: Plan | None) -> None:
         """Hand a plan's placement to the native table (it takes over at a later step);
         PlanRejected when it does not suit the lease, or when it swaps or recomputes: the
         framework holds its tensors' addresses, so the allocator executes a placement and
-        nothing else, and a plan is executed whole or not at all (docs/native.md)."""
+        nothing else, and a plan is executed whole or not at all (docs/native.md). None: a
+        plan of no slots, so every allocation is placed online (and counted a miss, which
+        abandons it at the step after `max_misses`: learning), where a plan was handed before."""
+        if plan is None:
+            if self._installed:
+                self.hotpath.install_plan(PlanTable.build(0, [], [], 0, self.alignment))
+            return
         if plan.swaps or plan.recomputes:
             raise PlanRejected(
                 f"plan {plan.plan_id} swaps or recomputes blocks, which the native allocator"
                 " cannot do (a native session has no swap limit)"
             )
         self.hotpath.install_plan(plan.table)
+        self._installed = True
 
     # -- blocks Python code allocates: through the same hot path as the framework's ------
     def malloc(self, nbytes: int) -> Block:

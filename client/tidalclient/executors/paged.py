@@ -151,6 +151,7 @@ class Paged:
         self._tick = 0  # events (mallocs, frees, ops) of this iteration so far
         self._iter_ids: list[int] = []  # this iteration's blocks by allocation index
         self._pending_plan: Plan | None = None  # from the connection's thread
+        self._online = False  # install_plan(None): no plan from the next step
         self._plan: Plan | None = None
         self._schedule: OpSchedule | None = None
         self._waiting_ins: list[int] = []  # swaps issued whose pages did not fit yet
@@ -508,8 +509,11 @@ class Paged:
         self._op_index += 1
 
     # -- iterations and plans ----------------------------------------------------------------
-    def install_plan(self, plan: Plan) -> None:
-        """Run this plan from the next `step()` on. Thread-safe: it only replaces a value."""
+    def install_plan(self, plan: Plan | None) -> None:
+        """Run this plan from the next `step()` on (the plan in use again: where it is); None:
+        place online (learning) from the next `step()` on. Thread-safe: it only replaces
+        values."""
+        self._online = plan is None  # before the plan: a step that takes the plan sees this
         self._pending_plan = plan
 
     def _region_for(self, plan: Plan) -> int | str:
@@ -540,7 +544,12 @@ class Paged:
 
     def step(self) -> int:
         plan, self._pending_plan = self._pending_plan, None
-        if plan is not None:
+        if self._online:
+            self._online = False
+            self._plan = self._schedule = None
+        elif plan is not None and plan is self._plan:
+            pass  # the plan in use, given again (its shape came back): it stays where it is
+        elif plan is not None:
             base = self._region_for(plan)
             if isinstance(base, str):
                 self.plans_refused += 1

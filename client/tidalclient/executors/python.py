@@ -46,6 +46,7 @@ class PythonExecutor:
         "_live_bytes",
         "_mallocs",
         "_next_id",
+        "_online",
         "_peak_live_bytes",
         "_pending",
         "_record",
@@ -76,6 +77,7 @@ class PythonExecutor:
         self._frees = 0
         self._arena: Arena | None = None  # the plan in use (or draining)
         self._pending: PlanTable | None = None  # a plan to switch to at the next iteration
+        self._online = False  # leave the plan in use at the next iteration (install_plan(None))
         self._high_water = 0  # highest lease byte handed out in this iteration
         self.last_footprint = 0  # the same, for the last complete iteration
         self.max_iteration_misses = 8  # more misses than this in one iteration: back to learning
@@ -227,10 +229,12 @@ class PythonExecutor:
         return align_up(arena.table.height, self._fit.alignment) if arena is not None else 0
 
     # -- iterations ---------------------------------------------------------------------
-    def install_plan(self, plan: Plan) -> None:
-        """Use this plan's placement from the next `step()` on (when its arena fits); its swaps
-        are for an adaptor that swaps."""
-        self._pending = plan.table
+    def install_plan(self, plan: Plan | None) -> None:
+        """Use this plan's placement from the next `step()` on (when its arena fits; the plan's
+        arena still held from before is used again at once); its swaps are for an adaptor that
+        swaps. None: place online (learning) from the next `step()` on."""
+        self._pending = plan.table if plan is not None else None
+        self._online = plan is None
 
     def step(self) -> int:
         """An iteration boundary: judge the plan in use, switch to a pending one, reset the
@@ -245,6 +249,16 @@ class PythonExecutor:
             self.plan_fallbacks += 1
             if not arena.live:
                 self._drop_arena()
+        if self._online:
+            self._online = False
+            if arena is not None and arena.active:
+                arena.active = False  # as a fallback, but asked for
+                if not arena.live:
+                    self._drop_arena()
+        pending, arena = self._pending, self._arena
+        if pending is not None and arena is not None and pending.plan_id == arena.table.plan_id:
+            arena.active = True  # the same plan again: its arena, held, serves it
+            self._pending = None
         if self._pending is not None and (self._arena is None or not self._arena.live):
             if self._arena is not None:
                 self._drop_arena()

@@ -174,6 +174,7 @@ class Swapping:
         self._schedule: OpSchedule | None = None
         self._pending_schedule: OpSchedule | None = None  # a schedule alone (placement unused)
         self._pending_plan: Plan | None = None  # from the connection's thread
+        self._online = False  # install_plan(None): no plan from the next step
         self._staged: tuple[int, OpSchedule | None, int] | None = None  # plan id, schedule, height
         self._table: PlanTable | None = None  # of the plan executed: slots' overlaps
         self._fences: dict[int, Completion] = {}  # slot -> copy out still reading its bytes
@@ -359,9 +360,11 @@ class Swapping:
         self.inner.close()
 
     # -- iterations and plans ------------------------------------------------------------------
-    def install_plan(self, plan: Plan) -> None:
-        """Execute this plan from a coming `step()` on (see the module doc). Thread-safe
-        against the training thread: it only replaces a pending value."""
+    def install_plan(self, plan: Plan | None) -> None:
+        """Execute this plan from a coming `step()` on (see the module doc); None: no plan
+        from the next `step()` on (the LRU cache, as before a plan). Thread-safe against the
+        training thread: it only replaces pending values."""
+        self._online = plan is None  # before the plan: a step that takes the plan sees this
         self._pending_plan = plan
 
     def install_schedule(self, swaps: Sequence[ScheduledSwap]) -> None:
@@ -370,7 +373,12 @@ class Swapping:
 
     def step(self) -> int:
         plan, self._pending_plan = self._pending_plan, None
-        if plan is not None:
+        if self._online:
+            self._online = False
+            self._schedule = self._pending_schedule = None
+            self._staged = None
+            self.inner.install_plan(None)
+        elif plan is not None:
             self._stage(plan)
         if self._staged is not None:
             self._make_room(self._staged[2], self._staged[1])

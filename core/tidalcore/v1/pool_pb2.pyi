@@ -40,16 +40,18 @@ class AttachRequest(_message.Message):
     def __init__(self, client_version: _Optional[str] = ..., pid: _Optional[int] = ..., swap_limit_bytes: _Optional[int] = ..., copy_gbps: _Optional[float] = ..., page_bytes: _Optional[int] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("session_id", "lease", "heartbeat_interval_ms", "trace_chunk_events")
+    __slots__ = ("session_id", "lease", "heartbeat_interval_ms", "trace_chunk_events", "plan_shapes")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     TRACE_CHUNK_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_SHAPES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     lease: _common_pb2.Lease
     heartbeat_interval_ms: int
     trace_chunk_events: int
-    def __init__(self, session_id: _Optional[str] = ..., lease: _Optional[_Union[_common_pb2.Lease, _Mapping]] = ..., heartbeat_interval_ms: _Optional[int] = ..., trace_chunk_events: _Optional[int] = ...) -> None: ...
+    plan_shapes: int
+    def __init__(self, session_id: _Optional[str] = ..., lease: _Optional[_Union[_common_pb2.Lease, _Mapping]] = ..., heartbeat_interval_ms: _Optional[int] = ..., trace_chunk_events: _Optional[int] = ..., plan_shapes: _Optional[int] = ...) -> None: ...
 
 class ClientMessage(_message.Message):
     __slots__ = ("heartbeat", "trace", "step")
@@ -111,18 +113,20 @@ class TraceChunk(_message.Message):
     def __init__(self, first_event: _Optional[int] = ..., kinds: _Optional[_Iterable[_Union[EventKind, str]]] = ..., block_ids: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ..., durations_ns: _Optional[_Iterable[int]] = ..., name_ids: _Optional[_Iterable[int]] = ..., new_names: _Optional[_Mapping[int, str]] = ...) -> None: ...
 
 class StepMark(_message.Message):
-    __slots__ = ("iteration", "events_before", "live_block_ids", "live_addresses", "live_owning")
+    __slots__ = ("iteration", "events_before", "live_block_ids", "live_addresses", "live_owning", "shape")
     ITERATION_FIELD_NUMBER: _ClassVar[int]
     EVENTS_BEFORE_FIELD_NUMBER: _ClassVar[int]
     LIVE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     LIVE_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     LIVE_OWNING_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
     iteration: int
     events_before: int
     live_block_ids: _containers.RepeatedScalarFieldContainer[int]
     live_addresses: _containers.RepeatedScalarFieldContainer[int]
     live_owning: _containers.RepeatedScalarFieldContainer[bool]
-    def __init__(self, iteration: _Optional[int] = ..., events_before: _Optional[int] = ..., live_block_ids: _Optional[_Iterable[int]] = ..., live_addresses: _Optional[_Iterable[int]] = ..., live_owning: _Optional[_Iterable[bool]] = ...) -> None: ...
+    shape: str
+    def __init__(self, iteration: _Optional[int] = ..., events_before: _Optional[int] = ..., live_block_ids: _Optional[_Iterable[int]] = ..., live_addresses: _Optional[_Iterable[int]] = ..., live_owning: _Optional[_Iterable[bool]] = ..., shape: _Optional[str] = ...) -> None: ...
 
 class ServerMessage(_message.Message):
     __slots__ = ("plan", "quota", "error", "goodbye", "unplanned")
@@ -139,7 +143,7 @@ class ServerMessage(_message.Message):
     def __init__(self, plan: _Optional[_Union[PlanUpdate, _Mapping]] = ..., quota: _Optional[_Union[QuotaChange, _Mapping]] = ..., error: _Optional[_Union[SessionError, _Mapping]] = ..., goodbye: _Optional[_Union[Goodbye, _Mapping]] = ..., unplanned: _Optional[_Union[PlanUnavailable, _Mapping]] = ...) -> None: ...
 
 class PlanUpdate(_message.Message):
-    __slots__ = ("plan_id", "signature", "sizes", "offsets", "height_bytes", "swap_blocks", "swap_persistent", "swap_out_after", "swap_in_at", "swap_in_before", "version", "swap_in_offsets", "recompute_blocks", "recompute_drop_after", "recompute_before", "limit_bytes", "resident_persistent_bytes", "prediction", "swap_in_ticks", "page_bytes", "addresses", "owning", "region_bytes", "mapped_peak_bytes")
+    __slots__ = ("plan_id", "signature", "sizes", "offsets", "height_bytes", "swap_blocks", "swap_persistent", "swap_out_after", "swap_in_at", "swap_in_before", "version", "swap_in_offsets", "recompute_blocks", "recompute_drop_after", "recompute_before", "limit_bytes", "resident_persistent_bytes", "prediction", "swap_in_ticks", "page_bytes", "addresses", "owning", "region_bytes", "mapped_peak_bytes", "shape")
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +168,7 @@ class PlanUpdate(_message.Message):
     OWNING_FIELD_NUMBER: _ClassVar[int]
     REGION_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAPPED_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
     plan_id: int
     signature: bytes
     sizes: _containers.RepeatedScalarFieldContainer[int]
@@ -188,7 +193,8 @@ class PlanUpdate(_message.Message):
     owning: _containers.RepeatedScalarFieldContainer[bool]
     region_bytes: int
     mapped_peak_bytes: int
-    def __init__(self, plan_id: _Optional[int] = ..., signature: _Optional[bytes] = ..., sizes: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., height_bytes: _Optional[int] = ..., swap_blocks: _Optional[_Iterable[int]] = ..., swap_persistent: _Optional[_Iterable[bool]] = ..., swap_out_after: _Optional[_Iterable[int]] = ..., swap_in_at: _Optional[_Iterable[int]] = ..., swap_in_before: _Optional[_Iterable[int]] = ..., version: _Optional[int] = ..., swap_in_offsets: _Optional[_Iterable[int]] = ..., recompute_blocks: _Optional[_Iterable[int]] = ..., recompute_drop_after: _Optional[_Iterable[int]] = ..., recompute_before: _Optional[_Iterable[int]] = ..., limit_bytes: _Optional[int] = ..., resident_persistent_bytes: _Optional[int] = ..., prediction: _Optional[_Union[PlanPrediction, _Mapping]] = ..., swap_in_ticks: _Optional[_Iterable[int]] = ..., page_bytes: _Optional[int] = ..., addresses: _Optional[_Iterable[int]] = ..., owning: _Optional[_Iterable[bool]] = ..., region_bytes: _Optional[int] = ..., mapped_peak_bytes: _Optional[int] = ...) -> None: ...
+    shape: str
+    def __init__(self, plan_id: _Optional[int] = ..., signature: _Optional[bytes] = ..., sizes: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., height_bytes: _Optional[int] = ..., swap_blocks: _Optional[_Iterable[int]] = ..., swap_persistent: _Optional[_Iterable[bool]] = ..., swap_out_after: _Optional[_Iterable[int]] = ..., swap_in_at: _Optional[_Iterable[int]] = ..., swap_in_before: _Optional[_Iterable[int]] = ..., version: _Optional[int] = ..., swap_in_offsets: _Optional[_Iterable[int]] = ..., recompute_blocks: _Optional[_Iterable[int]] = ..., recompute_drop_after: _Optional[_Iterable[int]] = ..., recompute_before: _Optional[_Iterable[int]] = ..., limit_bytes: _Optional[int] = ..., resident_persistent_bytes: _Optional[int] = ..., prediction: _Optional[_Union[PlanPrediction, _Mapping]] = ..., swap_in_ticks: _Optional[_Iterable[int]] = ..., page_bytes: _Optional[int] = ..., addresses: _Optional[_Iterable[int]] = ..., owning: _Optional[_Iterable[bool]] = ..., region_bytes: _Optional[int] = ..., mapped_peak_bytes: _Optional[int] = ..., shape: _Optional[str] = ...) -> None: ...
 
 class PlanPrediction(_message.Message):
     __slots__ = ("step_ns", "baseline_ns", "out_bytes", "in_bytes", "stall_ns", "peak_bytes", "footprint_bytes", "copy_gbps")
@@ -211,16 +217,18 @@ class PlanPrediction(_message.Message):
     def __init__(self, step_ns: _Optional[int] = ..., baseline_ns: _Optional[int] = ..., out_bytes: _Optional[int] = ..., in_bytes: _Optional[int] = ..., stall_ns: _Optional[int] = ..., peak_bytes: _Optional[int] = ..., footprint_bytes: _Optional[int] = ..., copy_gbps: _Optional[float] = ...) -> None: ...
 
 class PlanUnavailable(_message.Message):
-    __slots__ = ("limit_bytes", "kind", "reason", "lowest_limit_bytes")
+    __slots__ = ("limit_bytes", "kind", "reason", "lowest_limit_bytes", "shape")
     LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     LOWEST_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
     limit_bytes: int
     kind: str
     reason: str
     lowest_limit_bytes: int
-    def __init__(self, limit_bytes: _Optional[int] = ..., kind: _Optional[str] = ..., reason: _Optional[str] = ..., lowest_limit_bytes: _Optional[int] = ...) -> None: ...
+    shape: str
+    def __init__(self, limit_bytes: _Optional[int] = ..., kind: _Optional[str] = ..., reason: _Optional[str] = ..., lowest_limit_bytes: _Optional[int] = ..., shape: _Optional[str] = ...) -> None: ...
 
 class QuotaChange(_message.Message):
     __slots__ = ("device_limit_bytes", "host_limit_bytes", "reason")

@@ -1,0 +1,148 @@
+"""Iteration shapes: the daemon's counts of a session's shapes (bounded, least recent
+forgotten), the iteration it plans for each shape, the recorder's marks, and an executor
+leaving a plan for an iteration of a shape without one."""
+
+from __future__ import annotations
+
+import pytest
+from tidalclient.executors.python import PythonExecutor
+from tidalclient.plans import Plan, PlanTable
+from tidalclient.recorder import Recorder
+from tidalcore.errors import InvalidArgument
+from tidalcore.events import ALLOC, FREE, ITER, OP, Events
+from tidalcore.v1 import pool_pb2
+from tidalplan.learn import NoIteration, extract
+from tidalpoold.plan_worker import of_shape
+from tidalpoold.trace import TraceStore
+
+
+def mark(store: TraceStore, n: int, shape: str) -> tuple[str | None, list[str]]:
+    return store.step(pool_pb2.StepMark(iteration=n, shape=shape))
+
+
+def test_the_store_counts_each_shapes_marks_and_whole_iterations() -> None:
+    store = TraceStore(1000)
+    assert mark(store, 1, "a") == (None, [])
+    assert mark(store, 2, "b") == ("a", [])
+    assert mark(store, 3, "a") == ("b", [])
+    a, b = store.shape_counts("a"), store.shape_counts("b")
+    assert a is not None and (a.marks, a.whole) == (2, 1)
+    assert b is not None and (b.marks, b.whole) == (1, 1)
+    assert store.shape_counts("c") is None
+    assert store.iterations_seen == 3
+
+
+def test_a_shape_past_the_bound_forgets_the_least_recently_stepped() -> None:
+    store = TraceStore(1000, max_shapes=2)
+    for n, shape in enumerate(["a", "b", "a"], 1):
+        mark(store, n, shape)
+    assert mark(store, 4, "c") == ("a", ["b"])  # a was stepped into after b
+    assert store.shape_counts("b") is None
+    assert mark(store, 5, "b") == ("c", ["a"])
+    b = store.shape_counts("b")
+    assert b is not None and (b.marks, b.whole) == (1, 0)  # counted afresh
+
+
+def test_a_shape_too_long_is_refused_and_nothing_is_counted() -> None:
+    store = TraceStore(1000)
+    with pytest.raises(InvalidArgument, match="step mark's shape is 129 bytes, longer than 128"):
+        mark(store, 1, "x" * 129)
+    assert store.iterations_seen == 0
+    assert store.shapes.counts == {}
+
+
+class Stream:
+    """Events as a session sends them: iteration marks named by their shape."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, int, int, int, int]] = []
+        self.names: dict[str, int] = {}
+        self.next_id = 1
+        self.iterations = 0
+
+    def name(self, text: str) -> int:
+        return self.names.setdefault(text, len(self.names) + 1)
+
+    def iteration(self, shape: str, size: int) -> Stream:
+        """A mark, then one block of `size` bytes around one op."""
+        self.rows.append((ITER, self.iterations, 0, 0, self.name(shape) if shape else 0))
+        self.iterations += 1
+        block, self.next_id = self.next_id, self.next_id + 1
+        self.rows.append((ALLOC, block, size, 0, 0))
+        self.rows.append((OP, 0, 0, 1000, self.name("op")))
+        self.rows.append((FREE, block, 0, 0, 0))
+        return self
+
+    def events(self) -> Events:
+        columns = list(zip(*self.rows, strict=True))
+        return Events(*columns, names={v: k for k, v in self.names.items()})
+
+
+def test_each_shape_is_planned_from_its_last_whole_iteration() -> None:
+    s = Stream()
+    for size in (64, 128, 96, 64, 128, 96, 64):
+        s.iteration(str(size), size)
+    events = s.events()
+    for size in (64, 128, 96):
+        it = of_shape(events, str(size))
+        assert [b.size for b in it.blocks] == [size]
+    # The last 64 has not ended: the one before it is taken.
+    assert of_shape(events, "64").index == 3
+    with pytest.raises(NoIteration, match="no whole iteration of shape '32'"):
+        of_shape(events, "32")
+
+
+def test_a_session_of_one_shape_is_planned_as_ever() -> None:
+    s = Stream()
+    for _ in range(4):
+        s.iteration("", 64)
+    events = s.events()
+    assert of_shape(events, "") == extract(events, events.marks())
+
+
+def test_the_recorder_names_each_mark_with_the_shape_expected_for_it() -> None:
+    sent: list[pool_pb2.ClientMessage] = []
+    recorder = Recorder(sent.append, period_s=60)
+    try:
+        recorder.expect("train")
+        recorder.expect("eval")
+        for n in (1, 2, 3):  # the third was expected with no shape
+            recorder.step(n)
+        recorder.flush()
+    finally:
+        recorder.close()
+    marks = [m.step for m in sent if m.WhichOneof("body") == "step"]
+    assert [(m.iteration, m.shape) for m in marks] == [(1, "train"), (2, "eval"), (3, "")]
+    (chunk,) = [m.trace for m in sent if m.WhichOneof("body") == "trace"]
+    assert [chunk.new_names.get(i, "") for i in chunk.name_ids] == ["train", "eval", ""]
+
+
+def plan(plan_id: int, sizes: list[int]) -> Plan:
+    offsets, at = [], 0
+    for size in sizes:
+        offsets.append(at)
+        at += size
+    return Plan(PlanTable.build(plan_id, sizes, offsets, at, 256))
+
+
+def test_an_executor_leaves_its_plan_for_an_unplanned_shape_and_takes_it_up_again() -> None:
+    ex = PythonExecutor(1 << 20)
+    a = plan(1, [1024, 2048])
+    ex.install_plan(a)
+    ex.step()
+    x, y = ex.malloc(1024), ex.malloc(2048)
+    assert ex.mode == "planned"
+    base = x.offset
+    ex.free(x)
+    ex.free(y)
+    ex.install_plan(None)  # the next iteration's shape has no plan
+    ex.step()
+    z = ex.malloc(4096)
+    assert ex.mode == "learning"
+    ex.free(z)
+    ex.install_plan(a)  # back to the first shape
+    ex.step()
+    x = ex.malloc(1024)
+    assert ex.mode == "planned" and x.offset == base
+    stats = ex.stats()
+    assert (stats.plan_hits, stats.plan_misses) == (3, 0)
