@@ -8,8 +8,10 @@ Trace CSV v1 (`*.trace.csv`), one event a line in program order after the header
     read,B,,,           the next op reads B          write,B,,,   the next op writes B
     op,K,,NS,NAME       op K (a kernel, e.g. aten.convolution.default) ran NS ns on the
                         compute stream, accessing the blocks named since the previous op
-    iter,N,,,           iteration N begins; blocks allocated before the first `iter` live
-                        across iterations (weights, optimizer state)
+    iter,N,,,SHAPE      iteration N begins; blocks allocated before the first `iter` live
+                        across iterations (weights, optimizer state); SHAPE (optional)
+                        names the iteration's shape where iterations differ (a batch size,
+                        a sequence length: `Session.step(shape=)`)
 
 A placement problem CSV (MiniMalloc's): header `id,lower,upper,size`, lifetimes half-open
 `[lower, upper)`; a solution adds `offset`. A PyTorch memory snapshot is the pickle of
@@ -32,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tidalcore.events import ALLOC, FREE, OP, EventKind, Events
+from tidalcore.events import ALLOC, FREE, ITER, OP, EventKind, Events
 from tidalcore.units import Bytes, Tick
 from tidalplan.model import Buffer, Placement, Problem
 
@@ -168,6 +170,8 @@ def read_trace_csv(path: str | Path) -> Events:
                 durations[i] = _whole(path, number, "ns", ns_text)
             if name:
                 name_ids[i] = names.setdefault(name, len(names) + 1)
+        elif kind == ITER and name:
+            name_ids[i] = names.setdefault(name, len(names) + 1)
     return Events(
         kinds=np.array(kinds, np.uint8),
         block_ids=np.array(ids, np.uint64),
@@ -207,6 +211,8 @@ def write_trace_csv(path: str | Path, events: Events, comments: Sequence[str] = 
             writer.writerow((text[kind], block, size, "", ""))
         elif kind == OP:
             writer.writerow((text[kind], block, "", ns, events.names.get(name_id, "")))
+        elif kind == ITER:
+            writer.writerow((text[kind], block, "", "", events.names.get(name_id, "")))
         elif kind in text:
             writer.writerow((text[kind], block, "", "", ""))
         else:

@@ -84,6 +84,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help=f"name the N largest blocks on the picture (default {ANNOTATED}; 0: none)",
     )
     parser.add_argument(
+        "--shape",
+        default=None,
+        help="of a trace of several iteration shapes, the one to place",
+    )
+    parser.add_argument(
         "--alignment",
         type=int,
         default=None,
@@ -97,7 +102,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def load(path: Path, alignment: int | None) -> Loaded:
+def load(path: Path, alignment: int | None, shape: str | None = None) -> Loaded:
     """The problem in `path`, whatever its format (InputError naming the file if unusable)."""
     from tidaloffline import formats as tracecsv  # lazily: the CLI starts fast
 
@@ -122,8 +127,10 @@ def load(path: Path, alignment: int | None) -> Loaded:
         if kind == "trace":
             from tidalplan import learn
 
+            from tidaloffline.simulate_command import pick_shape
+
             events = tracecsv.read_trace_csv(path)
-            chosen = learn.extract_finished(events)
+            chosen = learn.extract_finished(events, pick_shape(path, events, shape))
             iteration = chosen.iteration
             problem, mapping = learn.to_problem(iteration, alignment=a)
             labels = tuple(str(iteration.blocks[i].id) for i in mapping)
@@ -185,7 +192,7 @@ def run(
                 raise InputError(why)
         if args.plot is not None and (why := missing_matplotlib(args.plot)):
             raise InputError(why)
-        loaded = load(args.input, args.alignment)
+        loaded = load(args.input, args.alignment, args.shape)
     except InputError as e:
         print(f"tidalpool plan: {e}", file=err)
         return 2

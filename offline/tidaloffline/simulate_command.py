@@ -48,6 +48,7 @@ from tidaloffline.plot import missing_matplotlib
 if TYPE_CHECKING:
     from rich.console import Console
     from tidalclient.tables import Fitted
+    from tidalcore.events import Events
     from tidalplan.combined import Plan
     from tidalplan.paged import PagedPlan
     from tidalplan.split import BigOp
@@ -222,6 +223,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         " (open it in ui.perfetto.dev or chrome://tracing); not with --sweep",
     )
     parser.add_argument(
+        "--shape",
+        default=None,
+        help="the iteration shape to take, in a trace of several (tidalpool.torch.record's"
+        " batches=, a job's step(shape=))",
+    )
+    parser.add_argument(
         "--page",
         default=None,
         metavar="SIZE",
@@ -242,9 +249,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def load(path: Path, command: str = "simulate") -> Iteration:
-    """The steady iteration of the trace at `path` (InputError naming the file if unusable,
-    and `command`, the one that reads it, when it is not a trace)."""
+def load(path: Path, command: str = "simulate", shape: str | None = None) -> Iteration:
+    """The steady iteration of the trace at `path`, of iteration shape `shape` in a trace of
+    several (`learn.extract_finished`); InputError naming the file if unusable, and `command`,
+    the one that reads it, when it is not a trace."""
     from tidalplan import learn
 
     from tidaloffline import formats as tracecsv
@@ -261,7 +269,7 @@ def load(path: Path, command: str = "simulate") -> Iteration:
                 " writes it"
             )
         events = tracecsv.read_trace_csv(path)
-        it = learn.extract_finished(events).iteration  # the one `plan` places
+        it = learn.extract_finished(events, pick_shape(path, events, shape)).iteration
     except OSError as e:
         raise InputError(f"{path}: cannot read: {e.strerror or e}") from None
     except ValueError as e:
@@ -270,6 +278,19 @@ def load(path: Path, command: str = "simulate") -> Iteration:
     if not it.ops:
         raise InputError(f"{path}: the iteration has no ops: nothing to time")
     return it
+
+
+def pick_shape(path: Path, events: Events, shape: str | None) -> str | None:
+    """`shape`, or InputError when the trace has several iteration shapes and none is named."""
+    from tidalplan import learn
+
+    shapes = learn.shapes(events)
+    if shape is None and len(shapes) > 1:
+        raise InputError(
+            f"{path}: the trace has {len(shapes)} iteration shapes"
+            f" ({', '.join(map(repr, shapes))}): pick one with --shape"
+        )
+    return shape
 
 
 def parse_limit(text: str, peak: int) -> int:
@@ -496,7 +517,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         out_gbps, in_gbps, names = _options(args)
-        it = load(args.trace)
+        it = load(args.trace, shape=args.shape)
         facts = _facts(args, it, out_gbps, in_gbps)
         default = facts.op_bound if args.sweep else facts.peak
         limit = parse_limit(args.limit, facts.peak) if args.limit is not None else default

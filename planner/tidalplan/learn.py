@@ -21,13 +21,14 @@ last two marks. A finished trace (a file) ends with its last iteration, and
 from __future__ import annotations
 
 import hashlib
+import itertools
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
-from tidalcore.events import ALLOC, FREE, OP, READ, WRITE, Events
+from tidalcore.events import ALLOC, FREE, ITER, OP, READ, WRITE, Events
 from tidalcore.units import Bytes, Tick
 
 from tidalplan.model import Access, Buffer, Iteration, IterBlock, Op, Problem
@@ -196,9 +197,22 @@ class Chosen:
         return f"iteration {self.iteration.index}{of} ({self.why})"
 
 
-def extract_finished(events: Events) -> Chosen:
+def shapes(events: Events) -> list[str]:
+    """The iteration shapes a stream marks (the names of its ITER events, "" for none), in
+    the order they first appear; [] without marks."""
+    seen: dict[str, None] = {}
+    for m in np.flatnonzero(events.kinds == ITER).tolist():
+        seen.setdefault(events.names.get(int(events.name_ids[m]), ""), None)
+    return list(seen)
+
+
+def extract_finished(events: Events, shape: str | None = None) -> Chosen:
     """The steady iteration of a finished trace (a file, as `record` writes it: its last
     iteration ends where the stream ends), and why it was chosen.
+
+    With several iteration shapes (`shapes`), `shape` names the one taken, and each of its
+    iterations is compared with the next of the same shape; None is for a trace of one shape
+    (ValueError names the shapes otherwise, and an unknown one).
 
     With step marks, iteration i runs from mark i to mark i + 1, the last one to the end of
     the stream. Taken: the last iteration that the next one repeats (the same allocs, frees
@@ -212,6 +226,8 @@ def extract_finished(events: Events) -> Chosen:
     """
     marks = sorted({m for m in events.marks() if 0 <= m <= len(events)})
     if not marks:
+        if shape:
+            raise ValueError(f"the trace marks no iterations, so none of shape {shape!r}")
         return Chosen(extract(events), 0, "found by its repeats: the trace marks no iterations")
     bounds = [*marks, len(events)]
     _, alloc_of = _lives(events)
@@ -224,6 +240,20 @@ def extract_finished(events: Events) -> Chosen:
     n = len(marks)
     while n > 1 and not symbols_of(n - 1):  # a mark at the end begins no iteration
         n -= 1
+    named = [events.names.get(int(events.name_ids[m]), "") for m in marks[:n]]
+    kinds = list(dict.fromkeys(named))
+    if shape is None and len(kinds) > 1:
+        raise ValueError(
+            f"the trace has {len(kinds)} iteration shapes ({', '.join(map(repr, kinds))}):"
+            " name the one to take"
+        )
+    if shape is not None and shape not in kinds:
+        raise ValueError(
+            f"the trace has no iteration of shape {shape!r} (its shapes:"
+            f" {', '.join(map(repr, kinds))})"
+        )
+    if len(kinds) > 1:
+        return _of_shape(events, bounds, named, symbols_of, shape or "")
     if n == 1 and symbols_of(0):
         raise NoIteration(
             "the trace marks 1 iteration, and the first iteration of training is not the steady"
@@ -238,6 +268,32 @@ def extract_finished(events: Events) -> Chosen:
     it = _iteration(events, bounds[n - 1], bounds[n], n - 1)
     why = "the last: none repeats the one before it, so what it leaves alive counts as live"
     return Chosen(it, n, why + " until the next allocates it again")
+
+
+def _of_shape(
+    events: Events,
+    bounds: list[int],
+    named: list[str],
+    symbols_of: Callable[[int], list[int]],
+    shape: str,
+) -> Chosen:
+    """`extract_finished` for one shape of several: the last of its iterations that its next
+    one repeats, else its last (the stream's first iteration is not taken while it has
+    another)."""
+    mine = [k for k, name in enumerate(named) if name == shape]
+    for a, b in itertools.pairwise(reversed(mine)):  # b before a
+        if symbols_of(b) and symbols_of(b) == symbols_of(a):
+            it = _iteration(events, bounds[b], bounds[b + 1], b)
+            return Chosen(it, len(named), f"iteration {a} of shape {shape!r} repeats it")
+    last = mine[-1]
+    if last == 0:
+        raise NoIteration(
+            f"the trace's only iteration of shape {shape!r} is its first, which allocates what"
+            " later ones keep: record more of that shape"
+        )
+    it = _iteration(events, bounds[last], bounds[last + 1], last)
+    why = f"the last of shape {shape!r}: none repeats the one of its shape before it"
+    return Chosen(it, len(named), why)
 
 
 def _iteration(events: Events, start: int, end: int, index: int) -> Iteration:

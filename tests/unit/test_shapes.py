@@ -4,6 +4,8 @@ leaving a plan for an iteration of a shape without one."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from tidalclient.executors.python import PythonExecutor
 from tidalclient.plans import Plan, PlanTable
@@ -11,6 +13,8 @@ from tidalclient.recorder import Recorder
 from tidalcore.errors import InvalidArgument
 from tidalcore.events import ALLOC, FREE, ITER, OP, Events
 from tidalcore.v1 import pool_pb2
+from tidaloffline.formats import read_trace_csv, write_trace_csv
+from tidalplan import learn
 from tidalplan.learn import NoIteration, extract
 from tidalpoold.plan_worker import of_shape
 from tidalpoold.trace import TraceStore
@@ -146,3 +150,48 @@ def test_an_executor_leaves_its_plan_for_an_unplanned_shape_and_takes_it_up_agai
     assert ex.mode == "planned" and x.offset == base
     stats = ex.stats()
     assert (stats.plan_hits, stats.plan_misses) == (3, 0)
+
+
+# -- offline: traces of several shapes --------------------------------------------------------
+def test_a_trace_file_keeps_each_iterations_shape(tmp_path: Path) -> None:
+    s = Stream()
+    for size in (64, 128, 64):
+        s.iteration(str(size), size)
+    path = tmp_path / "shapes.trace.csv"
+    write_trace_csv(path, s.events())
+    assert "iter,1,,,128\n" in path.read_text()
+    back = read_trace_csv(path)
+    assert learn.shapes(back) == ["64", "128"]
+
+
+def test_a_recording_of_several_batches_names_each_iteration_by_its_shape(
+    tmp_path: Path,
+) -> None:
+    torch = pytest.importorskip("torch")
+    from tidaloffline.torch.record import record
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+    def batch(n: int) -> tuple[object, object]:
+        return torch.randn(n, 16), torch.randint(0, 4, (n,))
+
+    def sgd(m: torch.nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.SGD(m.parameters(), lr=0.1)
+
+    path = tmp_path / "mlp.trace.csv"
+    loss = torch.nn.functional.cross_entropy
+    events = record(model, batch(8), loss, sgd, path=path, batches=[batch(3)])
+    marks = events.marks()
+    assert [events.names[int(events.name_ids[m])] for m in marks] == ["8x16", "3x16"] * 3
+    for shape, rows in (("8x16", 8), ("3x16", 3)):
+        chosen = learn.extract_finished(events, shape)
+        assert chosen.iteration.index in (2, 3, 4, 5)
+        assert f"of shape {shape!r}" in chosen.why
+        # the input's upload is the iteration's first allocation: rows × 16 floats, rounded
+        assert chosen.iteration.blocks[0].size == 512 * -(-rows * 16 * 4 // 512)
+    with pytest.raises(ValueError, match=r"2 iteration shapes \('8x16', '3x16'\): name"):
+        learn.extract_finished(events)
+    with pytest.raises(ValueError, match="no iteration of shape '5x16'"):
+        learn.extract_finished(events, "5x16")
+    with pytest.raises(ValueError, match="two example batches have the same shape"):
+        record(model, batch(8), loss, sgd, path=path, batches=[batch(8)])

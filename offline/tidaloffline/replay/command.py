@@ -93,6 +93,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="throttle swap copies to this bandwidth, GB/s (sim; default: memmove speed)",
     )
     parser.add_argument(
+        "--shape",
+        default=None,
+        help="of a trace of several iteration shapes, the one to replay",
+    )
+    parser.add_argument(
         "--page",
         default=None,
         metavar="BYTES",
@@ -186,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
     socket_dir = args.replay_socket_dir or getattr(args, "socket_dir", None)
     try:
         _check_options(args)
-        it = load(args.trace, "replay")
+        it = load(args.trace, "replay", args.shape)
         peak = int(load_curve(it).max(initial=0))
         limit = parse_limit(args.limit, peak)
         bound = op_bound(it)

@@ -142,10 +142,12 @@ class Capture(TorchDispatchMode):  # type: ignore[no-untyped-call]  # unannotate
             if t.device.type == "meta" and (s := _storage(t)) is not None:
                 self._block(s)
 
-    def begin_iteration(self) -> None:
-        """Record the frees so far, then the start of the next iteration (numbered from 0)."""
+    def begin_iteration(self, shape: str = "") -> None:
+        """Record the frees so far, then the start of the next iteration (numbered from 0),
+        named by its shape (none for "")."""
         self.settle()
-        self._event(ITER, self._iterations)
+        name_id = self._names.setdefault(shape, len(self._names) + 1) if shape else 0
+        self._event(ITER, self._iterations, 0, 0, name_id)
         self._iterations += 1
 
     def settle(self) -> None:

@@ -71,9 +71,15 @@ def record(
     keep_output: bool = True,
     recompute: Sequence[nn.Module] = (),
     autocast: torch.dtype | None = None,
+    batches: Sequence[tuple[Any, Any]] = (),
 ) -> Events:
     """Run `iterations` training steps on the meta device, write their trace to `path`, and
     return its events.
+
+    `batches`: example batches of other shapes (a smaller last batch, other sequence lengths).
+    The steps then go round `example_batch` and each of `batches` in turn, `iterations` rounds,
+    and each iteration is named by its batch's shape (`shape_of`), as a job names it with
+    `Session.step(shape=)`: `tidalpool plan`, `simulate` and `replay` take a shape at a time.
 
     `example_batch` is `(inputs, target)`: each step calls `model(inputs)` (`model(*inputs)`
     for a tuple or list, `model(**inputs)` for a dict) and `loss_fn(output, target)`, which
@@ -121,11 +127,18 @@ def record(
             " steady one tidalpool plan and simulate take, and the third repeats it, showing"
             " when what the second leaves alive is freed"
         )
-    if not isinstance(example_batch, (tuple, list)) or len(example_batch) != 2:
-        what = type(example_batch).__name__
-        if isinstance(example_batch, (tuple, list)):
-            what += f" of length {len(example_batch)}"
-        raise TypeError(f"record: example_batch must be a pair (inputs, target), got a {what}")
+    for batch in (example_batch, *batches):
+        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            what = type(batch).__name__
+            if isinstance(batch, (tuple, list)):
+                what += f" of length {len(batch)}"
+            raise TypeError(f"record: example_batch must be a pair (inputs, target), got a {what}")
+    rounds = [(example_batch, "")]
+    if batches:
+        rounds = [(b, shape_of(b)) for b in (example_batch, *batches)]
+        named = [shape for _, shape in rounds]
+        if len(set(named)) < len(named):
+            raise ValueError(f"record: two example batches have the same shape ({named})")
     parameters = list(model.parameters())
     if not parameters:
         raise ValueError(f"record: the model ({type(model).__name__}) has no parameters to train")
@@ -153,12 +166,12 @@ def record(
     try:
         capture.persistent(_held(meta_model, meta_loss))
         with fused_attention(), capture:
-            for i in range(iterations):
-                capture.begin_iteration()
+            for i, (batch, shape) in enumerate(rounds * iterations):
+                capture.begin_iteration(shape)
                 _step(
                     i,
                     meta_model,
-                    example_batch,
+                    batch,
                     meta_loss,
                     meta_optimizer,
                     set_to_none=set_to_none,
@@ -172,15 +185,16 @@ def record(
         capture.close()
         if collecting:
             gc.enable()
-    batch = ", ".join(
-        f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in tensors_in(example_batch)
+    described = "; ".join(
+        ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in tensors_in(b))
+        for b, _ in rounds
     )
     write_trace_csv(
         Path(path),
         events,
         comments=[
-            f"tidalpool trace v1; model={type(model).__name__} batch={batch or 'none'}"
-            f" optimizer={type(meta_optimizer).__name__} iters={iterations}"
+            f"tidalpool trace v1; model={type(model).__name__} batch={described or 'none'}"
+            f" optimizer={type(meta_optimizer).__name__} iters={iterations * len(rounds)}"
             + ("" if autocast is None else f" autocast={str(autocast).removeprefix('torch.')}"),
             f"recorded on the meta device; sizes rounded to {GRANULE} B as the CUDA caching"
             " allocator rounds them",
@@ -233,6 +247,13 @@ def _step(
             f"record: the backward or optimizer step of iteration {i} cannot run on the meta"
             f" device ({type(e).__name__}: {e})"
         ) from e
+
+
+def shape_of(batch: tuple[Any, Any]) -> str:
+    """A batch's shape as its iterations are named: its inputs' tensors' sizes, "x" between
+    dimensions and "," between tensors ("4x128", "8x3x224x224"); "scalar" for none."""
+    sizes = ["x".join(str(d) for d in t.shape) or "scalar" for t in tensors_in(batch[0])]
+    return ",".join(sizes) or "scalar"
 
 
 def autocast_region(dtype: torch.dtype | None) -> AbstractContextManager[None]:
