@@ -199,6 +199,9 @@ class PlanWorker:
         self.cache = PlanCache(settings.plan_cache_dir, settings.plan_cache_bytes)
         self._turns = Turns()
         self._queued: set[tuple[str, str]] = set()  # (session id, shape) queued or planned
+        # Of those, planned while their session had one shape: their persistent blocks may be
+        # away across the boundary, which iterations of another shape do not expect.
+        self._open: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
         self._next_plan_id = 1
         self.plans_made = 0
@@ -223,14 +226,21 @@ class PlanWorker:
         it has marked `plan_after_iterations` iterations, one of them whole (a session of one
         shape: as soon as it has marked them). A forgotten shape is planned again if it
         comes back."""
+        again: set[str] = set()
         with self._lock:
             for shape in forgotten:
                 self._queued.discard((session.id, shape))
+                self._open.discard((session.id, shape))
+            if len(session.trace.shapes.counts) > 1:  # plans of one shape are made again
+                again = {shape for sid, shape in self._open if sid == session.id}
+                for shape in again:
+                    self._open.discard((session.id, shape))
+                    self._queued.discard((session.id, shape))
         after = self.settings.plan_after_iterations
         if not after:
             return
         current = session.trace.shapes.current
-        for shape in {s for s in (ended, current) if s is not None}:
+        for shape in {s for s in (ended, current) if s is not None} | again:
             count = session.trace.shape_counts(shape)
             if count is None or count.marks < after:
                 continue
@@ -453,6 +463,11 @@ class PlanWorker:
         trace = session.trace
         events = Events.concat(list(trace.chunks), dict(trace.names))
         iteration = of_shape(events, shape)
+        if len(trace.shapes.counts) > 1:  # the next iteration may be of another shape
+            iteration = dataclasses.replace(iteration, boundary_swaps=False)
+        else:
+            with self._lock:
+                self._open.add((session.id, shape))
         cap = self.settings.max_plan_allocations
         if len(iteration.blocks) > cap:
             self.plans_too_large += 1

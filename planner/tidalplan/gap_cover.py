@@ -69,7 +69,8 @@ class Gap:
 
 
 def gaps(it: Iteration, out_gbps: float, in_gbps: float) -> list[Gap]:
-    """Every gap between consecutive accesses, of transient and persistent blocks."""
+    """Every gap between consecutive accesses, of transient and persistent blocks (a
+    persistent block's across the boundary too, unless `it.boundary_swaps` is False)."""
     ticks: dict[int, set[int]] = {}
     for acc in it.accesses:
         ticks.setdefault(acc.block, set()).add(acc.tick)
@@ -96,7 +97,7 @@ def gaps(it: Iteration, out_gbps: float, in_gbps: float) -> list[Gap]:
         mine = sorted(ticks.get(pid, ()))
         for a, c in itertools.pairwise(mine):
             add(j, True, size, a, c)
-        if mine:
+        if mine and it.boundary_swaps:
             add(j, True, size, mine[-1], mine[0])
     return out
 

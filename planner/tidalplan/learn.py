@@ -451,7 +451,8 @@ def to_problem(it: Iteration, alignment: int = 1) -> tuple[Problem, list[int]]:
 
 def signature(it: Iteration) -> bytes:
     """A 16-byte hash of the iteration's symbols, tick by tick: (alloc, size), (free, size)
-    (frees of crossing blocks' previous instances included), (op, name)."""
+    (frees of crossing blocks' previous instances included), (op, name); and, for one whose
+    persistent blocks stay on the device across its boundary, that."""
     symbols: list[tuple[int, int, bytes]] = []
     for b in it.blocks:
         symbols.append((b.start, ALLOC, struct.pack("<q", b.size)))
@@ -460,6 +461,8 @@ def signature(it: Iteration) -> bytes:
     symbols.extend((op.tick, OP, op.name.encode()) for op in it.ops)
     digest = hashlib.blake2b(digest_size=16)
     digest.update(struct.pack("<q", it.ticks))
+    if not it.boundary_swaps:
+        digest.update(b"persistent on the device at the boundary")
     for tick, kind, value in sorted(symbols):
         digest.update(struct.pack("<qBI", tick, kind, len(value)))
         digest.update(value)

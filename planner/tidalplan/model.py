@@ -92,6 +92,9 @@ class Iteration:
     `blocks` are in allocation order: allocation i of the iteration is blocks[i].
     `persistent` are live across every iteration (weights, optimizer state): their
     ids and sizes; they are not part of the per-iteration placement.
+    `boundary_swaps=False`: no persistent block may be away across the iteration's boundary
+    (it is followed by iterations of other shapes, whose plans find every persistent block on
+    the device where they begin).
     """
 
     ticks: int  # events (alloc, free, op) in the iteration
@@ -100,6 +103,7 @@ class Iteration:
     accesses: tuple[Access, ...]
     persistent: tuple[tuple[int, Bytes], ...]
     index: int = 0  # which iteration of the stream it is (0-based)
+    boundary_swaps: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -191,6 +191,11 @@ def validate_swaps(
             else (it.blocks[s.block].id, it.blocks[s.block].size)
         )
         crosses = s.in_before <= s.out_after
+        if crosses and not it.boundary_swaps:
+            raise InvalidSwapPlan(
+                f"{s}: away across the boundary of an iteration whose persistent blocks stay on"
+                " the device there"
+            )
         between = [
             t
             for t in accessed.get(pid, ())

@@ -4,6 +4,7 @@ leaving a plan for an iteration of a shape without one."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -12,10 +13,15 @@ from tidalclient.plans import Plan, PlanTable
 from tidalclient.recorder import Recorder
 from tidalcore.errors import InvalidArgument
 from tidalcore.events import ALLOC, FREE, ITER, OP, Events
+from tidalcore.units import Bytes, Tick
 from tidalcore.v1 import pool_pb2
 from tidaloffline.formats import read_trace_csv, write_trace_csv
 from tidalplan import learn
+from tidalplan.gap_cover import gaps
 from tidalplan.learn import NoIteration, extract
+from tidalplan.model import Access, Iteration, IterBlock, Op, Swap, SwapPlan
+from tidalplan.simulate import simulate
+from tidalplan.validate import InvalidSwapPlan, validate_swaps
 from tidalpoold.plan_worker import of_shape
 from tidalpoold.trace import TraceStore
 
@@ -195,3 +201,33 @@ def test_a_recording_of_several_batches_names_each_iteration_by_its_shape(
         learn.extract_finished(events, "5x16")
     with pytest.raises(ValueError, match="two example batches have the same shape"):
         record(model, batch(8), loss, sgd, path=path, batches=[batch(8)])
+
+
+# -- plans of several shapes keep the persistent blocks on the device at the boundary -----------
+def weights_used_twice() -> Iteration:
+    """A 1 MiB weight (persistent, id 100) read by the first and the last of five ops, a
+    transient block of 64 KiB between: the weight's longest gap is across the boundary."""
+    ops = tuple(Op(Tick(k), f"op{k}", 1_000_000) for k in range(5))
+    return Iteration(
+        ticks=5,
+        blocks=(IterBlock(1, Bytes(65536), Tick(1), Tick(4)),),
+        ops=ops,
+        accesses=(
+            Access(Tick(0), 100, False),
+            Access(Tick(2), 1, True),
+            Access(Tick(4), 100, False),
+        ),
+        persistent=((100, Bytes(1 << 20)),),
+    )
+
+
+def test_an_iteration_closed_at_its_boundary_offers_no_swap_across_it() -> None:
+    it = weights_used_twice()
+    closed = dataclasses.replace(it, boundary_swaps=False)
+    assert [(g.a, g.c) for g in gaps(it, 12.0, 12.0) if g.persistent] == [(0, 4), (4, 0)]
+    assert [(g.a, g.c) for g in gaps(closed, 12.0, 12.0) if g.persistent] == [(0, 4)]
+    assert learn.signature(closed) != learn.signature(it)
+    across = SwapPlan((Swap(0, Tick(4), Tick(0), persistent=True),))
+    validate_swaps(it, across, simulate(it, across, None, 1.0, 1.0), None, 1.0)
+    with pytest.raises(InvalidSwapPlan, match="away across the boundary of an iteration"):
+        validate_swaps(closed, across, simulate(closed, across, None, 1.0, 1.0), None, 1.0)

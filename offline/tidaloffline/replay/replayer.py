@@ -138,15 +138,22 @@ def _counters(swap: SwapStats | None) -> dict[str, int]:
 
 
 class Replayer:
-    """Runs a script's iterations in a session, on a compute stream."""
+    """Runs a script's iterations in a session, on a compute stream; each iteration's step
+    names `shape` (the iteration shape of a trace of several, "" for one)."""
 
     def __init__(
-        self, session: Session, it: Iteration, compute: Compute, compute_scale: float
+        self,
+        session: Session,
+        it: Iteration,
+        compute: Compute,
+        compute_scale: float,
+        shape: str = "",
     ) -> None:
         from tidalclient.executors.base import ARRIVING, DEVICE
 
         self.session = session
         self.it = it
+        self.shape = shape
         self.script = script(it)
         self.compute = compute
         self.durations = [round(op.duration_ns * compute_scale) for op in it.ops]
@@ -169,13 +176,18 @@ class Replayer:
         self._serials += 1
         return _Held(self.session.malloc(nbytes), self._serials)
 
-    def setup(self) -> None:
+    def setup(self, shared: dict[int, _Held] | None = None) -> None:
         """Allocate the persistent blocks and write each once (one op each, so that the limit
-        needs room for one at a time)."""
-        for _, size in self.it.persistent:
-            held = self._new(int(size))
+        needs room for one at a time). `shared`: persistent blocks by trace id, of replayers of
+        the trace's other shapes: one of the same id and size is taken from it, not made again;
+        those made here are added to it."""
+        shared = {} if shared is None else shared
+        for pid, size in self.it.persistent:
+            held = shared.get(pid)
+            if held is None or held.block.size != size:
+                held = shared[pid] = self._new(int(size))
+                self._op("replay.init", 0, (), (held,))
             self.persistent.append(held)
-            self._op("replay.init", 0, (), (held,))
         self.compute.synchronize()
 
     def _op(self, name: str, ns: int, reads: Sequence[_Held], writes: Sequence[_Held]) -> None:
@@ -229,7 +241,7 @@ class Replayer:
         not_resident0 = self.not_resident
         start = time.perf_counter_ns()
         cpu = time.thread_time_ns()
-        session.step()
+        session.step(shape=self.shape)
         mode_at_start = stats().mode
         for t, what in enumerate(sc.at):
             self._free_due(t)
