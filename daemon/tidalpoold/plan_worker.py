@@ -38,6 +38,11 @@ A session under virtual residency (`Session.page_bytes`) is planned the same way
 and cached under a name that holds the page and those addresses too. While a persistent
 block of its iteration is missing from its latest step mark, it gets no plan: it is
 queued again at its next step.
+
+A session whose steps name iteration shapes (StepMark.shape) is planned per shape, each from its
+last whole iteration (`of_shape`) and tagged with it; once it has stepped into a second shape,
+with its persistent blocks on the device at every boundary (`Iteration.boundary_swaps`), and the
+plans made before are made again.
 """
 
 from __future__ import annotations
