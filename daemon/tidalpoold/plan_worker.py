@@ -490,14 +490,18 @@ class PlanWorker:
             return None
         if session.page_bytes:
             return self._plan_paged(session, shape, iteration, started)
-        made = self.make(
+        made = _closed_else_open(
+            session,
             iteration,
-            session.swap_limit,
-            self.swap_gbps(session),
-            session.device.length,
-            session.host.length,
-            measured=not session.copy_gbps,
-            budget_s=self._budget(started),
+            lambda it: self.make(
+                it,
+                session.swap_limit,
+                self.swap_gbps(session),
+                session.device.length,
+                session.host.length,
+                measured=not session.copy_gbps,
+                budget_s=self._budget(started),
+            ),
         )
         if isinstance(made, Unfit):
             self._tell_unfit(session, shape, made, iteration)
@@ -592,16 +596,20 @@ class PlanWorker:
             with self._lock:
                 self._queued.discard((session.id, shape))
             return None
-        made = self.make_paged(
+        made = _closed_else_open(
+            session,
             iteration,
-            session.swap_limit,
-            self.swap_gbps(session),
-            session.page_bytes,
-            persistent_at,
-            session.device.length,
-            session.host.length,
-            measured=not session.copy_gbps,
-            budget_s=self._budget(started),
+            lambda it: self.make_paged(
+                it,
+                session.swap_limit,
+                self.swap_gbps(session),
+                session.page_bytes,
+                persistent_at,
+                session.device.length,
+                session.host.length,
+                measured=not session.copy_gbps,
+                budget_s=self._budget(started),
+            ),
         )
         if isinstance(made, Unfit):
             self._tell_unfit(session, shape, made, iteration)
@@ -612,6 +620,21 @@ class PlanWorker:
         about = {"page": plan.page_bytes, "region": plan.region_bytes, "mapped_peak": peak}
         self._send(session, plan, made.source, PlanFootprint(peak, peak), started, about)
         return plan
+
+
+def _closed_else_open(
+    session: Session, iteration: Iteration, make: Callable[[Iteration], _Made | Unfit]
+) -> _Made | Unfit:
+    """`make(iteration)`; where that is a plan of a shape of several with the persistent blocks
+    on the device at the boundary and none fits (their bytes alone may be over the limit),
+    the plan that may keep them away there: the iterations of other shapes then find them
+    away and bring them in on demand."""
+    made = make(iteration)
+    if isinstance(made, Unfit) and not iteration.boundary_swaps:
+        why = "no plan fits with every persistent block on the device at the boundary"
+        log.info("plan.boundary_open", extra={"session": session.id, "why": why})
+        made = make(dataclasses.replace(iteration, boundary_swaps=True))
+    return made
 
 
 def of_shape(events: Events, shape: str) -> Iteration:
