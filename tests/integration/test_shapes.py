@@ -123,3 +123,28 @@ def test_a_shape_seen_once_is_forgotten_under_the_bound(start_daemon: StartDaemo
     assert sorted(plans_sent(log)) == ["128", "128", "64", "64"]  # 200: never planned
     again = [line for line in log.splitlines() if "plan.sent" in line][2:]
     assert all("source=cache" in line for line in again)
+
+
+def test_a_second_shape_has_the_first_planned_again(start_daemon: StartDaemon) -> None:
+    """A plan made while the session had one shape may keep persistent blocks away across the
+    boundary, where another shape's plan expects them: it is made again once a second shape
+    comes, keeping them on the device there."""
+    d = start_daemon()
+    with tidalpool.attach(d.socket_dir, device_limit="8MiB", swap_limit="1MiB") as s:
+        s.malloc(64 * KiB)  # persistent
+        until(lambda: "64" in s.plans, "a plan for 64", lambda: iteration(s, 64))
+        first = s.plans["64"].plan_id
+
+        def cycle() -> None:
+            iteration(s, 64)
+            iteration(s, 128)
+
+        until(
+            lambda: set(s.plans) == {"64", "128"} and s.plans["64"].plan_id != first,
+            "64 planned again beside 128",
+            cycle,
+        )
+        for _ in range(3):
+            cycle()
+            assert s.stats().mode == "planned"
+    assert sorted(plans_sent(d.log_path.read_text())) == ["128", "64", "64"]
