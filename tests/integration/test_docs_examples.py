@@ -140,12 +140,14 @@ def test_the_replay_examples_run(run_dir: Path) -> None:
 
 
 def test_the_replay_refusal_reads_as_shown() -> None:
-    """The stderr line shown for resnet18 at --limit 0.31, after its three learning
-    iterations, with exit status 2."""
+    """The stderr line shown for resnet18 at --limit 0.31 and --copy-gbps 12, after its three
+    learning iterations, with exit status 2."""
     shown = example("replay.md", "cannot plan this session", "text").strip()
     prose = (DOCS / "replay.md").read_text()
     assert "`traces/resnet18.b8.trace.csv` at `--limit 0.31`" in prose
-    out = tidalpool("replay", "traces/resnet18.b8.trace.csv", "--limit", "0.31", "--json")
+    out = tidalpool(
+        "replay", "traces/resnet18.b8.trace.csv", "--limit", "0.31", "--copy-gbps", "12", "--json"
+    )
     assert out.returncode == 2, out.stderr
     assert shown in out.stderr.splitlines()
     report = json.loads(out.stdout)

@@ -230,9 +230,9 @@ class PythonExecutor:
 
     # -- iterations ---------------------------------------------------------------------
     def install_plan(self, plan: Plan | None) -> None:
-        """Use this plan's placement from the next `step()` on (when its arena fits; the plan's
-        arena still held from before is used again at once); its swaps are for an adaptor that
-        swaps. None: place online (learning) from the next `step()` on."""
+        """Use this plan's placement from the next `step()` on (when its arena fits); its swaps
+        are for an adaptor that swaps. None: place online (learning) from the next `step()`
+        on."""
         self._pending = plan.table if plan is not None else None
         self._online = plan is None
 
@@ -255,10 +255,6 @@ class PythonExecutor:
                 arena.active = False  # as a fallback, but asked for
                 if not arena.live:
                     self._drop_arena()
-        pending, arena = self._pending, self._arena
-        if pending is not None and arena is not None and pending.plan_id == arena.table.plan_id:
-            arena.active = True  # the same plan again: its arena, held, serves it
-            self._pending = None
         if self._pending is not None and (self._arena is None or not self._arena.live):
             if self._arena is not None:
                 self._drop_arena()
