@@ -153,8 +153,6 @@ def run(its: dict[str, Any], fraction: float, args: argparse.Namespace) -> dict[
                     {
                         "n": n,
                         "shape": shape,
-                        "planned": record.phase in ("switch", "steady")
-                        or (record.mode == "planned" and record.phase != "learning"),
                         "phase": record.phase,
                         "step_ns": record.step_ns,
                         "hits": after.plan_hits - before.plan_hits,

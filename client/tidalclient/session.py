@@ -392,11 +392,11 @@ class Session:
         self.plans_received = 0
         self.plans_rejected = 0
         self.plan: Plan | None = None  # the plan last received (executed from a step() on)
-        # The plans of the iteration shapes stepped into most recently (at most `plan_shapes`,
-        # as the daemon keeps them), least recent first; `_shape` is the current iteration's.
-        self._plans: OrderedDict[str, Plan] = OrderedDict()
+        # The iteration shapes stepped into most recently (at most `plan_shapes`, as the daemon
+        # keeps them), least recent first, each with its plan once one came; `_shape` is the
+        # current iteration's.
+        self._shapes: OrderedDict[str, Plan | None] = OrderedDict()
         self._plan_shapes = plan_shapes
-        self._recent: OrderedDict[str, None] = OrderedDict()  # shapes, least recent first
         self._shape = ""
         self._shapes_lock = threading.Lock()  # the training thread's step vs. plans arriving
         # Why the daemon sends no plan, as it last said; None once a plan arrives.
@@ -572,8 +572,9 @@ class Session:
         size, a sequence length, "eval"): the daemon plans each shape apart, from its own
         iterations, and this session runs each shape's plan for the iterations of that shape;
         one of a shape with no plan yet is placed online and recorded, as the first iterations
-        are. At most `plans` shapes keep a plan (the least recently stepped into is forgotten,
-        and planned again if it comes back). "": the session's one shape."""
+        are. At most the daemon's `max_plan_shapes` shapes keep a plan (the least recently
+        stepped into is forgotten, and planned again if it comes back). "": the session's one
+        shape."""
         self._check_open()
         if not isinstance(shape, str):
             raise TypeError(f"shape must be a str, not {type(shape).__name__}")
@@ -584,7 +585,7 @@ class Session:
             )
         with self._shapes_lock:
             if shape != self._shape:
-                self.executor.install_plan(self._plans.get(shape))  # None: online from here
+                self.executor.install_plan(self._shapes.get(shape))  # None: online from here
                 self._shape = shape
             self._stepped(shape)
         self.recorder.expect(shape)
@@ -593,18 +594,17 @@ class Session:
     def _stepped(self, shape: str) -> None:
         """`shape` is the most recently stepped into: the least recent beyond `plan_shapes`
         lose their plans, as the daemon forgets them. Under the shapes lock."""
-        self._recent[shape] = None
-        self._recent.move_to_end(shape)
-        while len(self._recent) > self._plan_shapes:
-            gone, _ = self._recent.popitem(last=False)
-            self._plans.pop(gone, None)
+        self._shapes.setdefault(shape, None)
+        self._shapes.move_to_end(shape)
+        while len(self._shapes) > self._plan_shapes:
+            self._shapes.popitem(last=False)
 
     @property
     def plans(self) -> dict[str, Plan]:
         """The plan of each iteration shape that has one (the shape "" for a session that
         names none), least recently stepped into first."""
         with self._shapes_lock:
-            return dict(self._plans)
+            return {shape: plan for shape, plan in self._shapes.items() if plan is not None}
 
     def wait_for_plan(self, timeout_s: float) -> Plan | None:
         """Block until the daemon's plan has arrived (it runs from the next `step()`), the
@@ -738,8 +738,8 @@ class Session:
             with self._shapes_lock:
                 if plan.shape == self._shape:
                     self.executor.install_plan(plan)
-                if plan.shape == self._shape or plan.shape in self._recent:
-                    self._plans[plan.shape] = plan
+                if plan.shape == self._shape or plan.shape in self._shapes:
+                    self._shapes[plan.shape] = plan
         except PlanRejected as e:  # the native table also checks the plan against its lease
             self.plans_rejected += 1
             log.warning("tidalpool: ignoring a plan: %s", e)

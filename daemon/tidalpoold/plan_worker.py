@@ -39,10 +39,10 @@ and cached under a name that holds the page and those addresses too. While a per
 block of its iteration is missing from its latest step mark, it gets no plan: it is
 queued again at its next step.
 
-A session whose steps name iteration shapes (StepMark.shape) is planned per shape, each from its
-last whole iteration (`of_shape`) and tagged with it; once it has stepped into a second shape,
-with its persistent blocks on the device at every boundary (`Iteration.boundary_swaps`), and the
-plans made before are made again.
+A session whose steps name iteration shapes (StepMark.shape) is planned per shape, each from
+its last whole iteration (`learn.extract_shape`) and tagged with it; once it has stepped into a
+second shape, with its persistent blocks on the device at every boundary
+(`Iteration.boundary_swaps`), and the plans made before are made again.
 """
 
 from __future__ import annotations
@@ -70,7 +70,6 @@ from tidalpoold.sessions import PlanFootprint, Session
 from tidalpoold.settings import Settings
 
 if TYPE_CHECKING:
-    from tidalcore.events import Events
     from tidalplan.paged import PagedPlan
     from tidalplan.placed import Combined
 
@@ -455,19 +454,19 @@ class PlanWorker:
         return made
 
     def plan(self, session: Session, shape: str = "") -> pool_pb2.PlanUpdate | None:
-        """Plan `session`'s steady iteration of `shape` (`of_shape`) and put the plan on its
-        stream, tagged with the shape; None (and the session keeps learning) when its plan does
-        not fit its swap limit or device lease, which the stream is told once, with why
-        (`PlanUnavailable`, see `unavailable`). A paged session's plan is made by
+        """Plan `session`'s steady iteration of `shape` (`learn.extract_shape`) and put the plan
+        on its stream, tagged with the shape; None (and the session keeps learning) when its
+        plan does not fit its swap limit or device lease, which the stream is told once, with
+        why (`PlanUnavailable`, see `unavailable`). A paged session's plan is made by
         `_plan_paged`."""
         from tidalcore.events import Events
-        from tidalplan.learn import to_problem
+        from tidalplan.learn import extract_shape, to_problem
         from tidalplan.placement import lower_bound
 
         started = time.perf_counter()
         trace = session.trace
         events = Events.concat(list(trace.chunks), dict(trace.names))
-        iteration = of_shape(events, shape)
+        iteration = extract_shape(events, shape)
         if len(trace.shapes.counts) > 1:  # the next iteration may be of another shape
             iteration = dataclasses.replace(iteration, boundary_swaps=False)
         else:
@@ -635,23 +634,6 @@ def _closed_else_open(
         log.info("plan.boundary_open", extra={"session": session.id, "why": why})
         made = make(dataclasses.replace(iteration, boundary_swaps=True))
     return made
-
-
-def of_shape(events: Events, shape: str) -> Iteration:
-    """The steady iteration of `shape` in a session's trace (an iteration's shape is the name
-    of the ITER event that begins it, "" for none): where every iteration held is of that shape
-    (a session of one shape), `learn.extract`'s (the last whole one, or one found by its
-    repeats); else the last whole iteration of that shape. NoIteration if there is none."""
-    from tidalplan.learn import NoIteration, extract
-
-    marks = events.marks()
-    shapes = [events.names.get(int(events.name_ids[m]), "") for m in marks]
-    if all(s == shape for s in shapes):
-        return extract(events, marks)
-    whole = [k for k in range(len(marks) - 1) if shapes[k] == shape]
-    if not whole:
-        raise NoIteration(f"the trace held has no whole iteration of shape {shape!r}")
-    return extract(events, marks[: whole[-1] + 2])
 
 
 def placed_by_session(

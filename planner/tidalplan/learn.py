@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
-from tidalcore.events import ALLOC, FREE, ITER, OP, READ, WRITE, Events
+from tidalcore.events import ALLOC, FREE, OP, READ, WRITE, Events
 from tidalcore.units import Bytes, Tick
 
 from tidalplan.model import Access, Buffer, Iteration, IterBlock, Op, Problem
@@ -197,13 +197,30 @@ class Chosen:
         return f"iteration {self.iteration.index}{of} ({self.why})"
 
 
+def mark_shapes(events: Events, marks: Sequence[int]) -> list[str]:
+    """The iteration shape each of `marks` (indices of ITER events) begins: its name, ""
+    for none."""
+    return [events.names.get(int(events.name_ids[m]), "") for m in marks]
+
+
 def shapes(events: Events) -> list[str]:
-    """The iteration shapes a stream marks (the names of its ITER events, "" for none), in
-    the order they first appear; [] without marks."""
-    seen: dict[str, None] = {}
-    for m in np.flatnonzero(events.kinds == ITER).tolist():
-        seen.setdefault(events.names.get(int(events.name_ids[m]), ""), None)
-    return list(seen)
+    """The iteration shapes a stream marks, in the order they first appear; [] without
+    marks."""
+    return list(dict.fromkeys(mark_shapes(events, events.marks())))
+
+
+def extract_shape(events: Events, shape: str) -> Iteration:
+    """The steady iteration of `shape` in a live stream: where every iteration it marks is of
+    that shape (a stream of one shape), `extract`'s; else the last whole iteration of that
+    shape. NoIteration if there is none."""
+    marks = events.marks()
+    named = mark_shapes(events, marks)
+    if all(s == shape for s in named):
+        return extract(events, marks)
+    whole = [k for k in range(len(marks) - 1) if named[k] == shape]
+    if not whole:
+        raise NoIteration(f"the trace held has no whole iteration of shape {shape!r}")
+    return extract(events, marks[: whole[-1] + 2])
 
 
 def extract_finished(events: Events, shape: str | None = None) -> Chosen:
@@ -240,7 +257,7 @@ def extract_finished(events: Events, shape: str | None = None) -> Chosen:
     n = len(marks)
     while n > 1 and not symbols_of(n - 1):  # a mark at the end begins no iteration
         n -= 1
-    named = [events.names.get(int(events.name_ids[m]), "") for m in marks[:n]]
+    named = mark_shapes(events, marks[:n])
     kinds = list(dict.fromkeys(named))
     if shape is None and len(kinds) > 1:
         raise ValueError(

@@ -120,7 +120,7 @@ def bare_session() -> Session:
     s.plans_received = s.plans_rejected = 0
     s.plan, s.plan_unavailable = None, None
     s._shapes_lock, s._shape = threading.Lock(), ""
-    s._plans, s._recent = OrderedDict(), OrderedDict()
+    s._shapes = OrderedDict()
     return s
 
 

@@ -18,11 +18,10 @@ from tidalcore.v1 import pool_pb2
 from tidaloffline.formats import read_trace_csv, write_trace_csv
 from tidalplan import learn
 from tidalplan.gap_cover import gaps
-from tidalplan.learn import NoIteration, extract
+from tidalplan.learn import NoIteration, extract, extract_shape
 from tidalplan.model import Access, Iteration, IterBlock, Op, Swap, SwapPlan
 from tidalplan.simulate import simulate
 from tidalplan.validate import InvalidSwapPlan, validate_swaps
-from tidalpoold.plan_worker import of_shape
 from tidalpoold.trace import TraceStore
 
 
@@ -94,12 +93,12 @@ def test_each_shape_is_planned_from_its_last_whole_iteration() -> None:
         s.iteration(str(size), size)
     events = s.events()
     for size in (64, 128, 96):
-        it = of_shape(events, str(size))
+        it = extract_shape(events, str(size))
         assert [b.size for b in it.blocks] == [size]
     # The last 64 has not ended: the one before it is taken.
-    assert of_shape(events, "64").index == 3
+    assert extract_shape(events, "64").index == 3
     with pytest.raises(NoIteration, match="no whole iteration of shape '32'"):
-        of_shape(events, "32")
+        extract_shape(events, "32")
 
 
 def test_a_session_of_one_shape_is_planned_as_ever() -> None:
@@ -107,7 +106,7 @@ def test_a_session_of_one_shape_is_planned_as_ever() -> None:
     for _ in range(4):
         s.iteration("", 64)
     events = s.events()
-    assert of_shape(events, "") == extract(events, events.marks())
+    assert extract_shape(events, "") == extract(events, events.marks())
 
 
 def test_the_recorder_names_each_mark_with_the_shape_expected_for_it() -> None:

@@ -547,9 +547,7 @@ class Paged:
         if self._online:
             self._online = False
             self._plan = self._schedule = None
-        elif plan is not None and plan is self._plan:
-            pass  # the plan in use, given again (its shape came back): it stays where it is
-        elif plan is not None:
+        elif plan is not None and plan is not self._plan:  # the plan in use stays where it is
             base = self._region_for(plan)
             if isinstance(base, str):
                 self.plans_refused += 1
