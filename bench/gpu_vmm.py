@@ -2,10 +2,11 @@
 
     python bench/gpu_vmm.py [--repeats 200] [--out PATH]
 
-On GPU 0, with a lease-like set of exportable chunks of 64 MiB (1 GiB in all):
-  map     cuMemMap of one run at a chunk offset plus cuMemSetAccess over it, for runs of 2 MiB
-          and 64 MiB: median and p99 (nearest rank) of the host time, microseconds
-  unmap   cuMemUnmap of that run, the same statistics
+On GPU 0, with a paged lease's exportable chunks of 2 MiB (1 GiB in all; on cuda a page is a
+whole chunk, since cuMemMap maps a handle only from its first byte) and one chunk of 64 MiB:
+  map     cuMemMap of a whole chunk plus cuMemSetAccess over it, for chunks of 2 MiB and
+          64 MiB: median and p99 (nearest rank) of the host time, microseconds
+  unmap   cuMemUnmap of that chunk, the same statistics
   remap   1 GiB through CudaPageSpace, page by page: unmap 512 pages of 2 MiB (one call each),
           then map them again (cuMemMap + cuMemSetAccess each); GiB/s, median of 5 rounds
 Prints a table and writes JSON to --out (default bench/results/gpu-vmm-<date>-<device>.json).
@@ -30,8 +31,8 @@ from tidalcore.cuda_driver import CudaDriver, CudaError, Driver, MemHandle, PyNv
 
 MiB, GiB = 1 << 20, 1 << 30
 PAGE = 2 * MiB
-CHUNK = 64 * MiB
-CHUNKS = GiB // CHUNK
+BIG = 64 * MiB
+PAGES = GiB // PAGE
 ROUNDS = 5
 WARMUP = 10
 
@@ -70,15 +71,14 @@ def us(samples_ns: list[int]) -> dict[str, float]:
 
 
 def time_run(driver: Driver, handle: MemHandle, size: int, repeats: int) -> dict[str, Any]:
-    """Map `size` bytes of `handle` (from its second page when it fits, so at an offset) into a
-    range of their own and unmap them again, `repeats` times after a warm-up."""
-    offset = PAGE if size + PAGE <= CHUNK else 0
+    """Map the whole `handle` of `size` bytes into a range of its own and unmap it again,
+    `repeats` times after a warm-up."""
     ptr = driver.address_reserve(size, PAGE)
     maps, unmaps = [], []
     try:
         for k in range(WARMUP + repeats):
             t0 = time.perf_counter_ns()
-            driver.mem_map(ptr, size, handle, offset=offset)
+            driver.mem_map(ptr, size, handle)
             driver.set_access(ptr, size)
             t1 = time.perf_counter_ns()
             driver.mem_unmap(ptr, size)
@@ -88,13 +88,13 @@ def time_run(driver: Driver, handle: MemHandle, size: int, repeats: int) -> dict
                 unmaps.append(t2 - t1)
     finally:
         driver.address_free(ptr, size)
-    return {"bytes": size, "offset": offset, "map": us(maps), "unmap": us(unmaps)}
+    return {"bytes": size, "map": us(maps), "unmap": us(unmaps)}
 
 
 def time_remap(driver: Driver, handles: list[MemHandle]) -> dict[str, Any]:
     """Unmap then map again all 512 pages of 1 GiB, one page a call, through CudaPageSpace."""
-    space = CudaPageSpace(driver, handles, CHUNK, PAGE, GiB)
-    pages = GiB // PAGE
+    space = CudaPageSpace(driver, handles, PAGE, PAGE, GiB)
+    pages = len(handles)
     seconds = []
     try:
         for p in range(pages):
@@ -136,12 +136,14 @@ def main() -> int:
                 file=sys.stderr,
             )
             return 2
-        handles = [driver.mem_create(CHUNK, exportable=True) for _ in range(CHUNKS)]
+        handles = [driver.mem_create(PAGE, exportable=True) for _ in range(PAGES)]
+        big = driver.mem_create(BIG, exportable=True)
         try:
-            runs = [time_run(driver, handles[0], size, args.repeats) for size in (PAGE, CHUNK)]
+            runs = [time_run(driver, handles[0], PAGE, args.repeats)]
+            runs.append(time_run(driver, big, BIG, args.repeats))
             remap = time_remap(driver, handles)
         finally:
-            for h in handles:
+            for h in [*handles, big]:
                 driver.mem_release(h)
     finally:
         driver.close_device()
@@ -164,7 +166,7 @@ def main() -> int:
         "date": date,
         "granularity": granularity,
         "page_bytes": PAGE,
-        "chunk_bytes": CHUNK,
+        "chunk_bytes": PAGE,
         "repeats": args.repeats,
         "runs": runs,
         "remap": remap,

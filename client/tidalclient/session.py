@@ -142,7 +142,8 @@ def attach(
     life in a range the session reserves, and pages of this size move beneath blocks as they
     are swapped, so a pointer taken once stays valid and the limit counts mapped pages; the
     daemon's plans for it are paged (executors/paged.py). A multiple of the OS page that divides
-    the lease's chunks (sim), of the VMM granularity (cuda: 2 MiB).
+    the lease's chunks (sim); on cuda, the daemon's chunk size itself (CUDA maps a VMM handle
+    only whole: a daemon with 2 MiB chunks gives 2 MiB pages).
     Raises AttachError when there is no daemon, it runs as a user not accepted, or it
     refuses (wrong uid, pool exhausted, its GPU not visible here).
     """
@@ -273,6 +274,12 @@ def _page_space(grant: Grant, mapped: MappedLease, page: int) -> PageSpace:
         raise AttachError(
             f"the cuda daemon shares device memory by {mapped.cuda.mode!r}: paging needs its"
             " VMM handles (mode vmm)"
+        )
+    if page != chunk:
+        raise AttachError(
+            f"pages of {page} bytes on cuda: a page there is a whole chunk of the daemon's"
+            f" ({chunk} bytes), because CUDA maps a VMM handle only from its first byte; give"
+            f" page_bytes={chunk}, or run the daemon with chunk_size {page} for smaller pages"
         )
     return CudaPageSpace(mapped.cuda.driver, mapped.device.handles, chunk, page, length)
 

@@ -99,9 +99,10 @@ class Driver(Protocol):
 
     def address_free(self, ptr: DevicePtr, size: int) -> None: ...
 
-    def mem_map(self, ptr: DevicePtr, size: int, handle: MemHandle, *, offset: int = 0) -> None:
-        """cuMemMap of bytes [offset, offset+size) of `handle` at `ptr`; `offset` (0 unless
-        given) and `size` are multiples of the allocation granularity."""
+    def mem_map(self, ptr: DevicePtr, size: int, handle: MemHandle) -> None:
+        """cuMemMap of the first `size` bytes of `handle` at `ptr` (a multiple of the
+        allocation granularity). From its first byte only: cuMemMap's offset "must be zero",
+        and the driver 580.159.04 of an H200 answers CUDA_ERROR_NOT_SUPPORTED to any other."""
         ...
 
     def mem_unmap(self, ptr: DevicePtr, size: int) -> None: ...
@@ -326,9 +327,9 @@ class CudaDriver:
     def address_free(self, ptr: DevicePtr, size: int) -> None:
         self._call("cuMemAddressFree", self._ptr(ptr), size)
 
-    def mem_map(self, ptr: DevicePtr, size: int, handle: MemHandle, *, offset: int = 0) -> None:
+    def mem_map(self, ptr: DevicePtr, size: int, handle: MemHandle) -> None:
         handle_obj = self._cu.CUmemGenericAllocationHandle(handle)
-        self._call("cuMemMap", self._ptr(ptr), size, offset, handle_obj, 0)
+        self._call("cuMemMap", self._ptr(ptr), size, 0, handle_obj, 0)
 
     def mem_unmap(self, ptr: DevicePtr, size: int) -> None:
         self._call("cuMemUnmap", self._ptr(ptr), size)

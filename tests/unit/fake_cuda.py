@@ -2,10 +2,11 @@
 
 `FakeDriver` holds device memory as bytearrays and enforces what the real driver does: a
 mapping needs a reserved range and a live handle, maps a granularity-aligned part of the
-allocation (all of it, or `size` bytes from `offset`) and must not overlap another; access is set
-over fully mapped ranges only; memory is read or written only through mappings with access;
-unmapping takes whole mappings; a range is freed only once nothing is mapped in it; every
-handle, stream and event is released at most once. A broken rule raises `CudaError` with the
+allocation from its first byte (all of it, or its first `size` bytes: cuMemMap takes no other
+offset) and must not overlap another; access is set over fully mapped ranges only; memory is
+read or written only through mappings with access; unmapping takes whole mappings; a range is
+freed only once nothing is mapped in it; every handle, stream and event is released at most
+once. A broken rule raises `CudaError` with the
 error the driver would give, so a wrong call order fails the test.
 
 Exported fds are memfds, and an import finds the allocation by the file the fd refers to
@@ -88,12 +89,11 @@ class Phys:
 
 @dataclass
 class Mapping:
-    """`size` bytes of `phys` from byte `offset`, mapped at one address."""
+    """The first `size` bytes of `phys`, mapped at one address."""
 
     size: int
     phys: Phys
     access: bool = False
-    offset: int = 0
 
 
 @dataclass
@@ -178,7 +178,7 @@ class FakeDriver:
                 raise fail(call, ILLEGAL_ADDRESS)
             base, m = hit
             n = min(end, base + m.size) - at
-            out.append((m.phys, m.offset + at - base, n))
+            out.append((m.phys, at - base, n))
             at += n
         return out
 
@@ -345,19 +345,19 @@ class FakeDriver:
         del self.reserved[ptr]
         self._log("address_free", ptr, size)
 
-    def mem_map(self, ptr: DevicePtr, size: int, handle: MemHandle, *, offset: int = 0) -> None:
-        """Bytes [offset, offset+size) of the allocation at `ptr`: a granularity-aligned part
-        of a live handle, inside a reserved range, over no other mapping."""
+    def mem_map(self, ptr: DevicePtr, size: int, handle: MemHandle) -> None:
+        """The first `size` bytes of the allocation at `ptr`: a granularity-aligned part of a
+        live handle, inside a reserved range, over no other mapping."""
         phys = self.handles.get(handle)
         inside = any(b <= ptr and ptr + size <= b + n for b, n in self.reserved.items())
         overlaps = any(ptr < b + m.size and b < ptr + size for b, m in self.mappings.items())
         g = self._granularity
-        aligned = not (ptr % g or size % g or offset % g)
-        fits = phys is not None and size > 0 and offset >= 0 and offset + size <= phys.size
+        aligned = not (ptr % g or size % g)
+        fits = phys is not None and 0 < size <= phys.size
         if phys is None or not (fits and inside and aligned) or overlaps:
             raise fail("cuMemMap", INVALID_VALUE)
-        self.mappings[ptr] = Mapping(size, phys, offset=offset)
-        self._log("mem_map", ptr, size, handle, offset)
+        self.mappings[ptr] = Mapping(size, phys)
+        self._log("mem_map", ptr, size, handle)
 
     def mem_unmap(self, ptr: DevicePtr, size: int) -> None:
         at, end, covered = ptr, ptr + size, []

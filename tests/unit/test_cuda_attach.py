@@ -321,3 +321,26 @@ def test_swaps_on_cuda_copy_on_cuda_streams_ordered_against_compute(vmm: CudaDae
         assert any(
             c[0] == "stream_wait_event" and c[1] == 0 and c[2] in in_events for c in client.calls
         )
+
+
+def test_a_paged_session_on_cuda_maps_whole_chunks_and_refuses_smaller_pages(
+    vmm: CudaDaemon,
+) -> None:
+    """CUDA maps a VMM handle only from its first byte, so a page on cuda is a daemon's chunk;
+    a smaller page is refused at attach, naming the page that would work."""
+    with pytest.raises(AttachError, match=f"a whole chunk .* give page_bytes={C}"):
+        tidalpool.attach(
+            vmm.socket_dir, device_limit=2 * C, swap_limit=C, page_bytes=GRAN, driver=vmm.client()
+        )
+    client = vmm.client()
+    with tidalpool.attach(
+        vmm.socket_dir, device_limit=2 * C, swap_limit=C, page_bytes=C, driver=client
+    ) as s:
+        assert s.page_bytes == C
+        client.calls.clear()
+        a = s.malloc(C)
+        with s.op([a]) as (address,):
+            pass
+        maps = [c for c in client.calls if c[0] == "mem_map"]
+        assert maps and all(c[2] == C for c in maps)  # each a whole chunk
+        assert address in {c[1] for c in maps}

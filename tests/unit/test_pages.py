@@ -309,6 +309,7 @@ def test_sim_unmapped_page_faults(how: str) -> None:
 
 
 # -- cuda (fake driver) -----------------------------------------------------------------------
+# On cuda a page is a whole chunk: cuMemMap maps a handle only from its first byte.
 
 
 @pytest.fixture
@@ -320,66 +321,64 @@ def fake() -> Iterator[FakeDriver]:
 
 @pytest.fixture
 def handles(fake: FakeDriver) -> list[MemHandle]:
-    """Three chunks; physical page p holds `page_bytes(p)`."""
+    """One chunk a page, FRAMES of them; physical page p holds `page_bytes(p)`."""
     out = []
-    for k in range(CHUNKS):
-        h = fake.mem_create(CHUNK, exportable=True)
-        for i in range(PER_CHUNK):
-            fake.handles[h].data[i * PAGE : (i + 1) * PAGE] = page_bytes(k * PER_CHUNK + i)
+    for p in range(FRAMES):
+        h = fake.mem_create(PAGE, exportable=True)
+        fake.handles[h].data[:] = page_bytes(p)
         out.append(h)
     return out
 
 
 @pytest.fixture
 def cuda(fake: FakeDriver, handles: list[MemHandle]) -> CudaPageSpace:
-    space = CudaPageSpace(fake, handles, CHUNK, PAGE, LENGTH)
+    space = CudaPageSpace(fake, handles, PAGE, PAGE, LENGTH)
     assert fake.calls[-1] == ("address_reserve", space.address, LENGTH)
-    assert space.address % PAGE == 0
+    assert space.address % PAGE == 0 and space.frames == FRAMES
     fake.calls.clear()
     return space
 
 
-def test_cuda_maps_runs_within_a_chunk_with_one_call_each(
+def test_cuda_maps_each_page_as_its_whole_chunk_and_grants_access_once(
     cuda: CudaPageSpace, fake: FakeDriver, handles: list[MemHandle]
 ) -> None:
     a, h = cuda.address, handles
-    cuda.map(PAGE, [2, 3, 4, 5, 9])  # chunk 0 pages 2-3, chunk 1 pages 0-1, chunk 2 page 1
+    cuda.map(PAGE, [2, 3, 4, 9])
     assert fake.calls == [
-        ("mem_map", a + 1 * PAGE, 2 * PAGE, h[0], 2 * PAGE),
-        ("mem_map", a + 3 * PAGE, 2 * PAGE, h[1], 0),
-        ("mem_map", a + 5 * PAGE, 1 * PAGE, h[2], 1 * PAGE),
-        ("set_access", a + PAGE, 5 * PAGE),
+        ("mem_map", a + 1 * PAGE, PAGE, h[2]),
+        ("mem_map", a + 2 * PAGE, PAGE, h[3]),
+        ("mem_map", a + 3 * PAGE, PAGE, h[4]),
+        ("mem_map", a + 4 * PAGE, PAGE, h[9]),
+        ("set_access", a + PAGE, 4 * PAGE),
     ]
-    assert cuda.mapped_pages == 5
-    for k, p in enumerate([2, 3, 4, 5, 9]):
+    assert cuda.mapped_pages == 4
+    for k, p in enumerate([2, 3, 4, 9]):
         assert fake.read(a + (1 + k) * PAGE, PAGE) == page_bytes(p)
-    fake.write(a + 5 * PAGE + 10, b"nine")  # frame 9: chunk 2 at byte PAGE
-    assert bytes(fake.handles[h[2]].data[PAGE + 10 : PAGE + 14]) == b"nine"
+    fake.write(a + 4 * PAGE + 10, b"nine")  # frame 9
+    assert bytes(fake.handles[h[9]].data[10:14]) == b"nine"
     fake.calls.clear()
-    cuda.unmap(PAGE, 5)
-    assert fake.calls == [
-        ("mem_unmap", a + 1 * PAGE, 2 * PAGE),
-        ("mem_unmap", a + 3 * PAGE, 2 * PAGE),
-        ("mem_unmap", a + 5 * PAGE, 1 * PAGE),
-    ]
+    cuda.unmap(PAGE, 4)
+    assert fake.calls == [("mem_unmap", a + (1 + k) * PAGE, PAGE) for k in range(4)]
     assert cuda.mapped_pages == 0
     with pytest.raises(CudaError, match="ILLEGAL_ADDRESS"):
         fake.read(a + PAGE, 1)
 
 
-def test_cuda_does_not_coalesce_across_chunks_or_backwards(
-    cuda: CudaPageSpace, fake: FakeDriver, handles: list[MemHandle]
+def test_cuda_refuses_a_page_smaller_than_a_chunk_before_any_driver_call(
+    fake: FakeDriver,
 ) -> None:
-    a, h = cuda.address, handles
-    cuda.map(0, [3, 4, 1, 0, 6, 7])
-    assert fake.calls == [
-        ("mem_map", a + 0 * PAGE, PAGE, h[0], 3 * PAGE),
-        ("mem_map", a + 1 * PAGE, PAGE, h[1], 0),
-        ("mem_map", a + 2 * PAGE, PAGE, h[0], 1 * PAGE),
-        ("mem_map", a + 3 * PAGE, PAGE, h[0], 0),
-        ("mem_map", a + 4 * PAGE, 2 * PAGE, h[1], 2 * PAGE),
-        ("set_access", a, 6 * PAGE),
+    chunks = [fake.mem_create(CHUNK, exportable=True) for _ in range(CHUNKS)]
+    fake.calls.clear()
+    with pytest.raises(ValueError, match="a page must be a whole chunk"):
+        CudaPageSpace(fake, chunks, CHUNK, PAGE, LENGTH)
+    assert fake.calls == []
+    space = CudaPageSpace(fake, chunks, CHUNK, CHUNK, 4 * CHUNK)  # a page a chunk
+    space.map(CHUNK, [2])
+    assert fake.calls[-2:] == [
+        ("mem_map", space.address + CHUNK, CHUNK, chunks[2]),
+        ("set_access", space.address + CHUNK, CHUNK),
     ]
+    space.close()
 
 
 def test_cuda_round_trip_through_another_address(cuda: CudaPageSpace, fake: FakeDriver) -> None:
@@ -387,8 +386,9 @@ def test_cuda_round_trip_through_another_address(cuda: CudaPageSpace, fake: Fake
     cuda.map(0, [7, 8, 9])
     fake.write(cuda.address, data)
     cuda.unmap(0, 3)
-    cuda.map(10 * PAGE, [7, 8, 9])
-    assert fake.read(cuda.address + 10 * PAGE, 3 * PAGE) == data
+    cuda.map(10 * PAGE, [9, 8, 7])  # the same frames, elsewhere and in another order
+    back = b"".join(fake.read(cuda.address + (12 - k) * PAGE, PAGE) for k in range(3))
+    assert back == data
 
 
 def test_cuda_argument_errors_make_no_driver_call(cuda: CudaPageSpace, fake: FakeDriver) -> None:
@@ -410,10 +410,10 @@ class FailingDriver(FakeDriver):
     fail_at = 0
     fail_access = False
 
-    def mem_map(self, ptr: DevicePtr, size: int, handle: MemHandle, *, offset: int = 0) -> None:
+    def mem_map(self, ptr: DevicePtr, size: int, handle: MemHandle) -> None:
         if self.names().count("mem_map") + 1 == self.fail_at:
             raise CudaError("cuMemMap", 2, "CUDA_ERROR_OUT_OF_MEMORY")
-        super().mem_map(ptr, size, handle, offset=offset)
+        super().mem_map(ptr, size, handle)
 
     def set_access(self, ptr: DevicePtr, size: int) -> None:
         if self.fail_access:
@@ -421,24 +421,24 @@ class FailingDriver(FakeDriver):
         super().set_access(ptr, size)
 
 
-@pytest.mark.parametrize("where", ["second map", "access"])
+@pytest.mark.parametrize("where", ["third map", "access"])
 def test_cuda_map_is_all_or_nothing(where: str) -> None:
     fake = FailingDriver(granularity=PAGE)
     fake.open_device(0)
-    h = [fake.mem_create(CHUNK, exportable=True) for _ in range(2)]
-    space = CudaPageSpace(fake, h, CHUNK, PAGE, LENGTH)
+    h = [fake.mem_create(PAGE, exportable=True) for _ in range(4)]
+    space = CudaPageSpace(fake, h, PAGE, PAGE, LENGTH)
     fake.calls.clear()
-    fake.fail_at, fake.fail_access = (2, False) if where == "second map" else (0, True)
+    fake.fail_at, fake.fail_access = (3, False) if where == "third map" else (0, True)
     with pytest.raises(CudaError):
-        space.map(0, [0, 1, 4])  # two runs
+        space.map(0, [0, 1, 3])
     a = space.address
-    undo = [("mem_unmap", a, 2 * PAGE)]
+    undo = [("mem_unmap", a + PAGE, PAGE), ("mem_unmap", a, PAGE)]
     if where == "access":
         undo = [("mem_unmap", a + 2 * PAGE, PAGE), *undo]
     assert [c for c in fake.calls if c[0] == "mem_unmap"] == undo
     assert space.mapped_pages == 0 and not fake.mappings
     fake.fail_at, fake.fail_access = 0, False
-    space.map(0, [0, 1, 4])  # the same pages and frames are free again
+    space.map(0, [0, 1, 3])  # the same pages and frames are free again
     assert space.mapped_pages == 3
 
 
@@ -447,12 +447,12 @@ def test_cuda_retire_unmaps_everything_and_close_frees_the_range(
 ) -> None:
     a = cuda.address
     cuda.map(4 * PAGE, [5])
-    cuda.map(0, [0, 1, 8])
+    cuda.map(0, [0, 8])
     fake.calls.clear()
     cuda.retire()
-    assert fake.calls == [
-        ("mem_unmap", a, 2 * PAGE),
-        ("mem_unmap", a + 2 * PAGE, PAGE),
+    assert sorted(fake.calls) == [
+        ("mem_unmap", a, PAGE),
+        ("mem_unmap", a + PAGE, PAGE),
         ("mem_unmap", a + 4 * PAGE, PAGE),
     ]
     assert cuda.mapped_pages == 0 and not fake.mappings
@@ -467,24 +467,22 @@ def test_cuda_retire_unmaps_everything_and_close_frees_the_range(
     assert set(fake.live().values()) == {0}
 
 
-def test_fake_driver_maps_granular_parts_of_an_allocation(fake: FakeDriver) -> None:
+def test_fake_driver_maps_granular_prefixes_of_an_allocation(fake: FakeDriver) -> None:
     h = fake.mem_create(CHUNK, exportable=False)
-    base = fake.address_reserve(4 * PAGE, PAGE)
-    for ptr, size, offset in [
-        (base, PAGE, PAGE // 2),  # offset not granular
-        (base, PAGE, CHUNK),  # past the allocation
-        (base, 2 * PAGE, 3 * PAGE),  # runs past the allocation
-        (base + PAGE // 2, PAGE, 0),  # address not granular
-        (base, PAGE // 2, 0),  # size not granular
+    base = fake.address_reserve(8 * PAGE, PAGE)
+    for ptr, size in [
+        (base, CHUNK + PAGE),  # past the allocation
+        (base + PAGE // 2, PAGE),  # address not granular
+        (base, PAGE // 2),  # size not granular
     ]:
         with pytest.raises(CudaError, match="INVALID_VALUE"):
-            fake.mem_map(DevicePtr(ptr), size, h, offset=offset)
-    fake.mem_map(base, 2 * PAGE, h, offset=2 * PAGE)
+            fake.mem_map(DevicePtr(ptr), size, h)
+    fake.mem_map(base, 2 * PAGE, h)
     with pytest.raises(CudaError, match="INVALID_VALUE"):
         fake.mem_map(DevicePtr(base + PAGE), PAGE, h)  # over a mapping
     fake.set_access(base, 2 * PAGE)
     fake.write(base + PAGE, b"x")
-    assert fake.handles[h].data[3 * PAGE] == ord("x")
+    assert fake.handles[h].data[PAGE] == ord("x")
     with pytest.raises(CudaError, match="INVALID_VALUE"):
         fake.mem_unmap(DevicePtr(base), PAGE)  # part of a mapping
     fake.mem_unmap(base, 2 * PAGE)

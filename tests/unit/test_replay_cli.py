@@ -187,6 +187,7 @@ def test_the_lease_holds_the_peak_and_a_quarter_in_whole_chunks() -> None:
         (["--limit", "0.9", "--compute-scale", "0"], "--compute-scale must be positive"),
         (["--limit", "0.9", "--copy-gbps", "-1"], "--copy-gbps must be positive"),
         (["--limit", "0.9", "--plan-timeout", "inf"], "--plan-timeout must be a positive"),
+        (["--limit", "0.9", "--backend", "cuda", "--page", "64KiB"], "use --page 2MiB"),
     ],
 )
 def test_bad_options_are_named(

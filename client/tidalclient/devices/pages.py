@@ -14,8 +14,9 @@ driver call (above: p2-p3 of chunk 0 at v1, then p4 of chunk 1 at v3), and `unma
 whole `map` calls only, run by run, because CUDA cannot unmap part of one cuMemMap.
 
 `Frames` is the pool of free physical pages; it decides nothing. `SimPageSpace` maps memfd
-chunks with mmap(MAP_FIXED) into a PROT_NONE reservation; `CudaPageSpace` maps VMM handles at
-page offsets with cuMemMap into a cuMemAddressReserve range. Both follow `PageSpace`.
+chunks with mmap(MAP_FIXED) into a PROT_NONE reservation; `CudaPageSpace` maps VMM handles, a
+whole chunk a page (CUDA maps a handle only from its start), with cuMemMap into a
+cuMemAddressReserve range. Both follow `PageSpace`.
 """
 
 from __future__ import annotations
@@ -410,9 +411,12 @@ class SimPageSpace(_PageTable):
 
 class CudaPageSpace(_PageTable):
     """`PageSpace` over CUDA VMM handles (one per chunk, imported by the caller): a
-    cuMemAddressReserve range aligned to `page`, cuMemMap of each run of a chunk at its page
-    offset, then cuMemSetAccess over the pages of the call. `page` is a multiple of the
-    allocation granularity (2 MiB) and divides `chunk_bytes`.
+    cuMemAddressReserve range aligned to `page`, cuMemMap of each page's whole chunk, then
+    cuMemSetAccess over the pages of the call. A page here is a whole chunk (`page ==
+    chunk_bytes`, a multiple of the allocation granularity, 2 MiB): cuMemMap maps a handle
+    only from its first byte (its `offset` "must be zero"; the driver 580.159.04 of an H200
+    answered CUDA_ERROR_NOT_SUPPORTED to any other), so a part of a chunk cannot be mapped on
+    its own. A daemon with 2 MiB chunks gives 2 MiB pages.
 
     The handles stay the caller's: keep them until `retire()` (mapping needs them), release
     them after. `retire()` unmaps every page; unlike sim, nothing is mapped over the range
@@ -424,6 +428,11 @@ class CudaPageSpace(_PageTable):
         self, driver: Driver, handles: Sequence[MemHandle], chunk_bytes: int, page: int, length: int
     ) -> None:
         _check_geometry(len(handles), chunk_bytes, page, length)
+        if page != chunk_bytes:
+            raise ValueError(
+                f"pages of {page} bytes on cuda: a page must be a whole chunk of {chunk_bytes}"
+                " bytes, because cuMemMap maps a VMM handle only from its first byte"
+            )
         address = int(driver.address_reserve(length, page))
         super().__init__(address, length, page, len(handles), chunk_bytes)
         self._driver = driver
@@ -431,8 +440,7 @@ class CudaPageSpace(_PageTable):
 
     def _map_run(self, run: _Run) -> None:
         ptr = DevicePtr(self.address + run.page * self.page)
-        handle = self._handles[run.chunk]
-        self._driver.mem_map(ptr, run.pages * self.page, handle, offset=run.first * self.page)
+        self._driver.mem_map(ptr, self.page, self._handles[run.chunk])  # one page: a chunk
 
     def _grant(self, page: int, count: int) -> None:
         self._driver.set_access(DevicePtr(self.address + page * self.page), count * self.page)

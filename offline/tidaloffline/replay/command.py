@@ -102,7 +102,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=None,
         metavar="BYTES",
         help="virtual residency: blocks keep their addresses and pages of this size (e.g."
-        " 64KiB, 2MiB; a power of two dividing the daemon's 2 MiB chunks) move beneath them;"
+        " 64KiB, 2MiB; a power of two dividing the daemon's 2 MiB chunks, the chunk itself on"
+        " cuda) move beneath them;"
         " the limit counts mapped pages (default: a contiguous lease)",
     )
     parser.add_argument(
@@ -174,6 +175,13 @@ def _check_options(args: argparse.Namespace) -> None:
             raise InputError(
                 f"--page {args.page} bytes: a power of two from {OS_PAGE} bytes (the OS page)"
                 f" to {format_size(CHUNK)} (the daemon's chunk)"
+            )
+        started = (args.replay_socket_dir or getattr(args, "socket_dir", None)) is None
+        if args.backend == "cuda" and started and args.page != CHUNK:
+            raise InputError(
+                f"--page {format_size(args.page)} on cuda: a page there is a whole chunk of the"
+                f" daemon's ({format_size(CHUNK)}), because CUDA maps a VMM handle only from its"
+                f" first byte: use --page {CHUNK >> 20}MiB"
             )
 
 
