@@ -10,9 +10,11 @@ A CuPy array holds an address, so its block is pinned (never swapped out). `op(s
 reads, writes)` records an access to CuPy arrays as `Session.op` does for session arrays, and
 `session.step()` marks iterations as usual.
 
-The allocator callbacks never let a tidalpool error through: a lease that is full is logged and
-becomes CuPy's own `OutOfMemoryError`, so CuPy's out-of-memory path speaks. Importing this
-module does not import CuPy; `use` does.
+A lease that is full is logged and becomes CuPy's own `OutOfMemoryError`, so CuPy's
+out-of-memory path speaks; a session that is over (closed, or its daemon gone) raises
+`SessionClosed`, which says why, since freeing memory or a retry could not help. The arrays
+the job holds keep their bytes either way (read them back with `.get()`). Importing this module
+does not import CuPy; `use` does.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 from tidalclient.devices.lease import CudaLease, DeviceLease, HostLease
-from tidalclient.errors import InvalidBlock, TidalpoolError
+from tidalclient.errors import InvalidBlock, SessionClosed, TidalpoolError
 from tidalclient.executors.base import Block, Executor, Residency
 from tidalclient.executors.bestfit import BestFit
 from tidalclient.numpy import Tensor
@@ -120,6 +122,8 @@ class Allocator:
             block = self.session.malloc(max(size, 1))
             if self.session.residency is not None:  # CuPy holds its address: it stays
                 self.session.residency.pin(block)
+        except SessionClosed:
+            raise  # not out of memory: no allocation can succeed, and CuPy says why
         except (TidalpoolError, ValueError) as e:
             log.warning("tidalpool.cupy: cannot allocate %d bytes: %s", size, e)
             lease = self.session.device.length

@@ -31,6 +31,7 @@ class GpuSession:
         self.device = Lease(int(driver.mem_alloc(device_bytes)), device_bytes)
         self.host = host
         self.cuda = None  # tidalpool.cupy.use() is given the device
+        self.residency = None  # not paged: no block to pin
         self.ops: list[tuple[list[int], list[int], str]] = []
 
     def malloc(self, nbytes: int) -> Block:

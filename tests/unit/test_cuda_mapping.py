@@ -21,7 +21,7 @@ from tidalclient.devices.cuda import (
     swap_streams,
 )
 from tidalclient.devices.streams import StreamError
-from tidalclient.errors import InvalidBlock
+from tidalclient.errors import InvalidBlock, SessionClosed
 from tidalclient.executors.base import Block, ExecutorStats, SwapStats
 from tidalclient.executors.python import PythonExecutor
 from tidalcore.chunks import PinnedChunkMapping
@@ -563,3 +563,21 @@ def test_a_stream_whose_host_function_failed_is_still_destroyed_on_close() -> No
         s.close()
     assert set(fake.streams) == {0}
     s.close()  # idempotent
+
+
+def test_a_closed_sessions_allocation_says_so_instead_of_out_of_memory(
+    cupy: types.SimpleNamespace,
+) -> None:
+    """The session is over (closed, or its daemon died): CuPy gets SessionClosed, which says
+    why, not an out-of-memory error a retry or a smaller batch could never cure."""
+    import tidalclient.cupy as tpc
+
+    session = FakeSession(4096, 512)
+    allocator = tpc.use(session, device=0)  # type: ignore[arg-type]
+
+    def over(nbytes: int) -> Block:
+        raise SessionClosed("session s-1 is over: the daemon went away")
+
+    session.malloc = over  # type: ignore[method-assign]
+    with pytest.raises(SessionClosed, match="daemon went away"):
+        allocator.malloc(64)
