@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from tidalcore.events import ALLOC, OP, Events  # noqa: E402
-from tidaloffline.torch.attention import fused_attention, kernel  # noqa: E402
+from tidaloffline.torch.attention import Gpu, fused_attention, kernel  # noqa: E402
 from tidaloffline.torch.capture import round_size  # noqa: E402
 from tidaloffline.torch.recompute_plan import measure  # noqa: E402
 from tidalplan import learn  # noqa: E402
@@ -34,39 +34,100 @@ def meta(*shape: int, dtype: Any = torch.float32) -> Any:
 # -- the choice ----------------------------------------------------------------------------------
 
 
+H100 = Gpu((9, 0), 91900, 13)  # cuDNN 9.19: PyTorch tries cuDNN first
+A100 = Gpu((8, 0), 91900, 13)  # flash first
+
+
 @pytest.mark.parametrize(
-    ("dtype", "q_shape", "kv_shape", "mask", "gqa", "expected"),
+    ("dtype", "q_shape", "kv_shape", "mask", "gqa", "on_h100", "on_a100"),
     [
-        (torch.float32, (B, H, S, 64), (B, H, S, 64), False, False, "efficient"),
-        (torch.float32, (B, H, S, 64), (B, H, S, 64), True, False, "efficient"),
-        (torch.bfloat16, (B, H, S, 64), (B, H, S, 64), False, False, "flash"),
-        (torch.float16, (B, H, S, 12), (B, H, S, 12), False, False, "flash"),  # padded to 16
-        (torch.bfloat16, (B, H, S, 64), (B, H, S, 64), True, False, "efficient"),  # a mask
-        (torch.float32, (B, H, S, 6), (B, H, S, 6), False, False, "math"),  # 6 % 4
-        (torch.bfloat16, (B, H, S, 300), (B, H, S, 300), False, False, "math"),  # > 256, 300 % 8
-        (torch.bfloat16, (B, 8, S, 64), (B, 2, S, 64), False, True, "flash"),  # grouped queries
-        (torch.float32, (B, 8, S, 64), (B, 2, S, 64), False, True, "math"),
-        (torch.float64, (B, H, S, 64), (B, H, S, 64), False, False, "math"),
-        (torch.float32, (H, S, 64), (H, S, 64), False, False, "math"),  # 3-D
+        (torch.float32, (B, H, S, 64), (B, H, S, 64), False, False, "efficient", "efficient"),
+        (torch.float32, (B, H, S, 64), (B, H, S, 64), True, False, "efficient", "efficient"),
+        (torch.bfloat16, (B, H, S, 64), (B, H, S, 64), False, False, "cudnn", "flash"),
+        (torch.float16, (B, H, S, 12), (B, H, S, 12), False, False, "flash", "flash"),  # 12 % 8
+        (torch.bfloat16, (B, H, S, 64), (B, H, S, 64), True, False, "cudnn", "efficient"),  # mask
+        (torch.float16, (B, H, S, 64), (B, H, S, 64), True, False, "cudnn", "efficient"),
+        (torch.bfloat16, (B, H, S, 192), (B, H, S, 192), False, False, "flash", "flash"),  # > 128
+        (torch.bfloat16, (B, H, S, 192), (B, H, S, 192), True, False, "efficient", "efficient"),
+        (torch.float32, (B, H, S, 6), (B, H, S, 6), False, False, "math", "math"),  # 6 % 4
+        (torch.bfloat16, (B, H, S, 300), (B, H, S, 300), False, False, "math", "math"),  # > 256
+        (torch.bfloat16, (B, 8, S, 64), (B, 2, S, 64), False, True, "cudnn", "flash"),  # grouped
+        (torch.bfloat16, (B, 8, S, 64), (B, 2, S, 64), False, False, "math", "math"),  # no gqa
+        (torch.float32, (B, 8, S, 64), (B, 2, S, 64), False, True, "math", "math"),
+        (torch.float64, (B, H, S, 64), (B, H, S, 64), False, False, "math", "math"),
+        (torch.float32, (H, S, 64), (H, S, 64), False, False, "math", "math"),  # 3-D
     ],
 )
 def test_kernel_follows_pytorchs_cuda_rules(
-    dtype: Any, q_shape: Any, kv_shape: Any, mask: bool, gqa: bool, expected: str
+    dtype: Any, q_shape: Any, kv_shape: Any, mask: bool, gqa: bool, on_h100: str, on_a100: str
 ) -> None:
     q, k = meta(*q_shape, dtype=dtype), meta(*kv_shape, dtype=dtype)
     attn_mask = meta(q_shape[-2], kv_shape[-2], dtype=torch.bool) if mask else None
-    assert kernel(q, k, k, attn_mask, gqa) == expected
+    assert kernel(q, k, k, attn_mask, gqa, gpu=H100) == on_h100
+    assert kernel(q, k, k, attn_mask, gqa, gpu=A100) == on_a100
+
+
+@pytest.mark.parametrize(
+    ("gpu", "expected"),
+    [
+        (Gpu((9, 0), 91501, 13), "cudnn"),  # cuDNN 9.15.1
+        (Gpu((9, 0), 91500, 13), "flash"),  # cuDNN 9.15.0: not newer than 9.15.0
+        (Gpu((9, 0), None, 13), "cudnn"),  # a cuDNN not known: taken as newer
+        (Gpu((10, 0), 92000, 12), "cudnn"),
+        (Gpu((10, 3), 92000, 12), "cudnn"),
+        (Gpu((10, 1), 92000, 12), "flash"),  # built for CUDA 12: x.0 and x.3 only
+        (Gpu((10, 1), 92000, 13), "cudnn"),
+        (Gpu((8, 9), 92000, 13), "flash"),
+        (Gpu((12, 0), 92000, 13), "flash"),
+    ],
+)
+def test_cudnn_comes_first_where_pytorch_prefers_it(gpu: Gpu, expected: str) -> None:
+    half = meta(B, H, S, 64, dtype=torch.bfloat16)
+    assert kernel(half, half, half, gpu=gpu) == expected
+
+
+def test_cudnn_refuses_what_pytorch_refuses() -> None:
+    half = meta(B, H, S, 64, dtype=torch.bfloat16)
+    mask = meta(S, S, dtype=torch.bool)
+    assert kernel(half, half, half, mask, gpu=H100) == "cudnn"
+    assert kernel(half, half, half, mask.t(), gpu=H100) == "math"  # last stride not 1
+    assert kernel(half, half, half, meta(B, S, S, dtype=torch.bool), gpu=H100) == "efficient"
+    assert kernel(half, half, half, meta(B, 1, S, S, dtype=torch.bool), gpu=H100) == "cudnn"
+    grad = meta(S, S, dtype=torch.bfloat16).requires_grad_()
+    assert kernel(half, half, half, grad, gpu=H100) == "efficient"
+    assert kernel(half, half, half, dropout_p=0.25, gpu=H100) == "cudnn"  # 4/16
+    assert kernel(half, half, half, dropout_p=0.1, gpu=H100) == "flash"  # not a 16th
+    assert kernel(half, half, half, dropout_p=0.25, gpu=Gpu((9, 0), 91200, 13)) == "flash"
+    one = meta(B, H, 1, 64, dtype=torch.bfloat16)
+    assert kernel(half, one, one, gpu=H100) == "flash"  # a key sequence of 1
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert kernel(half, half, half, gpu=H100) == "flash"
+    finally:
+        torch.use_deterministic_algorithms(False)
 
 
 def test_kernel_obeys_the_backend_switches() -> None:
     half, single = meta(B, H, S, 64, dtype=torch.bfloat16), meta(B, H, S, 64)
     with sdpa_kernel(SDPBackend.MATH):
-        assert kernel(half, half, half) == kernel(single, single, single) == "math"
+        assert kernel(half, half, half, gpu=H100) == kernel(single, single, single) == "math"
     with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
-        assert kernel(half, half, half) == "efficient"
+        assert kernel(half, half, half, gpu=H100) == "efficient"
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        assert kernel(single, single, single) == "math"
-    assert kernel(half, half, half) == "flash"
+        assert kernel(single, single, single, gpu=H100) == "math"
+        assert kernel(half, half, half, gpu=H100) == "flash"
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):  # last in the order, math switched off
+        assert kernel(half, half, half, gpu=A100) == "cudnn"
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION], set_priority=True):
+        assert kernel(half, half, half, gpu=H100) == "flash"  # the order given
+    assert kernel(half, half, half, gpu=H100) == "cudnn"
+    assert kernel(half, half, half, gpu=A100) == "flash"
+
+
+@pytest.fixture
+def h100(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Recordings in this test choose as on an H100, whatever GPU this machine has."""
+    monkeypatch.setattr(Gpu, "here", classmethod(lambda cls: H100))
 
 
 # -- what a recorded step holds --------------------------------------------------------------
@@ -162,6 +223,37 @@ def test_a_boolean_mask_is_made_additive_and_padded_as_pytorch_does(tmp_path: Pa
     assert "aten._scaled_dot_product_efficient_attention.default" in names
     assert "aten.where.self" in names
     assert round_size(s * 104 * 4) in sizes(events)  # the padded fp32 mask
+
+
+@pytest.mark.usefixtures("h100")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_16_bit_masked_call_runs_cudnn_with_the_mask_pytorch_makes(
+    tmp_path: Path, dtype: Any
+) -> None:
+    """As the H200 ran it: a boolean mask made additive in q's type (-65504 where masked),
+    saved for backward by cuDNN's attention; no padded or expanded copy of it."""
+    mask = torch.ones(S, S, dtype=torch.bool).tril()
+    x = torch.randn(B, H, S, D, dtype=dtype)
+    events = step(Attention(mask=mask, dtype=dtype), tmp_path, x)
+    names = op_names(events)
+    assert names.count("aten._scaled_dot_product_cudnn_attention.default") == 3
+    assert names.count("aten._scaled_dot_product_cudnn_attention_backward.default") == 3
+    assert "aten._scaled_dot_product_efficient_attention.default" not in names
+    assert "aten.logical_not.default" in names and "aten.where.self" in names
+    assert round_size(S * S * 2) in sizes(events)  # the additive mask, 2 bytes a score
+    assert round_size(B * H * S * S * 2) not in sizes(events)  # never expanded to every head
+    assert round_size(B * H * S * 4) in sizes(events)  # the log-sum-exp, one float per row
+
+
+@pytest.mark.usefixtures("h100")
+def test_cudnn_saves_what_flash_saves_without_a_mask(tmp_path: Path) -> None:
+    x = torch.randn(B, H, S, D, dtype=torch.bfloat16)
+    cudnn = step(Attention(dtype=torch.bfloat16), tmp_path, x)
+    assert op_names(cudnn).count("aten._scaled_dot_product_cudnn_attention.default") == 3
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        flash = step(Attention(dtype=torch.bfloat16), tmp_path, x)
+    assert op_names(flash).count("aten._scaled_dot_product_flash_attention.default") == 3
+    assert peak(cudnn) == peak(flash)
 
 
 def test_flash_pads_a_head_size_to_a_multiple_of_8(tmp_path: Path) -> None:

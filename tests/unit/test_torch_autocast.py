@@ -14,8 +14,11 @@ torch = pytest.importorskip("torch")
 
 from tidalcore.events import OP, Events  # noqa: E402
 from tidaloffline.torch import autocast as ac  # noqa: E402
+from tidaloffline.torch.attention import Gpu  # noqa: E402
 from tidaloffline.torch.autocast import POLICY, meta_autocast  # noqa: E402
 from tidaloffline.torch.recompute_plan import measure, plan_recompute  # noqa: E402
+
+H100 = Gpu((9, 0), 91900, 13)  # cuDNN 9.19: PyTorch 2.11 tries cuDNN's attention first
 from tidalplan import learn  # noqa: E402
 from tidalplan.autoswap import load  # noqa: E402
 from tidalpool.torch import record  # noqa: E402
@@ -250,14 +253,17 @@ def step(tmp_path: Path, **kwargs: Any) -> Events:
     )
 
 
-def test_record_under_autocast_holds_16_bit_activations(tmp_path: Path) -> None:
+def test_record_under_autocast_holds_16_bit_activations(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(Gpu, "here", classmethod(lambda cls: H100))
     plain, cast = step(tmp_path), step(tmp_path, autocast=bf16)
     names = op_names(cast)
     copies = "aten._to_copy.default"  # in both: the batch, copied to the device
     # 16 weights and biases cast in each forward, their gradients cast back in backward
     assert names.count(copies) > op_names(plain).count(copies) + 3 * 2 * 16
-    # attention's q, k, v are cast before the kernel is chosen: flash, as on a GPU
-    assert "aten._scaled_dot_product_flash_attention.default" in names
+    # attention's q, k, v are cast before the kernel is chosen: cuDNN's, as on an H100
+    assert "aten._scaled_dot_product_cudnn_attention.default" in names
     assert "aten._scaled_dot_product_efficient_attention.default" in op_names(plain)
     # each block saves its hidden activations (two of 8·128·1024) in 2 bytes, not 4
     assert peak(plain) - peak(cast) >= 3 * 2 * 8 * 128 * 1024 * 2
@@ -302,8 +308,12 @@ def test_recomputed_blocks_are_cast_again_in_backward(tmp_path: Path) -> None:
     assert plan.chosen.chosen == () and plan.plain_compute_ns > 0
 
 
-def test_attention_is_chosen_after_its_inputs_are_cast(tmp_path: Path) -> None:
-    """fp32 q, k and v under autocast: cast to 16 bits first, so flash runs, as on a GPU."""
+def test_attention_is_chosen_after_its_inputs_are_cast(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fp32 q, k and v under autocast: cast to 16 bits first, so a 16-bit kernel runs, cuDNN's
+    on an H100 (memory-efficient attention without autocast)."""
+    monkeypatch.setattr(Gpu, "here", classmethod(lambda cls: H100))
 
     class Attention(nn.Module):
         def __init__(self) -> None:
@@ -327,5 +337,5 @@ def test_attention_is_chosen_after_its_inputs_are_cast(tmp_path: Path) -> None:
         names.append(op_names(events))
     plain, cast = names
     assert "aten._scaled_dot_product_efficient_attention.default" in plain
-    assert cast.count("aten._scaled_dot_product_flash_attention.default") == 3
+    assert cast.count("aten._scaled_dot_product_cudnn_attention.default") == 3
     assert "aten._scaled_dot_product_efficient_attention.default" not in cast
