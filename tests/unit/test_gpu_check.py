@@ -35,12 +35,10 @@ NAMES = [
     "conformance-cuda",
     "gpu-vmm",
     "gpu-bench",
-    "replay-mlp.b64-0.9",
-    "replay-mlp.b64-0.7",
     "replay-resnet18.b8-0.9",
     "replay-resnet18.b8-0.7",
-    "replay-gpt2.b4.s128-0.9",
-    "replay-gpt2.b4.s128-0.7",
+    "replay-resnet18.b8-0.7-paged",
+    "replay-gpt2.b4.s128-0.9-paged",
     "torch-train-gpt2",
     "torch-train-resnet50",
 ]
@@ -173,7 +171,11 @@ def test_needs_and_the_budget_decide_what_is_skipped(tmp_path: Path) -> None:
 def test_only_and_skip_select_parts_by_name_or_prefix() -> None:
     found = parts(sys.executable, Path("/tmp/work"), Path(".gpu-wheels"))
     chosen = select(found, ["replay-resnet18*", "gpu-vmm"], ["replay-resnet18.b8-0.7"])
-    assert [p.name for p in chosen] == ["gpu-vmm", "replay-resnet18.b8-0.9"]
+    assert [p.name for p in chosen] == [
+        "gpu-vmm",
+        "replay-resnet18.b8-0.9",
+        "replay-resnet18.b8-0.7-paged",
+    ]
     with pytest.raises(SystemExit, match="no part is named 'replay'"):
         select(found, ["replay"], [])
 
