@@ -11,12 +11,17 @@ without a bound: once the events sent and not yet taken (`backlog()`) would pass
 `max_backlog_events`, the recorder stops sending the trace for good, drops what it is given
 from then on (`events_dropped`) and says so once. The session goes on, with the plan it has;
 the daemon learns no more of it (a trace with a hole would teach it a wrong iteration).
+
+An op timed on the stream its work runs on has a `Later` duration, known once that work has
+run: the drainer sends the events up to the first op whose time is not known yet, and the step
+marks up to there; the rest waits for a later drain (`flush` and `close` wait for the work).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -24,7 +29,21 @@ from typing import Protocol
 from tidalcore.events import ITER
 from tidalcore.v1 import pool_pb2
 
-Event = tuple[int, int, int, int, int]  # kind, block id, size, duration ns, name id
+
+class Later(Protocol):
+    """A duration known once work enqueued on a stream has run (`devices.streams.Elapsed`)."""
+
+    def ready(self) -> bool:
+        """Whether `ns()` returns at once."""
+        ...
+
+    def ns(self, timeout: float | None = None) -> int:
+        """The duration, waiting for the work as needed (at most `timeout`, then a stand-in)."""
+        ...
+
+
+Duration = int | Later
+Event = tuple[int, int, int, Duration, int]  # kind, block id, size, duration ns, name id
 
 log = logging.getLogger("tidalpool")
 
@@ -32,6 +51,10 @@ MAX_BACKLOG_EVENTS = 1_000_000
 """Trace events sent and not yet taken by the stream past which the recorder stops (about
 20 MB of packed chunks; a daemon keeps at most `max_trace_events`, 1 million by default, of a
 session's trace)."""
+SETTLE_S = 60.0
+"""How long `flush` and `close` wait in all for the work of the ops recorded (a stream's), after
+which each op still running is sent with its host time (a wedged GPU does not hold the session's
+end)."""
 SHAPES_AHEAD = 4096
 """Shapes of step marks not yet made that the recorder keeps (`expect`): the native ring's marks
 are made when it is drained, a few steps behind at most."""
@@ -41,7 +64,7 @@ class TraceSink(Protocol):
     """Where executors and the native ring put their events (a `Recorder`, or a test's list)."""
 
     def record(
-        self, kind: int, block_id: int, size: int = 0, duration_ns: int = 0, name_id: int = 0
+        self, kind: int, block_id: int, size: int = 0, duration_ns: Duration = 0, name_id: int = 0
     ) -> None: ...
 
     def step(self, iteration: int, live: Sequence[tuple[int, int, bool]] = ()) -> None: ...
@@ -82,7 +105,7 @@ class Recorder:
 
     # -- hot path -----------------------------------------------------------------
     def record(
-        self, kind: int, block_id: int, size: int = 0, duration_ns: int = 0, name_id: int = 0
+        self, kind: int, block_id: int, size: int = 0, duration_ns: Duration = 0, name_id: int = 0
     ) -> None:
         self._pending.append((kind, block_id, size, duration_ns, name_id))
 
@@ -123,8 +146,9 @@ class Recorder:
         self._wake.set()
 
     def flush(self) -> None:
-        """Send everything recorded so far (synchronously)."""
-        self._drain()
+        """Send everything recorded so far (synchronously; ops timed on a stream are waited
+        for)."""
+        self._drain(settle=True)
 
     def close(self) -> None:
         """Stop the drainer and hand everything still pending to `send` (the last chunk and
@@ -132,7 +156,7 @@ class Recorder:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=5)
-        self._drain()
+        self._drain(settle=True)
 
     # -- drainer ------------------------------------------------------------------
     def _run(self) -> None:
@@ -141,12 +165,19 @@ class Recorder:
             self._wake.clear()
             self._drain()
 
-    def _drain(self) -> None:
+    def _drain(self, settle: bool = False) -> None:
+        """Send what is known; `settle`: wait for the times of the ops recorded so far first
+        (outside the lock: `step` never waits for a stream)."""
         source = self.source
         if source is not None:  # events kept elsewhere (the native ring) come in first
             source()
+        if settle:
+            deadline = time.monotonic() + SETTLE_S
+            for event in self._pending[:]:
+                if not isinstance(event[3], int):
+                    event[3].ns(max(0.0, deadline - time.monotonic()))
         with self._lock:
-            n = len(self._pending)
+            n = len(self._pending) if self.stopped else self._known()
             batch = self._pending[:n]
             del self._pending[:n]  # appends after index n survive: only this thread deletes
             new_names, self._new_names = self._new_names, {}
@@ -173,9 +204,22 @@ class Recorder:
                 self.chunks_sent += 1
             if new_names:  # names registered with no events yet
                 self._send(pool_pb2.ClientMessage(trace=self._pack([], new_names)))
-            for mark in steps:
+            for k, mark in enumerate(steps):
+                if mark.events_before > self.events_sent:  # its events wait for their times
+                    self._steps[:0] = steps[k:]
+                    break
                 self._send(pool_pb2.ClientMessage(step=mark))
                 self.steps_sent += 1
+
+    def _known(self) -> int:
+        """How many pending events, from the first, have their durations known. Under the
+        lock."""
+        pending = self._pending
+        for i in range(len(pending)):
+            duration = pending[i][3]
+            if not isinstance(duration, int) and not duration.ready():
+                return i
+        return len(pending)
 
     def _pack(self, events: list[Event], new_names: dict[int, str]) -> pool_pb2.TraceChunk:
         chunk = pool_pb2.TraceChunk(first_event=self.events_sent, new_names=new_names)
@@ -184,6 +228,6 @@ class Recorder:
             chunk.kinds.extend(kinds)
             chunk.block_ids.extend(ids)
             chunk.sizes.extend(sizes)
-            chunk.durations_ns.extend(durations)
+            chunk.durations_ns.extend(d if isinstance(d, int) else d.ns() for d in durations)
             chunk.name_ids.extend(names)
         return chunk

@@ -44,7 +44,7 @@ from tidalclient import cupy
 from tidalclient.connection import Connection
 from tidalclient.devices.lease import CudaLease, DeviceLease, HostLease, MappedLease, map_grant
 from tidalclient.devices.pages import CudaPageSpace, Frames, PageSpace, SimPageSpace
-from tidalclient.devices.streams import Stream
+from tidalclient.devices.streams import Elapsed, Stream, TimedStream
 from tidalclient.errors import AttachError, InvalidBlock, SessionClosed
 from tidalclient.executors.base import Block, Executor, Residency, SwapStats
 from tidalclient.executors.native import NativeExecutor
@@ -55,7 +55,7 @@ from tidalclient.handles import Grant, request_lease
 from tidalclient.hotpath import HotPath, NativeStats
 from tidalclient.numpy import Tensor, array, release
 from tidalclient.plans import Plan, PlanRejected, decode
-from tidalclient.recorder import Recorder
+from tidalclient.recorder import Duration, Recorder
 from tidalclient.views import CudaViews, HostViews, Views
 
 if TYPE_CHECKING:
@@ -134,7 +134,8 @@ def attach(
     `async_compute`: the ops' work runs on `Session.compute`, a stream, asynchronously to the
     calling thread (sim: a worker thread's `Stream`; cuda: the compute stream, CuPy's current
     one), and the swap engine orders its copies against that stream instead of waiting on
-    this thread; give each op its compute time with `op(..., duration_ns=)`.
+    this thread. An op's time is then its time on that stream (on cuda it always is), unless
+    `op(..., duration_ns=)` gives it.
     `daemon_users`: the users the daemon may run as (comma-separated names or uids), checked
     before anything is sent to it; None: $TIDALPOOL_DAEMON_USERS, else this process's uid and
     the user "tidalpool" (see `handles.request_lease`).
@@ -316,6 +317,33 @@ def _compute_stream(mapped: MappedLease) -> Callable[[], Any]:
     return lambda: stream
 
 
+def _op_stream(
+    mapped: MappedLease, compute: Callable[[], Any] | None
+) -> Callable[[], TimedStream] | None:
+    """The stream the ops' work runs on, as a function giving it now, to time the ops on: the
+    `async_compute` stream, else on cuda the compute stream (CuPy's current one: its kernels run
+    after the op's body returns); None where the body does the work itself (sim)."""
+    if compute is not None:
+        return compute
+    if mapped.cuda is None:
+        return None
+    from tidalclient.devices.cuda import compute_stream
+
+    return compute_stream(mapped.cuda.driver)
+
+
+def _timed(stream: TimedStream | None) -> Any:
+    """A timing event recorded now on `stream`; None without one, or where it cannot record
+    (its context failed: the op keeps the host's time, and whoever waits on the stream sees the
+    failure)."""
+    if stream is None:
+        return None
+    try:
+        return stream.timed()
+    except RuntimeError:
+        return None
+
+
 def _close_compute(compute: Callable[[], Any] | None) -> None:
     """Finish and stop a sim compute stream (a cuda one is not ours to close)."""
     stream = compute() if compute is not None else None
@@ -409,6 +437,7 @@ class Session:
         # Why the daemon sends no plan, as it last said; None once a plan arrives.
         self.plan_unavailable: PlanUnavailable | None = None
         self._compute = compute
+        self._op_stream = _op_stream(mapped, compute)
         self._closed = False  # the session is over: closed here, or ended by the daemon
         self._released = False  # threads joined, channel closed, mappings retired
         self._dead: deque[Block] = deque()  # blocks of garbage tensors, freed at the next op
@@ -515,8 +544,9 @@ class Session:
         With swapping, they are all on the device and locked there until the op ends; views
         must not be used after it. On cuda a tensor's view is a CuPy array over its device
         bytes, a block is yielded as its device address, and CuPy arrays of the session (see
-        `tidalpool.cupy`) are yielded as they are. `duration_ns`: the op's compute time, recorded
-        instead of the time the `with` body took (work run asynchronously on `compute`).
+        `tidalpool.cupy`) are yielded as they are. The op's time is the `with` body's, on the
+        stream its work runs on where there is one (cuda, `async_compute`: the body only
+        enqueues it), else on this thread's clock; `duration_ns` gives it instead.
         SessionClosed once the session is over: on entry, and at the end of an op during which
         the daemon ended it (what the op computed may be lost); an error of the body wins."""
         if duration_ns is not None and duration_ns < 0:
@@ -541,11 +571,16 @@ class Session:
             record(READ if i < len(reads) else WRITE, block.id)
             yielded.append(views.view(item, block, base + offset))
         name_id = self.recorder.name_id(name)
+        stream = self._op_stream() if self._op_stream is not None and duration_ns is None else None
+        began = _timed(stream)  # after the waits for its blocks: a stall is not the op's
         start = time.perf_counter_ns()
         try:
             yield tuple(yielded)
         finally:
-            took = time.perf_counter_ns() - start if duration_ns is None else duration_ns
+            host_ns = time.perf_counter_ns() - start
+            took: Duration = host_ns if duration_ns is None else duration_ns
+            if stream is not None and began is not None and (ended := _timed(stream)) is not None:
+                took = Elapsed(stream, began, ended, host_ns)
             record(OP, 0, 0, took, name_id)
             if residency is not None:
                 residency.end_op(blocks)

@@ -24,6 +24,7 @@ from tidalclient.errors import AttachError, InvalidBlock, NotHostMemory
 from tidalclient.executors.swapping import Swapping
 from tidalclient.handles import Grant, request_lease
 from tidalcore.chunks import PinnedChunkMapping
+from tidalcore.events import OP
 from tidalcore.units import Bytes
 from tidalpoold import server
 from tidalpoold.backends.cuda import CudaBackend
@@ -321,6 +322,30 @@ def test_swaps_on_cuda_copy_on_cuda_streams_ordered_against_compute(vmm: CudaDae
         assert any(
             c[0] == "stream_wait_event" and c[1] == 0 and c[2] in in_events for c in client.calls
         )
+
+
+@pytest.mark.parametrize("swap_limit", [None, C], ids=["no limit", "limit"])
+def test_an_op_on_cuda_is_timed_by_events_on_the_compute_stream(
+    vmm: CudaDaemon, swap_limit: int | None
+) -> None:
+    """The op's kernels run after its body returns: its time is the GPU's between timing
+    events recorded on the compute stream (0) as the body begins and ends, whatever the host
+    spent in the body, with a limit or without."""
+    client = vmm.client()
+    with tidalpool.attach(
+        vmm.socket_dir, device_limit=2 * C, host_limit=2 * C, swap_limit=swap_limit, driver=client
+    ) as s:
+        a = s.malloc(1024)
+        sent: list[tuple[int, ...]] = []
+        record = s.recorder.record
+        s.recorder.record = lambda *e: (sent.append(e), record(*e))  # type: ignore[method-assign]
+        with s.op([a], name="scale"):
+            client.now_ns += 3_000_000  # the GPU's clock when the op's kernels have run
+        *_, (kind, _, _, took, _) = sent
+        assert kind == OP and not isinstance(took, int) and took.ns() == 3_000_000
+        timed = [c for c in client.calls if c[0] == "event_record"][-2:]
+        assert [c[2] for c in timed] == [0, 0]
+        assert all(client.events[c[1]].timing for c in timed)
 
 
 def test_a_paged_session_on_cuda_maps_whole_chunks_and_refuses_smaller_pages(

@@ -404,6 +404,7 @@ def fake_cupy() -> types.SimpleNamespace:
         get_allocator=lambda: state["allocator"],
         set_allocator=lambda f: state.__setitem__("allocator", f),
         set_pinned_memory_allocator=lambda f: state.__setitem__("pinned", f),
+        get_current_stream=lambda: types.SimpleNamespace(ptr=0),  # the legacy default stream
     )
     pool = types.SimpleNamespace(malloc="cupy-pinned")
     return types.SimpleNamespace(

@@ -351,3 +351,60 @@ def test_a_daemon_that_stops_taking_the_trace_stops_the_recorder_and_it_says_so(
         assert len(warnings) == 1 and "the last 7 trace events" in warnings[0]
     finally:
         r.close()
+
+
+class Later:
+    """An op's duration known once its work has run (`done`): what `Elapsed` is to the
+    recorder. `ns()` waits for it, as a stream's does; here the wait completes the work."""
+
+    def __init__(self, ns: int) -> None:
+        self.value = ns
+        self.done = False
+        self.waited = 0
+
+    def ready(self) -> bool:
+        return self.done
+
+    def ns(self, timeout: float | None = None) -> int:
+        if not self.done:
+            self.waited += 1
+            self.done = True
+        return self.value
+
+
+def test_events_from_an_op_whose_time_is_not_known_wait_with_their_step_mark(
+    recorder: Recorder, sink: Sink
+) -> None:
+    """The drainer never waits for a stream: it sends the events before the first op whose
+    time is not known yet and holds the rest, and the step marks after them, in order."""
+    later = Later(7_000)
+    recorder.record(ALLOC, 1, 256)
+    recorder.record(OP, 0, 0, later, 3)
+    recorder.record(FREE, 1)
+    recorder.step(0)
+    recorder._drain()  # the drainer's pass: no waiting
+    assert [e for c in sink.chunks for e in events_of(c)] == [(ALLOC, 1, 256, 0, 0)]
+    assert "step" not in sink.bodies() and recorder.events_recorded == 4
+    later.done = True  # the work has run
+    recorder._drain()
+    assert [e for c in sink.chunks for e in events_of(c)] == [
+        (ALLOC, 1, 256, 0, 0),
+        (OP, 0, 0, 7_000, 3),
+        (FREE, 1, 0, 0, 0),
+        (ITER, 0, 0, 0, 0),
+    ]
+    assert sink.bodies()[-1] == "step" and sink.messages[-1].step.events_before == 4
+    assert later.waited == 0
+
+
+def test_flush_waits_for_the_times_of_the_ops_recorded(recorder: Recorder, sink: Sink) -> None:
+    later = Later(9_000)
+    recorder.record(OP, 0, 0, later, 1)
+    recorder.step(0)
+    recorder.flush()
+    assert later.waited == 1
+    assert [e for c in sink.chunks for e in events_of(c)] == [
+        (OP, 0, 0, 9_000, 1),
+        (ITER, 0, 0, 0, 0),
+    ]
+    assert sink.bodies()[-1] == "step" and recorder.steps_sent == 1

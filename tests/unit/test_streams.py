@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from tidalclient.devices.streams import Stream, StreamError
+from tidalclient.devices.streams import Elapsed, Stream, StreamError
 
 
 @pytest.fixture
@@ -139,3 +139,48 @@ def test_a_stream_knows_when_the_events_it_waited_for_completed(streams: list[St
     gate.set()
     inward.synchronize()
     assert seen == [copied.done_ns] and copied.done_ns >= before
+
+
+def test_an_ops_time_is_its_work_on_the_stream_known_once_it_has_run(
+    streams: list[Stream],
+) -> None:
+    """The host enqueues the op's work and goes on; its time is the stream's, from the event
+    recorded as it began to the one as it ended, whenever the host asks."""
+    s = Stream("compute")
+    streams.append(s)
+    gate = threading.Event()
+    s.launch(gate.wait)  # earlier work: the op's time starts once it is done
+    began = s.timed()
+    s.launch(lambda: time.sleep(0.002))  # the op's work
+    took = Elapsed(s, began, s.timed(), host_ns=1_000)
+    assert not took.ready()
+    gate.set()
+    assert took.ns() >= 2_000_000
+    assert took.ready()
+
+
+def test_an_ops_time_is_the_hosts_when_its_work_failed(streams: list[Stream]) -> None:
+    s = Stream("compute")
+    streams.append(s)
+
+    def fail() -> None:
+        raise OSError("kernel on fire")
+
+    began = s.timed()
+    s.launch(fail)
+    took = Elapsed(s, began, s.timed(), host_ns=1_234)
+    s.synchronize()
+    assert took.ready() and took.ns() == 1_234
+
+
+def test_an_ops_time_is_the_hosts_when_its_work_does_not_run_within_the_wait(
+    streams: list[Stream],
+) -> None:
+    s = Stream("compute")
+    streams.append(s)
+    gate = threading.Event()
+    began = s.timed()
+    s.launch(gate.wait)  # a wedged kernel
+    took = Elapsed(s, began, s.timed(), host_ns=5_678)
+    assert took.ns(timeout=0) == 5_678
+    gate.set()

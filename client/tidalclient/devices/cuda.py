@@ -393,6 +393,11 @@ class CudaStream:
             errors, self._errors, self._launched = self._errors, [], False
         return CudaEvent(self._driver, handle, errors)
 
+    def elapsed_ns(self, start: CudaEvent, end: CudaEvent) -> int:
+        """The GPU's time from `start` to `end`, two completed timing events (`timed`) of this
+        context (cuEventElapsedTime)."""
+        return round(self._driver.event_elapsed_ms(start.handle, end.handle) * 1e6)
+
     def clock(self) -> CudaClock:
         """A clock for this context's timing events: a reference event recorded on this
         stream and waited for, and the host time right after (`Timeline.device_span`s are

@@ -58,6 +58,14 @@ class CopyStream(Protocol):
     def close(self) -> None: ...
 
 
+class TimedStream(Protocol):
+    """A stream that times its work: sim `Stream` or `devices.cuda.CudaStream`."""
+
+    def timed(self) -> Any: ...
+
+    def elapsed_ns(self, start: Any, end: Any) -> int: ...
+
+
 class StreamError(RuntimeError):
     """Work enqueued on a stream failed; the event after it reports the failure."""
 
@@ -125,6 +133,15 @@ class Stream:
         event = Event()
         self._put(lambda: self._mark(event))
         return event
+
+    def timed(self) -> Event:
+        """A timing event recorded now (every sim event carries when it completed)."""
+        return self.record()
+
+    @staticmethod
+    def elapsed_ns(start: Event, end: Event) -> int:
+        """The stream's time from `start` to `end`, two of its completed timing events."""
+        return end.done_ns - start.done_ns
 
     def wait_event(self, event: Event) -> None:
         """Work enqueued after this call starts only once `event` has completed
@@ -211,3 +228,45 @@ class Waits:
             self.stall_ns += end - start
             if self._timeline is not None:
                 self._timeline.span(HOST_TRACK, WAIT + why, start, end)
+
+
+class Elapsed:
+    """An op's time on the stream its work runs on: from a timing event recorded as the op
+    began to one recorded as it ended, known once the stream has passed the second.
+
+    The work runs after the host enqueued it, so the host's clock around the op times only the
+    enqueueing; the work's time goes to whichever later wait of the host's meets it: an op that
+    reads a result (the op's then), or a swap engine waiting for a copy ordered after the
+    kernels (no op's at all). The stream's own clock gives each op its work wherever the host
+    waits. `host_ns`, the host's time of the op, stands in when the work failed or did not
+    finish within the wait (its failure is for whoever waits on the stream to raise)."""
+
+    __slots__ = ("_end", "_host_ns", "_ns", "_start", "_stream")
+
+    def __init__(self, stream: TimedStream, start: Any, end: Any, host_ns: int) -> None:
+        self._stream = stream
+        self._start = start
+        self._end = end
+        self._host_ns = host_ns
+        self._ns: int | None = None
+
+    def ready(self) -> bool:
+        """Whether `ns()` returns at once (never blocks)."""
+        if self._ns is not None:
+            return True
+        try:
+            return bool(self._end.query())
+        except RuntimeError:  # the work failed: `ns` falls back at once
+            return True
+
+    def ns(self, timeout: float | None = None) -> int:
+        """The op's time on its stream, once its work has run (waits at most `timeout`; None:
+        as long as it takes)."""
+        if self._ns is None:
+            try:
+                done = bool(self._end.wait(timeout))
+                took = self._stream.elapsed_ns(self._start, self._end) if done else -1
+            except RuntimeError:  # StreamError, or the driver's CudaError
+                took = -1
+            self._ns = took if took >= 0 else self._host_ns
+        return self._ns
