@@ -207,6 +207,26 @@ def test_pool_mode_routes_the_device_to_a_pool_over_the_library_until_close(
     assert cuda.calls[-1] == ("pool_deleted", 2)  # dropped while the lease was still configured
 
 
+def test_a_step_names_the_shape_of_the_iteration_it_begins(
+    cuda: FakeCuda, daemon: LocalDaemon
+) -> None:
+    tp = tt.attach(daemon.socket_dir, mode="pool")
+    seen: list[str] = []
+    stepped = tp.session.step
+
+    def step(shape: str = "") -> None:
+        seen.append(shape)
+        stepped(shape)
+
+    tp.session.step = step  # type: ignore[method-assign]
+    tp.step("4x128")
+    tt.step("8x128")  # the attached session's, as tp.step
+    tp.step()
+    assert seen == ["4x128", "8x128", ""]
+    assert tp.stats().native.iteration == 4
+    tp.close()
+
+
 def test_planned_mode_after_cuda_init_is_refused_and_leaves_no_session(
     cuda: FakeCuda, daemon: LocalDaemon
 ) -> None:

@@ -258,3 +258,30 @@ def test_a_save_larger_than_the_swap_limit_stays_where_it_is(
     assert stats.shared == (SHARED_PER_ITERATION - 2) * ITERATIONS
     warnings = [r.getMessage() for r in caplog.records if "stays where it is" in r.getMessage()]
     assert len(warnings) == 1 and "exceed the swap limit of 16 KiB" in warnings[0]
+
+
+def test_each_shape_orders_its_saves_against_its_own_last_iteration(daemon: LocalDaemon) -> None:
+    """Iterations of two shapes, alternating: each shape's saves are expected in the order its
+    own last iteration used them, and the session is told each iteration's shape."""
+    with tidalpool.attach(daemon.socket_dir) as session:
+        shapes: list[str] = []
+        stepped = session.step
+
+        def step(shape: str = "") -> None:
+            shapes.append(shape)
+            stepped(shape)
+
+        session.step = step  # type: ignore[method-assign]
+        with tt.SavedTensors(session, min_bytes=64) as saved:
+            x = torch.randn(16)  # no autograd: its products save nothing themselves
+            for shape, n in [("a", 2), ("b", 3), ("a", 2), ("b", 3)]:
+                tt.step(shape)
+                packs = [saved.pack(x * (k + 1)) for k in range(n)]
+                for p in reversed(packs):
+                    saved.unpack(p)
+            tt.step("a")
+            assert saved.order.previous == [1, 0]  # a's last iteration, not b's [2, 1, 0]
+            assert saved.order.use(1) == [0]  # so unpacking save 1 expects save 0 next
+            tt.step("b")
+            assert saved.order.previous == [2, 1, 0]
+        assert shapes == ["", "a", "b", "a", "b", "a", "b"]

@@ -292,11 +292,14 @@ class TorchSession:
         saved.__enter__()
         self.saved = saved
 
-    def step(self) -> None:
-        """An iteration boundary (automatic after each step of a watched optimizer)."""
-        self.session.step()
+    def step(self, shape: str = "") -> None:
+        """An iteration boundary (automatic after each step of a watched optimizer).
+        `shape`: the shape of the iteration it begins, where iterations differ (`Session.step`):
+        each shape gets its own plan. A watched optimizer's step cannot know the next
+        iteration's shape: with several shapes, call this before each iteration instead."""
+        self.session.step(shape)
         if self.saved is not None:
-            self.saved.step()
+            self.saved.step(shape)
 
     def stats(self) -> TorchStats:
         saved = self.saved
@@ -358,13 +361,14 @@ def current() -> TorchSession | None:
     return _current[0] if _current else None
 
 
-def step() -> None:
+def step(shape: str = "") -> None:
     """Mark an iteration boundary for the innermost active `SavedTensors`, else for the session
     of `tidalpool.torch.attach` (call it after each optimizer step when no optimizer is
-    watched). RuntimeError if there is neither."""
+    watched; with iterations of several shapes, before each iteration, naming its `shape`, as
+    `Session.step`). RuntimeError if there is neither."""
     saved = innermost()
     if saved is not None:
-        saved.step()
+        saved.step(shape)
         return
     attached = current()
     if attached is None:
@@ -372,4 +376,4 @@ def step() -> None:
             "tidalpool.torch.step(): no SavedTensors is active and no session is attached"
             " (tidalpool.torch.attach)"
         )
-    attached.step()
+    attached.step(shape)

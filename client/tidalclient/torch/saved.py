@@ -35,7 +35,9 @@ on another device than the session's (CPU tensors on sim, CUDA tensors of its GP
 non-strided, quantized, conjugate or negative-bit tensors, empty ones, those under
 `min_bytes`, and those that do not fit (larger than the swap limit, or the lease is full: a
 warning says so once). Iterations end at each step of the optimizer given (a step post-hook) or at
-each `step()`.
+each `step()`. Iterations of several shapes (`step(shape)`, as `Session.step`) keep their save
+orders and compute gaps apart, one set a shape, so each shape prefetches from its own last
+iteration.
 """
 
 from __future__ import annotations
@@ -248,6 +250,7 @@ class SavedTensors:
         self.offload = offload
         self.min_bytes = min_bytes
         self.order = SaveOrder(lookahead)
+        self._shapes = {"": (self.order, self.gaps)}  # each shape's order and gaps
         self._current: dict[int, weakref.ref[Saved]] = {}  # this iteration's saves by id
         # id() of each tensor saved this iteration -> (the tensor, its version, its save)
         self._by_tensor: dict[int, tuple[weakref.ref[torch.Tensor], int, weakref.ref[Saved]]] = {}
@@ -299,11 +302,16 @@ class SavedTensors:
             if stack is not None:
                 stack.close()
 
-    def step(self) -> None:
-        """An iteration boundary: the session's, and where save ids start again from 0."""
-        self.session.step()
+    def step(self, shape: str = "") -> None:
+        """An iteration boundary: the session's, and where save ids start again from 0.
+        `shape`: the shape of the iteration it begins (`Session.step`); its saves are ordered
+        and timed against the last iteration of that shape."""
+        self.session.step(shape)
         self.order.step()
         self.gaps.step()
+        if shape not in self._shapes:
+            self._shapes[shape] = (SaveOrder(self.order.lookahead), ComputeGaps(self.device))
+        self.order, self.gaps = self._shapes[shape]
         self._current = {}
         self._by_tensor = {}
         self._iteration += 1
