@@ -1,5 +1,5 @@
 """The client side of the handles socket: check who serves it, ask for a lease, receive its
-chunks' fds.
+chunks' fds; give a lease back whose Attach failed.
 
 The daemon's uid (SO_PEERCRED) is checked before a byte is sent: a socket in a directory others
 can write to may be served by anyone, who would learn the job's name, uid and pid and hand it
@@ -15,12 +15,13 @@ import pwd
 import resource
 import socket
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from tidalcore import framing
 from tidalcore.v1 import handles_pb2
-from tidalcore.wire import HANDLES_VERSION
+from tidalcore.wire import HANDLES_GIVE_BACK_VERSION, HANDLES_VERSION
 
 from tidalclient.errors import AttachError
 
@@ -60,6 +61,60 @@ def request_lease(
     root), replaces the defaults (this process's uid and the user "tidalpool" if it exists);
     when it is None, $TIDALPOOL_DAEMON_USERS gives it if set and not empty.
     """
+    request = handles_pb2.HandlesRequest(
+        version=HANDLES_VERSION,
+        device_bytes=device_bytes,
+        host_bytes=host_bytes,
+        job_name=job_name,
+    )
+    with _connected(path, timeout, daemon_users) as (sock, daemon_uid):
+        try:
+            response = _exchange(sock, request)
+            if response.error_code:
+                raise AttachError(
+                    f"tidalpoold refused the session ({response.error_code}):"
+                    f" {response.error_message}"
+                )
+            expected = _expected_fds(response)
+            if response.fd_count != expected:
+                raise AttachError(
+                    f"tidalpoold announced {response.fd_count} file descriptors for a lease of"
+                    f" {expected} chunks"
+                )
+            _make_fd_room(expected)
+            fds = framing.receive_fds(sock, expected)
+        except (OSError, framing.FramingError) as e:
+            raise AttachError(f"tidalpoold at {path} closed the handles exchange: {e}") from e
+    n_device = expected - len(response.lease.host.chunks)
+    return Grant(response, tuple(fds[:n_device]), tuple(fds[n_device:]), daemon_uid)
+
+
+def give_back(
+    path: Path, token: str, timeout: float = 2.0, daemon_users: str | None = None
+) -> None:
+    """Give back a lease whose Attach failed (version 3 of the handles protocol): the daemon
+    ends its session now, not at its attach_timeout_s, so a job that tries again is not
+    refused for the leases its failed tries still hold. AttachError names why it could not be
+    given back (the lease then goes back at attach_timeout_s)."""
+    request = handles_pb2.HandlesRequest(version=HANDLES_GIVE_BACK_VERSION, give_back_token=token)
+    with _connected(path, timeout, daemon_users) as (sock, _daemon_uid):
+        try:
+            response = _exchange(sock, request)
+        except (OSError, framing.FramingError) as e:
+            raise AttachError(f"tidalpoold at {path} closed the handles exchange: {e}") from e
+    if response.error_code:
+        raise AttachError(
+            f"tidalpoold did not take the lease back ({response.error_code}):"
+            f" {response.error_message}"
+        )
+
+
+@contextlib.contextmanager
+def _connected(
+    path: Path, timeout: float, daemon_users: str | None
+) -> Iterator[tuple[socket.socket, int]]:
+    """A connection to the handles socket at `path` and the daemon's uid, once that uid is
+    one this client accepts (`request_lease`); AttachError otherwise."""
     if daemon_users is not None:
         accepted = accepted_uids(daemon_users, "daemon_users")
     else:
@@ -94,42 +149,26 @@ def request_lease(
                 f" user, list it in daemon_users= or {DAEMON_USERS_ENV} (comma-separated user"
                 " names or uids)"
             )
-        request = handles_pb2.HandlesRequest(
-            version=HANDLES_VERSION,
-            device_bytes=device_bytes,
-            host_bytes=host_bytes,
-            job_name=job_name,
-        )
-        try:
-            try:
-                framing.send(sock, request)
-            except (BrokenPipeError, ConnectionResetError):
-                # A daemon that refused this peer may have answered and gone before the
-                # request was out: its answer, if it is there, says why.
-                response = _answer_if_any(sock)
-                if response is None or not response.error_code:
-                    raise
-            else:
-                response, stray = framing.receive(sock, handles_pb2.HandlesResponse)
-                for fd in stray:  # fds come in the batches that follow, never with the response
-                    os.close(fd)
-            if response.error_code:
-                raise AttachError(
-                    f"tidalpoold refused the session ({response.error_code}):"
-                    f" {response.error_message}"
-                )
-            expected = _expected_fds(response)
-            if response.fd_count != expected:
-                raise AttachError(
-                    f"tidalpoold announced {response.fd_count} file descriptors for a lease of"
-                    f" {expected} chunks"
-                )
-            _make_fd_room(expected)
-            fds = framing.receive_fds(sock, expected)
-        except (OSError, framing.FramingError) as e:
-            raise AttachError(f"tidalpoold at {path} closed the handles exchange: {e}") from e
-    n_device = expected - len(response.lease.host.chunks)
-    return Grant(response, tuple(fds[:n_device]), tuple(fds[n_device:]), daemon_uid)
+        yield sock, daemon_uid
+
+
+def _exchange(
+    sock: socket.socket, request: handles_pb2.HandlesRequest
+) -> handles_pb2.HandlesResponse:
+    """Send `request`, receive the response (OSError, FramingError when either fails)."""
+    try:
+        framing.send(sock, request)
+    except (BrokenPipeError, ConnectionResetError):
+        # A daemon that refused this peer may have answered and gone before the request was
+        # out: its answer, if it is there, says why.
+        response = _answer_if_any(sock)
+        if response is None or not response.error_code:
+            raise
+        return response
+    response, stray = framing.receive(sock, handles_pb2.HandlesResponse)
+    for fd in stray:  # fds come in the batches that follow, never with the response
+        os.close(fd)
+    return response
 
 
 def accepted_uids(daemon_users: str | None, source: str = "daemon_users") -> tuple[int, ...]:

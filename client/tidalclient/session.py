@@ -51,7 +51,7 @@ from tidalclient.executors.native import NativeExecutor
 from tidalclient.executors.paged import Paged, range_bytes
 from tidalclient.executors.python import PythonExecutor
 from tidalclient.executors.swapping import Swapping
-from tidalclient.handles import Grant, request_lease
+from tidalclient.handles import Grant, give_back, request_lease
 from tidalclient.hotpath import HotPath, NativeStats
 from tidalclient.numpy import Tensor, array, release
 from tidalclient.plans import Plan, PlanRejected, decode
@@ -174,6 +174,13 @@ def attach(
     grant = request_lease(
         directory / HANDLES_SOCKET, device_bytes, host_bytes, name, daemon_users=daemon_users
     )
+    attached = False
+
+    def unattached() -> None:
+        """A lease whose Attach did not happen goes back now, not at attach_timeout_s."""
+        if not attached:
+            _give_back(directory, grant.response.token, daemon_users)
+
     try:
         mapped = map_lease(grant, driver)
         try:
@@ -182,9 +189,12 @@ def attach(
             mapped.device.retire()
             mapped.host.retire()
             raise
+    except BaseException:
+        unattached()
+        raise
     finally:
         grant.close()  # the mappings keep the chunks; the fds are no longer needed
-    undo: list[Callable[[], None]] = [mapped.device.retire, mapped.host.retire]
+    undo: list[Callable[[], None]] = [unattached, mapped.device.retire, mapped.host.retire]
     if space is not None:
         undo.append(space.retire)
     try:
@@ -201,6 +211,7 @@ def attach(
         )
         undo.append(connection.close)
         reply = connection.attach(swap_bytes, copy_gbps, page)
+        attached = True  # from here the session ends by Detach (`connection.close`)
         recorder = Recorder(
             connection.send,
             chunk_events=reply.trace_chunk_events or 4096,
@@ -248,6 +259,17 @@ def attach(
         interval_s=(reply.heartbeat_interval_ms or 1000) / 1000,
     )
     return session
+
+
+def _give_back(directory: Path, token: str, daemon_users: str | None) -> None:
+    """Give a lease back on the handles socket; where that fails too, it goes back at the
+    daemon's attach_timeout_s (said in the log, the attach's own error is the one raised)."""
+    try:
+        give_back(directory / HANDLES_SOCKET, token, daemon_users=daemon_users)
+    except AttachError as e:
+        log.info(
+            "tidalpool: a lease not attached stays pending until the daemon reclaims it: %s", e
+        )
 
 
 def map_lease(grant: Grant, driver: Driver | None = None) -> MappedLease:

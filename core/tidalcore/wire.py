@@ -13,7 +13,10 @@ LOCK_FILE = "tidalpoold.lock"
 """Held (flock) by the one daemon serving the directory."""
 
 HANDLES_VERSION = 2
-"""Version of the handles protocol (proto/tidalpool/v1/handles.proto)."""
+"""Version of the handles protocol's lease request (proto/tidalpool/v1/handles.proto)."""
+HANDLES_GIVE_BACK_VERSION = 3
+"""Version of its give-back request (`HandlesRequest.give_back_token`): a daemon that knows only
+version 2 refuses it instead of taking it for a lease request."""
 
 TOKEN_KEY = "tidalpool-token"
 """gRPC metadata key of a session's token on every session RPC."""

@@ -1,6 +1,7 @@
 """The handles socket: checks who connects, opens their session, passes its memory.
 
-One short exchange per connection, the peer judged before a byte of it is read:
+One short exchange per connection, the peer judged before a byte of it is read (a lease, or
+since version 3 the give-back of a lease whose Attach failed):
 
     accept ─▶ SO_PEERCRED, admit() ─▶ read one HandlesRequest ─▶ worker: open the session,
       │            │ refused            (one deadline for it)       reply, then the fds
@@ -49,7 +50,7 @@ from tidalcore.errors import (
     status_of,
 )
 from tidalcore.v1 import handles_pb2
-from tidalcore.wire import HANDLES_VERSION
+from tidalcore.wire import HANDLES_GIVE_BACK_VERSION, HANDLES_VERSION
 
 from tidalpoold.backends.base import Backend
 from tidalpoold.sessions import Reason, Registry, lease_message
@@ -489,10 +490,23 @@ class HandlesServer:
         try:
             conn.sock.settimeout(max(conn.deadline - time.monotonic(), _SEND_FLOOR_S))
             try:
-                if request.version != HANDLES_VERSION:
+                if request.give_back_token and request.version == HANDLES_GIVE_BACK_VERSION:
+                    given = self.registry.give_back(request.give_back_token, peer.uid)
+                    log.info(
+                        "handles.given_back",
+                        extra={"session": given.id, "pid": peer.pid, "uid": peer.uid},
+                    )
+                    framing.send(conn.sock, handles_pb2.HandlesResponse(session_id=given.id))
+                    return
+                if request.version != HANDLES_VERSION or request.give_back_token:
+                    kind, version = (
+                        ("give-back", HANDLES_GIVE_BACK_VERSION)
+                        if request.give_back_token
+                        else ("lease", HANDLES_VERSION)
+                    )
                     raise InvalidArgument(
-                        f"handles protocol version {request.version} is not supported"
-                        f" ({HANDLES_VERSION})"
+                        f"handles protocol version {request.version} is not supported for a"
+                        f" {kind} request ({version})"
                     )
                 session = self.registry.open(
                     request.device_bytes, request.host_bytes, request.job_name, peer.pid, peer.uid

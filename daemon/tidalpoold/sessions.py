@@ -356,6 +356,17 @@ class Registry:
         with self._lock:
             return self._by_token.get(token)
 
+    def give_back(self, token: str, uid: int) -> Session:
+        """End the pending session holding `token` at its client's word (its Attach failed),
+        instead of at `attach_timeout_s`: its chunks go back to the pools now. Only a pending
+        session, and only to its own uid: NotFound otherwise (an attached one detaches)."""
+        with self._lock:
+            session = self._by_token.get(token)
+            if session is None or session.uid != uid or session.state != "pending":
+                raise NotFound("no lease pending under that token for this uid")
+        self.end_quietly(session.id, Reason.REASON_DETACHED, "given back before it was attached")
+        return session
+
     def attach(
         self, session: Session, swap_limit: int = 0, copy_gbps: float = 0.0, page_bytes: int = 0
     ) -> None:

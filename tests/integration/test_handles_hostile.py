@@ -21,6 +21,7 @@ import tidalpool
 from tidalclient.errors import AttachError
 from tidalclient.handles import request_lease
 from tidalclient.local import LocalDaemon
+from tidalclient.status import fetch
 from tidalcore import framing
 from tidalcore.v1 import handles_pb2
 
@@ -204,3 +205,38 @@ def test_the_client_accepts_a_daemon_of_its_own_uid_by_default(
     grant.close()
     assert grant.response.error_code == ""
     assert len(grant.device_fds) == 32  # the default lease, 64 MiB of 2 MiB chunks
+
+
+def exchange(
+    daemon: LocalDaemon, request: handles_pb2.HandlesRequest
+) -> handles_pb2.HandlesResponse:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(str(handles_of(daemon)))
+        framing.send(sock, request)
+        response, fds = framing.receive(sock, handles_pb2.HandlesResponse)
+        for fd in fds:
+            os.close(fd)
+        return response
+
+
+def test_a_lease_given_back_ends_at_once_and_no_version_is_taken_for_another(
+    daemon: LocalDaemon,
+) -> None:
+    """Version 3's give-back ends the pending session of its token; a give-back of version 2
+    (an older daemon would read it as a lease request) and a lease request of version 3 are
+    refused, naming the version, and lease nothing."""
+    grant = request_lease(handles_of(daemon), 0, 0, "given back")
+    grant.close()
+    token = grant.response.token
+    for version, fields in [(2, {"give_back_token": token}), (3, {"job_name": "lease"})]:
+        refused = exchange(daemon, handles_pb2.HandlesRequest(version=version, **fields))
+        assert refused.error_code == "INVALID_ARGUMENT" and refused.fd_count == 0
+        assert f"handles protocol version {version} is not supported" in refused.error_message
+    assert [s.session_id for s in fetch(daemon.socket_dir)[1].sessions] == [
+        grant.response.session_id
+    ]
+    given = exchange(daemon, handles_pb2.HandlesRequest(version=3, give_back_token=token))
+    assert (given.error_code, given.session_id) == ("", grant.response.session_id)
+    assert not fetch(daemon.socket_dir)[1].sessions
+    again = exchange(daemon, handles_pb2.HandlesRequest(version=3, give_back_token=token))
+    assert again.error_code == "NOT_FOUND"

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import tidalpool
 from tidalclient.errors import AttachError
+from tidalclient.status import fetch
 
 from ..conftest import StartDaemon
 from .test_fuzz import Target, wait_for
@@ -107,3 +108,5 @@ def test_a_page_the_lease_cannot_be_cut_into_is_refused(
         tidalpool.attach(
             daemon.socket_dir, device_limit="16MiB", swap_limit="8MiB", page_bytes=page
         )
+    # A lease refused after it was granted went back at once, not at attach_timeout_s.
+    assert not fetch(daemon.socket_dir)[1].sessions

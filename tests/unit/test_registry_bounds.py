@@ -271,6 +271,29 @@ def test_pending_leases_per_uid_are_bounded(tmp_path: Path) -> None:
         backend.close()
 
 
+def test_a_pending_lease_goes_back_at_its_own_uids_word_only(tmp_path: Path) -> None:
+    """give_back: the pending session of a token ends at once (its chunks free, its uid's
+    pending count down); another uid's word, an attached session and an unknown token end
+    nothing."""
+    backend = SimBackend(16 * C, 16 * C, C)
+    try:
+        registry = Registry(settings(tmp_path, max_pending_per_uid=1), backend)
+        pending = registry.open(C, C, "job", 1, 1000)
+        for token, uid in [(pending.token, 1001), ("not a token", 1000)]:
+            with pytest.raises(NotFound, match="no lease pending under that token for this uid"):
+                registry.give_back(token, uid)
+        assert registry.usage()[0].leased_bytes == C
+        assert registry.give_back(pending.token, 1000) is pending and pending.ended
+        assert registry.usage()[0].leased_bytes == 0
+        attached = registry.open(C, C, "job", 1, 1000)  # the uid's one pending place is free
+        registry.attach(attached)
+        with pytest.raises(NotFound):
+            registry.give_back(attached.token, 1000)  # it detaches instead
+        assert not attached.ended
+    finally:
+        backend.close()
+
+
 # -- client strings ------------------------------------------------------------------------------
 
 

@@ -76,7 +76,7 @@ def test_a_changed_proto_is_caught(
     text = handles.read_text()
     marker = "  string job_name = 4;\n"
     assert text.count(marker) == 1
-    handles.write_text(text.replace(marker, marker + "  uint32 priority = 5;\n"))
+    handles.write_text(text.replace(marker, marker + "  uint32 priority = 6;\n"))
     monkeypatch.setattr(generate_module, "PROTO_ROOT", protos)
 
     generated = generated_files(generate_module, tmp_path / "out")

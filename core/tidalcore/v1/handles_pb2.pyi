@@ -7,16 +7,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class HandlesRequest(_message.Message):
-    __slots__ = ("version", "device_bytes", "host_bytes", "job_name")
+    __slots__ = ("version", "device_bytes", "host_bytes", "job_name", "give_back_token")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DEVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
     HOST_BYTES_FIELD_NUMBER: _ClassVar[int]
     JOB_NAME_FIELD_NUMBER: _ClassVar[int]
+    GIVE_BACK_TOKEN_FIELD_NUMBER: _ClassVar[int]
     version: int
     device_bytes: int
     host_bytes: int
     job_name: str
-    def __init__(self, version: _Optional[int] = ..., device_bytes: _Optional[int] = ..., host_bytes: _Optional[int] = ..., job_name: _Optional[str] = ...) -> None: ...
+    give_back_token: str
+    def __init__(self, version: _Optional[int] = ..., device_bytes: _Optional[int] = ..., host_bytes: _Optional[int] = ..., job_name: _Optional[str] = ..., give_back_token: _Optional[str] = ...) -> None: ...
 
 class HandlesResponse(_message.Message):
     __slots__ = ("session_id", "token", "lease", "fd_count", "ipc_handle", "error_code", "error_message")
