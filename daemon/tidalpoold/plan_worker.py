@@ -132,7 +132,9 @@ class Unfit:
     limit: int  # the bytes it had to fit: the swap limit, or the lease (`beyond`)
     planned_for: int  # the lowest limit a schedule was made for
     rounds: int
-    beyond: str = "limit"  # what it does not fit: "limit", "lease" or "host" (the host lease)
+    # what it does not fit: "limit", "lease" or "host" (the host lease); "deadline": the limit,
+    # the search cut at the plan's deadline (plan_deadline_s)
+    beyond: str = "limit"
 
 
 def _import_planner() -> None:
@@ -316,7 +318,7 @@ class PlanWorker:
         if swap_limit:
             plan = placed.fit(
                 iteration,
-                wire.session_schedule,
+                wire.session_schedule_within(budget_s),
                 swap_limit,
                 gbps,
                 gbps,
@@ -503,7 +505,7 @@ class PlanWorker:
             ),
         )
         if isinstance(made, Unfit):
-            self._tell_unfit(session, shape, made, iteration)
+            self._tell_unfit(session, shape, made, iteration, started)
             return None
         plan = made.update
         plan.shape = shape
@@ -557,8 +559,13 @@ class PlanWorker:
             },
         )
 
-    def _tell_unfit(self, session: Session, shape: str, made: Unfit, iteration: Iteration) -> None:
-        """Count and log an unfit plan (`plan.unfit`) and tell the session why (`unavailable`)."""
+    def _tell_unfit(
+        self, session: Session, shape: str, made: Unfit, iteration: Iteration, started: float
+    ) -> None:
+        """Count and log an unfit plan (`plan.unfit`) and tell the session why (`unavailable`):
+        past the plan's deadline, that the search was cut there."""
+        if made.beyond == "limit" and self._budget(started) <= 0:
+            made = dataclasses.replace(made, beyond="deadline")
         self.plans_unfit += 1
         log.warning(
             "plan.unfit",
@@ -611,7 +618,7 @@ class PlanWorker:
             ),
         )
         if isinstance(made, Unfit):
-            self._tell_unfit(session, shape, made, iteration)
+            self._tell_unfit(session, shape, made, iteration, started)
             return None
         plan = made.update
         plan.shape = shape
@@ -687,6 +694,13 @@ def unavailable(unfit: Unfit, iteration: Iteration, gbps: float | None = None) -
             bound,
         )
     reason = f"no schedule found for limit {limit}"
+    if unfit.beyond == "deadline":
+        return PlanUnavailable(
+            unfit.limit,
+            unplanned.NO_SCHEDULE,
+            reason + " before the daemon's deadline for a plan (its setting plan_deadline_s),"
+            " where the search stopped: a longer deadline may find one",
+        )
     if unfit.footprint is not None:
         reason += f" (the one made for it needs {format_size(unfit.footprint)} once placed)"
     lowest = 0

@@ -361,7 +361,8 @@ class Settings:
         metadata=_about(
             _SECONDS,
             "time budget of a whole plan, from the trace to the stream: no new round of"
-            " refitting or paged layout starts past it (each may take plan_time_limit_s more)",
+            " refitting or paged layout starts past it, and the schedule search under way"
+            " stops there (a placement solve may take plan_time_limit_s more)",
         ),
     )
     max_plan_allocations: int = field(

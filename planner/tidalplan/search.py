@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -587,8 +588,10 @@ class _Search:
         budget: int,
         progress: Callable[[float], None] | None,
         total: int | None = None,
+        deadline: float | None = None,
     ) -> None:
         self.it, self.limit, self.out_gbps, self.in_gbps = it, limit, out_gbps, in_gbps
+        self.deadline = deadline  # time.monotonic() past which nothing more is judged
         self.cands = cands
         self.budget = budget  # simulations allowed until now
         self.total = budget if total is None else total  # ... in all: what progress counts
@@ -659,7 +662,10 @@ class _Search:
         return np.flatnonzero(plain | wrapped)
 
     def left(self) -> bool:
-        return self.spent < self.budget
+        """Budget left, and time before the deadline."""
+        if self.spent >= self.budget:
+            return False
+        return self.deadline is None or time.monotonic() < self.deadline
 
     def current(self) -> tuple[Key, _Choice, Result]:
         """The best plan so far (one has been judged)."""
@@ -1008,11 +1014,14 @@ def search(
     budget: int | None = None,
     progress: Callable[[float], None] | None = None,
     recompute: bool = True,
+    deadline: float | None = None,
 ) -> SwapPlan:
     """The plan with the shortest simulated step found within `budget` simulations (default:
     `default_budget`) for `limit` device bytes; `progress` hears the fraction of the budget
     spent. `recompute=False`: swaps only, for an executor that cannot rebuild blocks, with
-    `budget // _BAN_SHARE` simulations more for `_banned_starts`."""
+    `budget // _BAN_SHARE` simulations more for `_banned_starts`. `deadline`: a
+    `time.monotonic()` past which no start is made and no plan judged: the best judged by then
+    (none judged: no swaps, which does not fit a limit under the iteration's need)."""
     budget = default_budget(it) if budget is None else budget
     tl = _Timeline(it, limit)
     if tl.ticks == 0 or int(tl.need.max()) <= 0:
@@ -1026,22 +1035,22 @@ def search(
     )
     budget = max(budget, 1)
     banned = 0 if recompute else budget // _BAN_SHARE
-    s = _Search(it, limit, out_gbps, in_gbps, cands, budget, progress, budget + banned)
+    s = _Search(it, limit, out_gbps, in_gbps, cands, budget, progress, budget + banned, deadline)
     starts: list[_Choice] = []
     kinds = [(False, False), (True, False)]  # (with copies, exact): relaxed and rounded
     if cands.columns <= _EXACT_COLUMNS:
         kinds.append((False, True))
     for weight, (with_copies, exact) in itertools.product(_WEIGHTS, kinds):
-        made = cover(cands, tl, weight, with_copies, exact)
+        made = cover(cands, tl, weight, with_copies, exact) if s.left() else None
         if made is not None:
             starts.append(made)
     # With swaps alone, covers that prefer long gaps (their copies pass where the engines are
     # free); a recomputation's cost is its writers' time, on no such scale.
     for with_copies in (False, True) if not recompute else ():
-        made = cover(cands, tl, 1.0, with_copies, False, by_span=True)
+        made = cover(cands, tl, 1.0, with_copies, False, by_span=True) if s.left() else None
         if made is not None:
             starts.append(made)
-    for rule in RULES:
+    for rule in RULES if s.left() else ():
         starts.append(_from_plan(cands, construct(it, limit, out_gbps, in_gbps, rule)))
     starts.append(_longest(cands))
     judged: list[tuple[Key, _Choice, Result]] = []

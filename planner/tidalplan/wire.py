@@ -34,7 +34,9 @@ Pure: no I/O.
 
 from __future__ import annotations
 
+import functools
 import re
+import time
 from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -48,7 +50,7 @@ from tidalcore.v1 import pool_pb2
 from tidalplan import paged
 from tidalplan.learn import signature, to_problem
 from tidalplan.model import Iteration, Placement, Problem, Recompute, Swap, SwapPlan
-from tidalplan.placed import PERSISTENT, SCRATCH, Combined, Plan, split
+from tidalplan.placed import PERSISTENT, SCRATCH, Combined, Plan, Policy, split
 from tidalplan.search import search
 from tidalplan.simulate import Result, simulate
 from tidalplan.validate import InvalidPlacement, validate, validate_swaps
@@ -77,11 +79,21 @@ def on_ops(it: Iteration, schedule: SwapPlan) -> SwapPlan:
     return SwapPlan(tuple(swaps), schedule.recomputes)
 
 
-def session_schedule(it: Iteration, limit: int, out_gbps: float, in_gbps: float) -> SwapPlan:
+def session_schedule(
+    it: Iteration, limit: int, out_gbps: float, in_gbps: float, deadline: float | None = None
+) -> SwapPlan:
     """The schedule the daemon sends a session: tidalpool's search with swaps alone
     (`policies.swaps_only`: a session's executor moves blocks but does not rebuild them), its
-    swap-ins issued at op starts as the client issues them (`on_ops`)."""
-    return on_ops(it, search(it, limit, out_gbps, in_gbps, recompute=False))
+    swap-ins issued at op starts as the client issues them (`on_ops`); `deadline` as
+    `search`'s."""
+    return on_ops(it, search(it, limit, out_gbps, in_gbps, recompute=False, deadline=deadline))
+
+
+def session_schedule_within(budget_s: float | None) -> Policy:
+    """`session_schedule`, its search ending `budget_s` seconds from now (None: when its
+    budget of simulations is spent), as the daemon bounds a whole plan."""
+    deadline = None if budget_s is None else time.monotonic() + budget_s
+    return functools.partial(session_schedule, deadline=deadline)
 
 
 def encode(it: Iteration, plan: Plan, copy_gbps: float) -> pool_pb2.PlanUpdate:
@@ -468,10 +480,11 @@ def paged_session_plan(
     `limit` mapped bytes (0: no limit, no schedule) in pages of `page` bytes, with
     `session_schedule` as its policy and copies at `gbps` each way, the persistent blocks
     where the session put them (`persistent_at`: address and page ownership per
-    `it.persistent`), layouts tried within `budget_s`. Whether it fits is the plan's `fits`."""
+    `it.persistent`), layouts tried and schedules searched within `budget_s`. Whether it fits
+    is the plan's `fits`."""
     return paged.plan(
         it,
-        session_schedule,
+        session_schedule_within(budget_s),
         limit,
         gbps,
         gbps,

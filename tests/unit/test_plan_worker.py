@@ -481,3 +481,22 @@ def test_the_planner_serves_uids_in_turn() -> None:
     assert turns.waiting() == 0
     turns.close()
     assert turns.take() is None  # closed: the planning thread ends
+
+
+def test_a_plan_cut_at_its_deadline_is_told_so(
+    registry: Registry, planner: PlanWorker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past plan_deadline_s the search judges nothing more: what it had found by then does not
+    fit, and the session is told that the deadline stopped it."""
+    monkeypatch.setattr(planner, "_budget", lambda started: 0.0)
+    s = session(registry, swap_limit=1500)
+    assert planner.plan(s) is None
+    assert told(s) == [
+        PlanUnavailable(
+            1500,
+            NO_SCHEDULE,
+            "no schedule found for limit 1.5 KiB before the daemon's deadline for a plan (its"
+            " setting plan_deadline_s), where the search stopped: a longer deadline may find one",
+        )
+    ]
+    end(registry, s)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,20 @@ def test_a_copy_hidden_behind_compute_is_a_swap() -> None:
     step, plan = _checked(it, 1000, 1.0)
     assert plan.recomputes == () and plan.swaps == (Swap(0, Tick(1), Tick(7), plan.swaps[0].in_at),)
     assert step == no_limit(it).baseline_ns == 36_000
+
+
+def test_nothing_is_searched_past_the_deadline() -> None:
+    """The daemon bounds a whole plan: a search whose deadline has passed judges nothing and
+    returns no swaps (which do not fit), where one without a deadline finds the swap."""
+    it = build(
+        ["a A 1000", "o 5000 >A", "o 10000", "a B 1000", "o 10000 >B", "f B", "o 1000 A", "f A"]
+    )
+    seen: list[float] = []
+    assert search(it, 1000, 1.0, 1.0, progress=seen.append).swaps
+    seen.clear()
+    cut = search(it, 1000, 1.0, 1.0, progress=seen.append, deadline=time.monotonic() - 1.0)
+    assert cut == SwapPlan() and seen == []  # not one simulation
+    assert not simulate(it, cut, 1000, 1.0, 1.0).feasible
 
 
 def test_a_gap_too_short_for_the_copies_is_recomputed() -> None:
