@@ -14,7 +14,9 @@ baseline measured in the same run on the same GPU:
             with tidalpool (every array in the lease, the daemon's plan followed) vs plain CuPy
             with its default memory pool; and under swap limits (--limits, fractions of the
             network's peak), each variant's measured step beside the step the daemon's
-            simulator predicted for its plan (`Plan.prediction`)
+            simulator predicted for its plan (`Plan.prediction`); with --page SIZE the sessions
+            under a limit are paged (virtual residency: every array at one address, pages of
+            SIZE, the daemon's chunk size, moving beneath it)
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from tidalclient.demo.net import CupyMemory, Memory, peak_live_bytes, persistent
 from tidalclient.demo.run import SessionMemory
 from tidalclient.devices.cuda import swap_streams
 from tidalclient.local import LocalDaemon
+from tidalcore.units import parse_size
 
 MiB, GiB = 1 << 20, 1 << 30
 
@@ -173,6 +176,7 @@ def bench_train(
     warmup: int,
     rounds: int,
     limits: list[float],
+    page: int = 0,
 ) -> dict[str, Any]:
     peak = peak_live_bytes(1, **shape, base=CupyMemory())
     persistent = persistent_bytes(**shape, base=CupyMemory())
@@ -189,6 +193,7 @@ def bench_train(
             host_limit=lease if limit is not None else "64MiB",
             job_name="bench-train",
             swap_limit=limit,
+            page_bytes=page if limit is not None and page else None,
         ) as s:
             tpc.use(s, pinned=False)
             try:
@@ -238,6 +243,7 @@ def bench_train(
         "iterations": iterations,
         "warmup": warmup,
         "rounds": rounds,
+        "page_bytes": page,  # 0: the limit sessions' leases are contiguous
     }
     runs: dict[str, list[float]] = {"plain": [], "tidalpool": []}
     runs |= {f"limit {f:g}": [] for f in limits}
@@ -277,7 +283,14 @@ def main() -> int:
     ap.add_argument("--iterations", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--page",
+        default=None,
+        help="page the sessions under a limit in pages of this size (e.g. 2MiB), the chunk"
+        " size of the daemon this starts (CUDA maps a VMM handle only whole)",
+    )
     args = ap.parse_args()
+    page = parse_size(args.page) if args.page is not None else 0
     skip = set(filter(None, args.skip.split(",")))
     gpu = cupy.cuda.runtime.getDeviceProperties(0)
     results: dict[str, Any] = {
@@ -298,7 +311,12 @@ def main() -> int:
         with (
             tempfile.TemporaryDirectory(prefix="tp-bench-") as tmp,
             LocalDaemon.start(
-                Path(tmp), device_pool="16GiB", host_pool="8GiB", backend="cuda", timeout=300
+                Path(tmp),
+                device_pool="16GiB",
+                host_pool="8GiB",
+                backend="cuda",
+                timeout=300,
+                chunk_size=str(page) if page else None,
             ) as d,
         ):
             pool = status.fetch(d.socket_dir)[0]
@@ -316,6 +334,7 @@ def main() -> int:
                     args.warmup,
                     args.rounds,
                     [float(f) for f in args.limits.split(",")],
+                    page,
                 )
     save()
     print(json.dumps(results, indent=2, default=str))

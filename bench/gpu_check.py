@@ -17,6 +17,7 @@ time left for is skipped, and says so; a part whose `needs` failed is skipped, a
     gpu-vmm            bench/gpu_vmm.py: cuMemMap / cuMemUnmap of lease pages
     gpu-bench          bench/gpu.py: copies, and training at 0.9, 0.75 and 0.5 of the peak with
                        the daemon's predicted step beside the measured one
+    gpu-bench-paged    the same training with the limit sessions paged in 2 MiB pages
     replay-*           tidalpool replay --backend cuda --compute-scale 50: ResNet-18 at 0.9 and
                        0.7 of its peak (contiguous) and at 0.7 in 2 MiB pages, GPT-2 at 0.9 in
                        2 MiB pages, each with its timeline (in the logs' archive)
@@ -225,6 +226,19 @@ def parts(python: str, work: Path, wheels: Path) -> list[Part]:
             ),
             120,
             output="gpu-bench.json",
+            needs=("imports",),
+            files=("bench/gpu.py",),
+        ),
+        Part(
+            "gpu-bench-paged",
+            "training at 0.9/0.75/0.5 in 2 MiB pages (virtual residency), measured and predicted",
+            argv(
+                "{python} bench/gpu.py --skip copy,attach --limits 0.9,0.75,0.5 --rounds 2"
+                " --iterations 20 --page 2MiB --json {work}/gpu-bench-paged.json",
+                **v,
+            ),
+            120,
+            output="gpu-bench-paged.json",
             needs=("imports",),
             files=("bench/gpu.py",),
         ),

@@ -35,6 +35,7 @@ NAMES = [
     "conformance-cuda",
     "gpu-vmm",
     "gpu-bench",
+    "gpu-bench-paged",
     "replay-resnet18.b8-0.9",
     "replay-resnet18.b8-0.7",
     "replay-resnet18.b8-0.7-paged",
