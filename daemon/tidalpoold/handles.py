@@ -229,10 +229,19 @@ class HandlesServer:
         with self._lock:
             return len(self._conns) + len(self._serving)
 
+    def _droppable(self) -> list[_Conn]:
+        """The connections a waiting peer may take the place of: those of the process (or
+        processes, tied) holding the most, oldest first. Which of them is past its grace is
+        asked apart: a process whose connections are all young is waited for, never spared
+        at another's cost."""
+        held = Counter(c.peer.pid for c in self._conns)
+        most = max(held.values(), default=0)
+        return [c for c in self._conns if held[c.peer.pid] == most]
+
     def _oldest_droppable(self, now: float) -> _Conn | None:
-        """The connection held longest, if past its grace (the first: they are in order)."""
-        oldest = next(iter(self._conns), None)
-        return oldest if oldest is not None and now - oldest.accepted >= self._grace_s else None
+        """The first of `_droppable` past its grace (they are in order: the oldest first)."""
+        first = next(iter(self._droppable()), None)
+        return first if first is not None and now - first.accepted >= self._grace_s else None
 
     def _watch_listener(self, now: float) -> None:
         """Listen while there is room, or a connection to drop for a waiting peer; not while
@@ -255,7 +264,7 @@ class HandlesServer:
         if oldest is not None:
             due.append(oldest.deadline)
             if not self._listening:
-                due.append(oldest.accepted + self._grace_s)
+                due.append(self._droppable()[0].accepted + self._grace_s)
         if now < self._retry_at:
             due.append(self._retry_at)
         return max(0.0, min(due) - now) if due else None
@@ -293,17 +302,14 @@ class HandlesServer:
             self._admit(sock, now)
 
     def _victim(self, now: float) -> _Conn | None:
-        """The connection to drop for a peer that waits: of those past their grace, the oldest
-        of the process holding the most, so a flood from one process never costs another its
-        place while the flood holds more. A request that arrived whole but is not read yet is
-        read and served first (it was never slow), and the choice made again."""
+        """The connection to drop for a peer that waits: the oldest of the process holding the
+        most, once past its grace (None before: it is waited for), so a flood from one process
+        never costs another its place while the flood holds more, however fast it reconnects.
+        A request that arrived whole but is not read yet is read and served first (it was
+        never slow), and the choice made again."""
         while True:
-            ripe = [c for c in self._conns if now - c.accepted >= self._grace_s]
-            if not ripe:
-                return None
-            held = Counter(c.peer.pid for c in self._conns)
-            victim = max(ripe, key=lambda c: held[c.peer.pid])  # the first, the oldest, of ties
-            if victim.refused:
+            victim = self._oldest_droppable(now)
+            if victim is None or victim.refused:
                 return victim
             self._readable(victim)
             if victim in self._conns:
