@@ -11,11 +11,11 @@ more chunks than open files allow), 1 for a daemon that cannot start for another
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
 import sys
-import threading
 from types import FrameType
 
 from tidalcore.cli import DEBUG_ENV, Parser, debug_from_env
@@ -93,13 +93,18 @@ def _serve(args: argparse.Namespace, serve: Parser, debug: bool) -> int:
     log.configure(settings.log_format, settings.log_level)
     notifier = Notifier(os.environ.get("NOTIFY_SOCKET"))  # set by systemd for Type=notify
     # Handlers first: a signal during start-up must stop the daemon once it is built,
-    # not kill it half-way with KeyboardInterrupt.
+    # not kill it half-way with KeyboardInterrupt. The handler takes no lock: it runs between
+    # two bytecodes of the main thread, which may hold any lock then (a threading.Event's set
+    # from it deadlocked a daemon whose main thread was inside the same Event's wait); it
+    # writes a byte to a pipe the main thread reads.
     stop_reason: list[str] = []
-    stop = threading.Event()
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
 
     def request_stop(signum: int, frame: FrameType | None) -> None:
         stop_reason.append(f"received {signal.Signals(signum).name}")
-        stop.set()
+        with contextlib.suppress(OSError):  # full: a byte is there already
+            os.write(wake_w, b"\0")
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
@@ -124,7 +129,7 @@ def _serve(args: argparse.Namespace, serve: Parser, debug: bool) -> int:
         "READY=1",
         f"STATUS=serving GPU {settings.gpu} ({settings.backend}) on {settings.socket_dir}",
     )
-    stop.wait()
+    os.read(wake_r, 1)  # until a signal's handler writes (retried over EINTR, PEP 475)
     notifier.send("STOPPING=1", f"STATUS=stopping: {stop_reason[0]}")
     daemon.shutdown(stop_reason[0])
     return 0
