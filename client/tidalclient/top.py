@@ -11,8 +11,6 @@ between two samples of a session's counts; the first frame shows the counts alon
 from __future__ import annotations
 
 import contextlib
-import os
-import select
 import signal
 import threading
 import time
@@ -23,6 +21,7 @@ from pathlib import Path
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.text import Text
+from tidalcore.signals import Flag
 from tidalcore.units import format_size
 from tidalcore.v1 import admin_pb2, common_pb2
 
@@ -167,41 +166,12 @@ def _screen(console: Console) -> Iterator[Callable[[RenderableType], None]]:
     yield show
 
 
-class _Pressed:
-    """Set by a signal handler, waited for by the main thread: a pipe, not a threading.Event,
-    whose `set` from a handler deadlocks when the handler runs inside the same Event's `wait`
-    (a handler runs between two bytecodes of the main thread, whatever lock it holds)."""
-
-    def __init__(self) -> None:
-        self._r, self._w = os.pipe()
-        os.set_blocking(self._w, False)
-        self._set = False
-
-    def set(self) -> None:
-        self._set = True
-        with contextlib.suppress(OSError):  # full: a byte is there already
-            os.write(self._w, b"\0")
-
-    def is_set(self) -> bool:
-        return self._set
-
-    def wait(self, timeout: float) -> bool:
-        """Until set or `timeout` seconds (select is retried over EINTR, PEP 475)."""
-        if not self._set:
-            select.select([self._r], [], [], timeout)
-        return self._set
-
-    def close(self) -> None:
-        os.close(self._r)
-        os.close(self._w)
-
-
 @contextlib.contextmanager
-def _ctrl_c() -> Iterator[_Pressed]:
+def _ctrl_c() -> Iterator[Flag]:
     """A flag set by Ctrl-C (SIGINT) instead of KeyboardInterrupt, on the main thread: the
     loop then ends between two calls, never inside gRPC's, which a KeyboardInterrupt could
     leave with a thread that keeps the process from exiting."""
-    pressed = _Pressed()
+    pressed = Flag()
     try:
         if threading.current_thread() is not threading.main_thread():
             yield pressed

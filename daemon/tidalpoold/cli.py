@@ -11,7 +11,6 @@ more chunks than open files allow), 1 for a daemon that cannot start for another
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import signal
@@ -19,6 +18,7 @@ import sys
 from types import FrameType
 
 from tidalcore.cli import DEBUG_ENV, Parser, debug_from_env
+from tidalcore.signals import Flag
 
 from tidalpoold import __version__, log
 from tidalpoold.directory import SettingRefused
@@ -93,18 +93,13 @@ def _serve(args: argparse.Namespace, serve: Parser, debug: bool) -> int:
     log.configure(settings.log_format, settings.log_level)
     notifier = Notifier(os.environ.get("NOTIFY_SOCKET"))  # set by systemd for Type=notify
     # Handlers first: a signal during start-up must stop the daemon once it is built,
-    # not kill it half-way with KeyboardInterrupt. The handler takes no lock: it runs between
-    # two bytecodes of the main thread, which may hold any lock then (a threading.Event's set
-    # from it deadlocked a daemon whose main thread was inside the same Event's wait); it
-    # writes a byte to a pipe the main thread reads.
+    # not kill it half-way with KeyboardInterrupt. The handler takes no lock (`Flag`).
     stop_reason: list[str] = []
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_w, False)
+    stop = Flag()
 
     def request_stop(signum: int, frame: FrameType | None) -> None:
         stop_reason.append(f"received {signal.Signals(signum).name}")
-        with contextlib.suppress(OSError):  # full: a byte is there already
-            os.write(wake_w, b"\0")
+        stop.set()
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
@@ -129,7 +124,7 @@ def _serve(args: argparse.Namespace, serve: Parser, debug: bool) -> int:
         "READY=1",
         f"STATUS=serving GPU {settings.gpu} ({settings.backend}) on {settings.socket_dir}",
     )
-    os.read(wake_r, 1)  # until a signal's handler writes (retried over EINTR, PEP 475)
+    stop.wait()
     notifier.send("STOPPING=1", f"STATUS=stopping: {stop_reason[0]}")
     daemon.shutdown(stop_reason[0])
     return 0
