@@ -129,7 +129,8 @@ def test_the_recorded_peak_is_the_gpus(tmp_path: Path, autocast: Any) -> None:
         if i == 2:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-            torch.cuda.memory._record_memory_history(max_entries=200_000)
+            # Python frames: the C++ ones PyTorch records by default name only the recorder
+            torch.cuda.memory._record_memory_history(stacks="python", max_entries=200_000)
         optimizer.zero_grad(set_to_none=True)
         xs, ys = x.cuda(), y.cuda()
         region = torch.autocast("cuda", dtype=autocast) if autocast else contextlib.nullcontext()

@@ -176,13 +176,6 @@ def _check_options(args: argparse.Namespace) -> None:
                 f"--page {args.page} bytes: a power of two from {OS_PAGE} bytes (the OS page)"
                 f" to {format_size(CHUNK)} (the daemon's chunk)"
             )
-        started = (args.replay_socket_dir or getattr(args, "socket_dir", None)) is None
-        if args.backend == "cuda" and started and args.page != CHUNK:
-            raise InputError(
-                f"--page {format_size(args.page)} on cuda: a page there is a whole chunk of the"
-                f" daemon's ({format_size(CHUNK)}), because CUDA maps a VMM handle only from its"
-                f" first byte: use --page {CHUNK >> 20}MiB"
-            )
 
 
 def lease_bytes(peak: int) -> int:
@@ -209,6 +202,12 @@ def run(args: argparse.Namespace) -> int:
                 " bytes one op of the iteration accesses at once: no plan fits it"
             )
         if args.backend == "cuda" and socket_dir is None:
+            if args.page is not None and args.page != CHUNK:
+                raise InputError(
+                    f"--page {format_size(args.page)} on cuda: a page there is a whole chunk of"
+                    f" the daemon's ({format_size(CHUNK)}), because CUDA maps a VMM handle only"
+                    f" from its first byte: use --page {CHUNK >> 20}MiB"
+                )
             need_cupy()
     except (InputError, ReplayError) as e:
         _refuse(e)
