@@ -371,7 +371,8 @@ class Registry:
         self, session: Session, swap_limit: int = 0, copy_gbps: float = 0.0, page_bytes: int = 0
     ) -> None:
         """Attach a pending session; InvalidArgument (`check_page`) when it cannot have pages
-        of `page_bytes`, and it stays pending."""
+        of `page_bytes`, and it stays pending. A paged session's limit counts mapped pages of
+        its lease, so a swap limit over the lease is the lease (its client keeps to the same)."""
         granularity = self.backend.facts().get("granularity_bytes", 0) if page_bytes else 0
         with self._lock:
             if session.state != "pending":
@@ -383,7 +384,8 @@ class Registry:
                 granularity if isinstance(granularity, int) else 0,
             )
             session.state = "attached"
-            session.swap_limit = swap_limit
+            lease = session.device.length
+            session.swap_limit = min(swap_limit, lease) if page_bytes else swap_limit
             session.copy_gbps = copy_gbps
             session.page_bytes = page_bytes
             session.attached_unix_ns = time.time_ns()

@@ -110,3 +110,22 @@ def test_a_page_the_lease_cannot_be_cut_into_is_refused(
         )
     # A lease refused after it was granted went back at once, not at attach_timeout_s.
     assert not fetch(daemon.socket_dir)[1].sessions
+
+
+def test_a_swap_limit_over_the_lease_plans_for_the_lease(start_daemon: StartDaemon) -> None:
+    """Mapped pages cannot exceed the lease, so a paged session's limit is the lesser of the
+    two, on both sides: the daemon plans for what the client keeps to, and the plan runs."""
+    from .test_planning import run_until_planned
+
+    daemon = start_daemon()
+    with tidalpool.attach(
+        daemon.socket_dir,
+        device_limit="8MiB",
+        host_limit="8MiB",
+        swap_limit="64MiB",
+        page_bytes="64KiB",
+    ) as s:
+        run_until_planned(s)
+        stats = s.stats()
+        assert stats.swap.limit == 8 * MiB
+        assert stats.swap.peak_resident_bytes <= 8 * MiB

@@ -304,6 +304,10 @@ def _replay(
         f"session {session.id}: leases of {format_size(lease)}, swap limit"
         f" {format_size(report.limit_bytes)}"
     )
+    swap = session.stats().swap
+    if swap is not None and swap.limit < report.limit_bytes:  # paged: mapped pages of the lease
+        say(f"the limit is the lease's {format_size(swap.limit)}: no more pages can be mapped")
+        report.limit_bytes = swap.limit
     with session:
         report.backend = "sim" if session.cuda is None else "cuda"
         compute: Compute
