@@ -51,6 +51,29 @@ def test_frames_take_the_lowest_run_long_enough_else_the_longest_runs() -> None:
     assert f.free == 0
 
 
+def test_frames_take_these_whole_or_nothing_in_runs_and_scattered() -> None:
+    f = Frames(8)
+    assert f.take(8) == list(range(8))
+    f.give([5, 3, 4], parked=True)  # one run, out of order
+    f.give([0, 7])
+    assert f.free == 5
+    assert not f.take_these([2, 3, 4])  # 2 is taken: a run with one taken page
+    assert not f.take_these([4, 3, 4])  # the same page twice
+    assert not f.take_these([7, 8])  # not a page of the lease
+    assert f.free == 5  # none of those took anything
+    assert f.take_these([4, 5, 3])
+    assert f.take_these([7, 0])
+    assert f.free == 0
+    f.give([1, 2, 3])
+    with pytest.raises(ValueError, match=r"^page 3 is already free$"):
+        f.give([3, 4, 5])  # a run in which one page is free: refused, nothing changed
+    assert f.free == 3
+    f.give([4, 5, 6], parked=True)
+    assert f.take(3, parked=False) == [1, 2, 3]  # parked pages are handed out last
+    assert f.take(3, parked=False) is None
+    assert f.take(3) == [4, 5, 6]
+
+
 def test_frames_too_few_is_none_and_takes_nothing() -> None:
     f = Frames(4)
     assert f.take(3) == [0, 1, 2]

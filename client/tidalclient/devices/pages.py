@@ -96,13 +96,20 @@ class Frames:
         """Take exactly `frames` when every one is free (True); else take nothing (False)."""
         if not frames:
             return True
-        if min(frames) < 0 or max(frames) >= self.count:
+        lo, hi, n = min(frames), max(frames), len(frames)
+        if lo < 0 or hi >= self.count:
             return False
-        if not all(map(self._free.__getitem__, frames)) or len(set(frames)) != len(frames):
+        if hi - lo + 1 == n and len(set(frames)) == n:  # one run (a block's, mostly): bytewise
+            if self._free.find(0, lo, hi + 1) >= 0:
+                return False
+            self._free[lo : hi + 1] = bytes(n)
+            self._left -= n
+            return True
+        if not all(map(self._free.__getitem__, frames)) or len(set(frames)) != n:
             return False
         for p in frames:
             self._free[p] = 0
-        self._left -= len(frames)
+        self._left -= n
         return True
 
     def unpark(self, frame: int) -> None:
@@ -113,11 +120,20 @@ class Frames:
     def give(self, frames: Sequence[int], parked: bool = False) -> None:
         """Return `frames` to the free pages (`parked`: handed out last); a page already free
         (or given twice) is refused before anything changes."""
-        if frames and (
-            min(frames) < 0
-            or max(frames) >= self.count
+        value = 2 if parked else 1
+        if not frames:
+            return
+        lo, hi, n = min(frames), max(frames), len(frames)
+        run = hi - lo + 1 == n and len(set(frames)) == n  # one run: checked and set bytewise
+        if run and lo >= 0 and hi < self.count and self._free.count(0, lo, hi + 1) == n:
+            self._free[lo : hi + 1] = bytes((value,)) * n
+            self._left += n
+            return
+        if (
+            lo < 0
+            or hi >= self.count
             or any(map(self._free.__getitem__, frames))
-            or len(set(frames)) != len(frames)
+            or len(set(frames)) != n
         ):
             seen: set[int] = set()  # find the first page at fault, to name it
             for p in frames:
@@ -126,10 +142,9 @@ class Frames:
                 if self._free[p] or p in seen:
                     raise ValueError(f"page {p} is already free")
                 seen.add(p)
-        value = 2 if parked else 1
         for p in frames:
             self._free[p] = value
-        self._left += len(frames)
+        self._left += n
 
 
 class PageSpace(Protocol):

@@ -35,8 +35,11 @@ the lease has too few free frames; `reclaim` waits for the oldest copy to free i
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import TYPE_CHECKING
 
 from tidalclient.devices.pages import Frames, PageSpace
@@ -46,6 +49,8 @@ from tidalclient.executors.bestfit import BestFit
 
 if TYPE_CHECKING:
     from tidalclient.timeline import Timeline
+
+_NONE = array("i", [-1])  # no frame, no page
 
 
 @dataclass(slots=True, eq=False)
@@ -84,11 +89,22 @@ class Residency:
         self._held: dict[int, _Held] = {}
         self._packed: dict[int, tuple[int, int]] = {}  # page index -> (blocks on it, frame)
         self._flights: deque[tuple[int, _Held]] = deque()  # copies in flight, oldest first
-        # Stale pages: page -> (the frame it still shows, the work that may still use it).
-        self._stale: dict[int, tuple[int, Completion | None]] = {}
-        self._stale_frame: dict[int, int] = {}  # a free frame a stale page shows -> the page
+        # The books are arrays, read and written a run of pages at a time (a block's pages
+        # are one run): page -> the frame it still shows while stale (NONE: not stale), and
+        # the work that may still use it; frame -> the stale page it is parked for while it is
+        # free (NONE: none), and the compute work that may still use it.
+        pages, count = space.length // space.page, frames.count
+        self._shows = array("i", _NONE) * pages
+        self._stale_after: list[Completion | None] = [None] * pages
+        self._parked_for = array("i", _NONE) * count
+        self._fences: list[Completion | None] = [None] * count
+        # Runs of pages made stale together, oldest first: (page, count, stamp); a page is
+        # still of its run while its `_since` is the run's stamp.
+        self._stale_runs: deque[tuple[int, int, int]] = deque()
+        self._since = array("q", [0]) * pages
+        self._stamp = 0
+        self._runs_kept = 64  # how many `_stale_runs` may hold before it is pruned
         self._doomed: set[int] = set()  # stale pages whose frames another block took
-        self._fences: dict[int, Completion] = {}  # frame -> compute work that may still use it
         self.peak_mapped_bytes = 0
         self.out_bytes = self.in_bytes = 0
         self.swap_outs = self.swap_ins = 0
@@ -156,20 +172,29 @@ class Residency:
         work that may still use them."""
         self._frames.give(frames, parked=True)
         if after is not None:
-            for f in frames:
-                self._fences[f] = after
+            first = _run(frames)
+            if first >= 0:
+                self._fences[first : first + len(frames)] = [after] * len(frames)
+            else:
+                for f in frames:
+                    self._fences[f] = after
 
     def _taken(self, frames: list[int], copied: bool) -> None:
         """`frames` were taken for a block: a copy into them (`copied`, on the in stream)
         first waits for the work that last used them; a block's compute comes after it in
         stream order anyway."""
-        if not self._fences:
-            return
-        pop = self._fences.pop
-        events = {id(e): e for f in frames if (e := pop(f, None)) is not None}
+        first, n = _run(frames), len(frames)
+        if first >= 0:
+            events = dict.fromkeys(self._fences[first : first + n])  # each once
+            self._fences[first : first + n] = [None] * n
+        else:
+            events = dict.fromkeys(self._fences[f] for f in frames)
+            for f in frames:
+                self._fences[f] = None
         if copied:
-            for event in events.values():
-                self._in.wait_event(event)
+            for event in events:
+                if event is not None:
+                    self._in.wait_event(event)
 
     def _map(self, page: int, count: int, copied: bool) -> list[int] | None:
         """A frame mapped at each of the `count` pages from `page`, one call a page: a stale
@@ -178,55 +203,77 @@ class Residency:
         few frames are free (nothing changed)."""
         if count > self._frames.free:
             return None
-        pages = range(page, page + count)
-        held = [self._stale.get(p) for p in pages]
-        if None not in held and self._doomed.isdisjoint(pages):  # the block's pages, as they are
-            frames = [h[0] for h in held if h is not None]
-            if self._frames.take_these(frames):
-                for p, f in zip(pages, frames, strict=True):
-                    del self._stale[p]
-                    if self._stale_frame.get(f) == p:
-                        del self._stale_frame[f]
-                self._taken(frames, copied)
-                return frames
+        end = page + count
+        shows = self._shows[page:end]
+        if (
+            min(shows) >= 0
+            and (not self._doomed or self._doomed.isdisjoint(range(page, end)))
+            and self._frames.take_these(frames := shows.tolist())
+        ):  # the block's pages, as they are
+            self._shows[page:end] = array("i", _NONE) * count
+            self._stale_after[page:end] = [None] * count
+            first = _run(frames)
+            parked = self._parked_for
+            if first >= 0 and parked[first : first + count] == array("i", range(page, end)):
+                parked[first : first + count] = array("i", _NONE) * count  # each parked for it
+            else:
+                for p, f in zip(range(page, end), frames, strict=True):
+                    if parked[f] == p:
+                        parked[f] = -1
+            self._taken(frames, copied)
+            return frames
         got: list[int] = []
-        for p in pages:
-            stale = self._stale.get(p)
-            if stale is not None and p not in self._doomed and self._frames.take_these(stale[:1]):
+        for p in range(page, end):
+            stale = self._shows[p]
+            if stale >= 0 and p not in self._doomed and self._frames.take_these([stale]):
                 self._forget(p)
-                got.append(stale[0])
+                got.append(stale)
                 continue
             fresh = self._frames.take(1, parked=False)
             if fresh is None:  # every free frame is a stale page's: the longest stale goes
-                frame, shown = next(iter(self._stale_frame.items()))
+                frame, shown = self._longest_stale()
                 taken = self._frames.take_these([frame])
                 assert taken
                 fresh = [frame]
-                del self._stale_frame[frame]
-                after = self._stale[shown][1]
+                self._parked_for[frame] = -1
+                after = self._stale_after[shown]
                 if after is None or after.query():  # nothing uses it: it goes now
                     self._forget(shown)
                     self.space.unmap(shown * self.page, 1)
                 else:  # it goes once the work that used it is done (`poll`)
                     self._doomed.add(shown)
-            if stale is not None:
+            if stale >= 0:
                 self._unmap_stale(p)
             self.space.map(p * self.page, fresh)
             got.append(fresh[0])
         self._taken(got, copied)
         return got
 
-    def _forget(self, p: int) -> tuple[int, Completion | None]:
+    def _longest_stale(self) -> tuple[int, int]:
+        """The free frame parked for a stale page longest, and that page."""
+        runs = self._stale_runs
+        while runs:
+            page, count, stamp = runs[0]
+            for p in range(page, page + count):
+                f = self._shows[p]
+                if f >= 0 and self._since[p] == stamp and self._parked_for[f] == p:
+                    runs[0] = (p, page + count - p, stamp)  # what went before it is gone
+                    return f, p
+            runs.popleft()
+        raise AssertionError("no free frame is parked for a stale page")
+
+    def _forget(self, p: int) -> None:
         """Drop stale page `p` from the books (it is unmapped, or its mapping taken)."""
-        stale = self._stale.pop(p)
+        frame = self._shows[p]
+        self._shows[p] = -1
+        self._stale_after[p] = None
         self._doomed.discard(p)
-        if self._stale_frame.get(stale[0]) == p:
-            del self._stale_frame[stale[0]]
-        return stale
+        if self._parked_for[frame] == p:
+            self._parked_for[frame] = -1
 
     def _unmap_stale(self, p: int) -> None:
-        frame, after = self._stale[p]
-        shown = self._stale_frame.get(frame) == p  # its frame is free still, parked for it
+        frame, after = self._shows[p], self._stale_after[p]
+        shown = self._parked_for[frame] == p  # its frame is free still, parked for it
         self._forget(p)
         if after is not None:
             self.wait(after, "compute on a page to unmap")
@@ -248,9 +295,25 @@ class Residency:
         """Pages from `page` no longer hold `frames`: the frames go back at once, each page
         stays mapped, stale, until `after` is done and its frame is taken."""
         self._give(frames, after)
-        for k, f in enumerate(frames):
-            self._stale[page + k] = (f, after)
-            self._stale_frame[f] = page + k
+        n = len(frames)
+        self._shows[page : page + n] = array("i", frames)
+        self._stale_after[page : page + n] = [after] * n
+        first = _run(frames)
+        if first >= 0:
+            self._parked_for[first : first + n] = array("i", range(page, page + n))
+        else:
+            for p, f in enumerate(frames, page):
+                self._parked_for[f] = p
+        self._stamp += 1
+        self._since[page : page + n] = array("q", [self._stamp]) * n
+        runs = self._stale_runs
+        runs.append((page, n, self._stamp))
+        if len(runs) > self._runs_kept:  # drop the runs none of whose pages are theirs any more
+            since = self._since
+            kept = [(p, c, st) for p, c, st in runs if st in since[p : p + c]]
+            runs.clear()
+            runs.extend(kept)
+            self._runs_kept = max(64, 2 * len(kept))
 
     # -- live and dead ---------------------------------------------------------------------
     def place(self, key: int, offset: int, size: int, owning: bool) -> bool:
@@ -275,10 +338,10 @@ class Residency:
             new = [p for p in pages if p not in self._packed]
             if len(new) > self._frames.free:
                 return False
-            for p in new:
-                got = self._map(p, 1, copied=False)
+            for run, count in _runs(new):  # the new pages, a run at a time
+                got = self._map(run, count, copied=False)
                 assert got is not None
-                self._packed[p] = (0, got[0])
+                self._packed.update(zip(range(run, run + count), zip(repeat(0), got), strict=True))
             for p in pages:
                 count, frame = self._packed[p]
                 self._packed[p] = (count + 1, frame)
@@ -305,13 +368,20 @@ class Residency:
                 self._unmapped(h.offset // self.page, h.frames, after)
                 h.frames = []
             return
+        gone: list[int] = []
+        frames: list[int] = []
         for p in range(h.offset // self.page, (h.offset + h.size - 1) // self.page + 1):
             count, frame = self._packed[p]
             if count > 1:
                 self._packed[p] = (count - 1, frame)
                 continue
             del self._packed[p]
-            self._unmapped(p, [frame], after)
+            gone.append(p)
+            frames.append(frame)
+        at = 0
+        for run, count in _runs(gone):  # the pages no block is on any more, a run at a time
+            self._unmapped(run, frames[at : at + count], after)
+            at += count
 
     # -- moves -----------------------------------------------------------------------------
     def evict(self, key: int, after: Completion | None = None) -> bool:
@@ -380,7 +450,7 @@ class Residency:
             if h.event is not None and h.event.query():
                 self._land(key, h)
         for p in list(self._doomed):
-            after = self._stale[p][1]
+            after = self._stale_after[p]
             if after is None or after.query():
                 self._unmap_stale(p)
 
@@ -411,5 +481,27 @@ class Residency:
         """Wait for every copy in flight and finish it, then unmap every stale mapping."""
         while self.reclaim():
             pass
-        for p in list(self._stale):
+        for p in [p for p, f in enumerate(self._shows) if f >= 0]:
             self._unmap_stale(p)
+
+
+def _runs(pages: list[int]) -> Iterator[tuple[int, int]]:
+    """The runs of consecutive pages in ascending `pages`: (first, count) each."""
+    start = 0
+    for k in range(1, len(pages) + 1):
+        if k == len(pages) or pages[k] != pages[k - 1] + 1:
+            yield pages[start], k - start
+            start = k
+
+
+def _run(frames: list[int]) -> int:
+    """The first of `frames` when they are one ascending run (f, f + 1, ...), else -1."""
+    if not frames:
+        return -1
+    first = frames[0]
+    return (
+        first
+        if frames[-1] - first == len(frames) - 1
+        and frames == list(range(first, first + len(frames)))
+        else -1
+    )
