@@ -92,7 +92,9 @@ class Residency:
         # The books are arrays, read and written a run of pages at a time (a block's pages
         # are one run): page -> the frame it still shows while stale (NONE: not stale), and
         # the work that may still use it; frame -> the stale page it is parked for while it is
-        # free (NONE: none), and the compute work that may still use it.
+        # free (NONE: none), and the compute work that may still use it. They cost 20 bytes a
+        # page of the range and 12 a frame: with a range of 16 leases (`paged.range_bytes`),
+        # 0.5% of the lease's bytes in host memory at 64 KiB pages, 8% at 4 KiB.
         pages, count = space.length // space.page, frames.count
         self._shows = array("i", _NONE) * pages
         self._stale_after: list[Completion | None] = [None] * pages
