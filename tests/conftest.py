@@ -61,3 +61,28 @@ def start_daemon() -> Iterator[StartDaemon]:
 def daemon(start_daemon: StartDaemon) -> LocalDaemon:
     """One sim daemon with the defaults of `start_daemon`."""
     return start_daemon()
+
+
+@pytest.fixture(scope="session")
+def shapes_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A trace of two iteration shapes: a small MLP trained with SGD and momentum, recorded on
+    the CPU at batches of 512 and 128 (`tidalpool.torch.record(..., batches=)`)."""
+    torch = pytest.importorskip("torch")
+    from tidaloffline.torch.record import record
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 10)
+    )
+
+    def batch(n: int) -> tuple[object, object]:
+        return torch.randn(n, 256), torch.randint(0, 10, (n,))
+
+    def sgd(m: torch.nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+
+    path = tmp_path_factory.mktemp("shapes") / "mlp.shapes.trace.csv"
+    record(
+        model, batch(512), torch.nn.functional.cross_entropy, sgd, path=path, batches=[batch(128)]
+    )
+    return path

@@ -14,6 +14,9 @@ For a trace, what is placed is the iteration's own blocks (the arena); the
 persistent blocks (weights, optimizer state: live across iterations) stay
 outside it. The report gives their bytes and the sums, so that the bound plus
 the persistent bytes is the unconstrained peak `tidalpool simulate` reports.
+A trace of several iteration shapes (`tidalpool.torch.record(..., batches=)`, a job's
+`step(shape=)`) is placed shape by shape (with `--json`, one object of them all); `--shape`
+picks one.
 Progress goes to stderr once a solve has run for a second. Exit status: 0 done,
 1 an invalid placement (a bug), 2 bad input or options.
 """
@@ -21,6 +24,7 @@ Progress goes to stderr once a solve has run for a second. Exit status: 0 done,
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import sys
 import time
@@ -86,7 +90,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--shape",
         default=None,
-        help="of a trace of several iteration shapes, the one to place",
+        help="of a trace of several iteration shapes, the one to place (default: each in turn)",
     )
     parser.add_argument(
         "--alignment",
@@ -182,6 +186,15 @@ def run(
     """Carry out `tidalpool plan` with parsed arguments; the exit status."""
     out = out if out is not None else sys.stdout
     err = err if err is not None else sys.stderr
+    if args.shape is None:
+        from tidaloffline import simulate_command
+
+        try:
+            shapes = simulate_command.shapes_of(args.input)
+        except simulate_command.InputError:
+            shapes = []  # not a trace that can be read: `load` below says what it is
+        if len(shapes) > 1:
+            return _each_shape(args, shapes, out, err, clock)
     try:
         if not args.time_limit > 0:
             raise InputError(f"--time-limit must be positive, got {args.time_limit}")
@@ -244,6 +257,43 @@ def run(
     if args.json:
         print(json.dumps(report), file=out)
     return 0
+
+
+def _each_shape(
+    args: argparse.Namespace,
+    shapes: list[str],
+    out: TextIO,
+    err: TextIO,
+    clock: Callable[[], float],
+) -> int:
+    """Every iteration shape of the trace placed in turn; with --json, one object of them all."""
+    for option, value in (("--out", args.out), ("--plot", args.plot)):
+        if value is not None:
+            print(
+                f"tidalpool plan: {option} writes one iteration shape's placement, and"
+                f" {args.input} has {len(shapes)} ({', '.join(map(repr, shapes))}): pick one"
+                " with --shape",
+                file=err,
+            )
+            return 2
+    reports: list[dict[str, Any]] = []
+    status = 0
+    for k, shape in enumerate(shapes):
+        one = argparse.Namespace(**vars(args))
+        one.shape = shape
+        if args.json:
+            text = io.StringIO()
+            status = max(status, run(one, text, err, clock))
+            if text.getvalue():
+                reports.append({"shape": shape, **json.loads(text.getvalue())})
+        else:
+            print(f"shape {shape!r} ({k + 1} of {len(shapes)})", file=out)
+            status = max(status, run(one, out, err, clock))
+            if k + 1 < len(shapes):
+                print(file=out)
+    if args.json:
+        print(json.dumps({"input": str(args.input), "shapes": reports}), file=out)
+    return status
 
 
 def _report(

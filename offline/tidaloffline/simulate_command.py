@@ -22,6 +22,10 @@ the peak) to `--limit` (default: the op-wise bound), printing overhead against
 memory per policy (AutoSwap's Figs. 9 and 11); `--plot` draws that curve and the
 memory curves (Fig. 8). `--timeline` writes the simulated step of each feasible
 plan for Perfetto (`timeline`). Progress goes to stderr.
+
+A trace of several iteration shapes (`tidalpool.torch.record(..., batches=)`, a job's
+`step(shape=)`) is simulated shape by shape, each at the one limit a session of that job runs
+under: a fraction is of the largest shape's peak. `--shape` picks one.
 Exit status: 0 done, 1 a plan that fails validation (a bug), 2 bad input or an
 output that cannot be written, 3 no policy's plan fits (at any limit of a sweep).
 """
@@ -226,7 +230,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--shape",
         default=None,
         help="the iteration shape to take, in a trace of several (tidalpool.torch.record's"
-        " batches=, a job's step(shape=))",
+        " batches=, a job's step(shape=)); default: each in turn, at one limit",
     )
     parser.add_argument(
         "--page",
@@ -278,6 +282,26 @@ def load(path: Path, command: str = "simulate", shape: str | None = None) -> Ite
     if not it.ops:
         raise InputError(f"{path}: the iteration has no ops: nothing to time")
     return it
+
+
+def shapes_of(path: Path) -> list[str]:
+    """The iteration shapes of the trace at `path` (one, "", for a trace of one); InputError
+    naming the file if it is not a trace or cannot be read."""
+    from tidalplan import learn
+
+    from tidaloffline import formats as tracecsv
+
+    if not path.is_file():
+        raise InputError(f"{path}: no such file" if not path.exists() else f"{path}: not a file")
+    try:
+        if tracecsv.detect_format(path, accepted=("trace",)) != "trace":
+            return [""]  # `load` says what it is
+        return learn.shapes(tracecsv.read_trace_csv(path)) or [""]
+    except OSError as e:
+        raise InputError(f"{path}: cannot read: {e.strerror or e}") from None
+    except ValueError as e:
+        text = str(e)
+        raise InputError(text if str(path) in text else f"{path}: {text}") from None
 
 
 def pick_shape(path: Path, events: Events, shape: str | None) -> str | None:
@@ -513,6 +537,73 @@ def _facts(args: argparse.Namespace, it: Iteration, out_gbps: float, in_gbps: fl
 
 def run(args: argparse.Namespace) -> int:
     """Carry out `tidalpool simulate` with parsed arguments; the exit status."""
+    try:
+        shapes = shapes_of(args.trace) if args.shape is None else [args.shape]
+    except InputError as e:
+        print(f"tidalpool simulate: {e}", file=sys.stderr)
+        return 2
+    if len(shapes) > 1:
+        return _each_shape(args, shapes)
+    return _run(args, _print_json)
+
+
+def _print_json(document: dict[str, Any]) -> None:
+    print(json.dumps(document))
+
+
+def _each_shape(args: argparse.Namespace, shapes: list[str]) -> int:
+    """Every iteration shape of the trace in turn, at the one limit a session of the job runs
+    under (a fraction: of the largest shape's peak); with --json, one object of them all."""
+    from tidalplan.autoswap import load as load_curve
+
+    named = ", ".join(map(repr, shapes))
+    try:
+        for option, value in (
+            ("--sweep", args.sweep),
+            ("--plot", args.plot),
+            ("--timeline", args.timeline),
+        ):
+            if value:
+                raise InputError(
+                    f"{option} shows one iteration shape, and {args.trace} has {len(shapes)}"
+                    f" ({named}): pick one with --shape"
+                )
+        peaks = {s: int(load_curve(load(args.trace, shape=s)).max(initial=0)) for s in shapes}
+        largest = max(peaks.values())
+        limit = parse_limit(args.limit, largest) if args.limit is not None else None
+    except InputError as e:
+        print(f"tidalpool simulate: {e}", file=sys.stderr)
+        return 2
+    documents: list[dict[str, Any]] = []
+    status = 0
+    for k, shape in enumerate(shapes):
+        one = argparse.Namespace(**vars(args))
+        one.shape = shape
+        one.limit = str(limit) if limit is not None else None
+        if not args.json:
+            at = "none"
+            if limit is not None:
+                at = f"{format_size(limit)} ({limit / largest:.0%} of the largest shape's peak)"
+            print(
+                f"shape {shape!r} ({k + 1} of {len(shapes)}), peak {format_size(peaks[shape])}:"
+                f" limit {at}",
+                flush=True,
+            )
+
+        def keep(document: dict[str, Any], shape: str = shape) -> None:
+            documents.append({"shape": shape, **document})
+
+        done = _run(one, keep)
+        status = max(status, done)
+        if not args.json and k + 1 < len(shapes):
+            print()
+    if args.json:
+        print(json.dumps({"trace": str(args.trace), "limit_bytes": limit, "shapes": documents}))
+    return status
+
+
+def _run(args: argparse.Namespace, emit: Callable[[dict[str, Any]], None]) -> int:
+    """`simulate` of one iteration shape; with --json its document goes to `emit`."""
     from tidalplan.validate import InvalidPlacement, InvalidSwapPlan
 
     try:
@@ -534,8 +625,8 @@ def run(args: argparse.Namespace) -> int:
     say = _say(time.monotonic())
     try:
         if args.sweep:
-            return _sweep(args, it, facts, names, limit, say)
-        return _one(args, it, facts, names, limit, say)
+            return _sweep(args, it, facts, names, limit, say, emit)
+        return _one(args, it, facts, names, limit, say, emit)
     except (InvalidSwapPlan, InvalidPlacement) as e:
         print(f"tidalpool simulate: a plan failed validation (a bug): {e}", file=sys.stderr)
         return 1
@@ -566,6 +657,7 @@ def _one(
     names: list[str],
     limit: int,
     say: Callable[[str], None],
+    emit: Callable[[dict[str, Any]], None],
 ) -> int:
     """The policies at one limit: the table or JSON, and the picture and timeline asked for."""
     rows = evaluate(
@@ -587,7 +679,7 @@ def _one(
         head["limit_bytes"] = limit
         head["bound_ns"] = step_bound
         head["policies"] = [r.as_json() for r in rows]
-        print(json.dumps(head))
+        emit(head)
     else:
         console = _console()
         for line in _describe(facts):
@@ -635,6 +727,7 @@ def _sweep(
     names: list[str],
     floor: int,
     say: Callable[[str], None],
+    emit: Callable[[dict[str, Any]], None],
 ) -> int:
     """The policies at every limit of the sweep: the table or JSON, and the picture."""
     grid = sweep_limits(facts.peak, floor, args.step)
@@ -670,7 +763,7 @@ def _sweep(
             }
             for lim, rows in sweep
         ]
-        print(json.dumps(head))
+        emit(head)
     else:
         console = _console()
         for line in _describe(facts):

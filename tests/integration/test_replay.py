@@ -387,3 +387,31 @@ def test_the_timeline_shows_the_run_beside_the_simulated_step(
     # Simulated: the plan's step at each steady iteration, its ops and its copies.
     assert len(spans[(2, "compute")]) == OPS * steady
     assert len(spans[(2, "swap-out")]) == got["plan"]["swaps"] * steady
+
+
+def test_a_trace_of_two_shapes_replays_both_in_one_session(
+    shapes_trace: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No --shape: each shape --iterations times in a seeded random order, one session, one
+    limit; each gets its own plan and is compared with its own prediction."""
+    argv = ["replay", str(shapes_trace), "--limit", "0.8", "--page", "64KiB", "--iterations", "6"]
+    assert main([*argv, "--seed", "3", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert sorted(got["order"]) == ["128x256"] * 6 + ["512x256"] * 6
+    assert got["order"] != sorted(got["order"])  # interleaved
+    shapes = {s["shape"]: s for s in got["shapes"]}
+    assert list(shapes) == ["512x256", "128x256"]
+    plans = set()
+    for s in shapes.values():
+        assert s["outcome"] == "compared" and s["limit_bytes"] == got["limit_bytes"]
+        assert s["iterations"] == 6 and s["learning_iterations"] == 3
+        assert s["steady_iterations"] == 2 and s["checks"]["mismatches"] == 0
+        assert s["checks"]["stamps_checked"] > 0 and s["checks"]["not_resident"] == 0
+        assert s["measured"]["on_demand_out_bytes"] == s["measured"]["on_demand_in_bytes"] == 0
+        assert s["predicted"] is not None and s["plan"]["version"] == 3
+        plans.add(s["plan"]["id"])
+    assert len(plans) == 2  # a plan of each shape
+    largest = max(s["unconstrained_peak_bytes"] for s in shapes.values())
+    assert got["limit_bytes"] == int(0.8 * largest)
+    assert main([*argv, "--timeline", "t.json"]) == 2
+    assert "pick one with --shape" in capsys.readouterr().err

@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from tidalclient.devices.streams import Stream
-from tidaloffline.replay.command import lease_bytes
 from tidaloffline.replay.compute import Mark, SimCompute, places, stamp
 from tidaloffline.replay.replayer import Record, script
 from tidaloffline.replay.report import Report
+from tidaloffline.replay.session import lease_bytes
 from tidaloffline.simulate_command import load
 from tidalpool.cli import main
 

@@ -5,6 +5,7 @@ leaving a plan for an iteration of a shape without one."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -230,3 +231,45 @@ def test_an_iteration_closed_at_its_boundary_offers_no_swap_across_it() -> None:
     validate_swaps(it, across, simulate(it, across, None, 1.0, 1.0), None, 1.0)
     with pytest.raises(InvalidSwapPlan, match="away across the boundary of an iteration"):
         validate_swaps(closed, across, simulate(closed, across, None, 1.0, 1.0), None, 1.0)
+
+
+# -- offline: plan and simulate each shape of a trace -------------------------------------------
+def test_simulate_takes_each_shape_at_one_limit_of_the_largest_peak(
+    shapes_trace: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tidalpool.cli import main
+
+    argv = ["simulate", str(shapes_trace), "--limit", "0.8", "--policy", "autoswap-doa"]
+    assert main([*argv, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    shapes = {s["shape"]: s for s in got["shapes"]}
+    assert list(shapes) == ["512x256", "128x256"]
+    largest = max(s["unconstrained_peak_bytes"] for s in shapes.values())
+    assert shapes["512x256"]["unconstrained_peak_bytes"] == largest
+    assert shapes["128x256"]["unconstrained_peak_bytes"] < largest
+    for s in shapes.values():  # the session's one limit, for every shape
+        assert s["limit_bytes"] == got["limit_bytes"] == int(0.8 * largest)
+        assert [p["name"] for p in s["policies"]] == ["autoswap-doa"]
+    # The same as each shape alone.
+    assert main([*argv, "--shape", "128x256", "--limit", str(got["limit_bytes"]), "--json"]) == 0
+    alone = json.loads(capsys.readouterr().out)
+    assert alone["policies"] == shapes["128x256"]["policies"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "shape '512x256' (1 of 2)" in text and "shape '128x256' (2 of 2)" in text
+    assert main([*argv, "--plot", "x.png"]) == 2
+    assert "--plot shows one iteration shape" in capsys.readouterr().err
+
+
+def test_plan_places_each_shape(shapes_trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tidalpool.cli import main
+
+    assert main(["plan", str(shapes_trace), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    heights = {s["shape"]: s["height_bytes"] for s in got["shapes"]}
+    assert list(heights) == ["512x256", "128x256"]
+    assert heights["128x256"] < heights["512x256"]  # a smaller batch, a smaller arena
+    assert main(["plan", str(shapes_trace), "--shape", "128x256", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["height_bytes"] == heights["128x256"]
+    assert main(["plan", str(shapes_trace), "--out", "x.csv"]) == 2
+    assert "pick one with --shape" in capsys.readouterr().err

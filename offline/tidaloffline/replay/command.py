@@ -6,7 +6,8 @@ is the switch (blocks placed while learning move to their places); the ones afte
 steady iterations that are averaged. When the daemon says it cannot make a plan
 (`PlanUnavailable`), the wait ends at once and the run ends with its reason. Exit status: 0
 compared, 1 the checks found wrong bytes or an access off the device, or the plan could not run;
-2 bad input, no daemon, or no plan executed (the daemon's refusal included).
+2 bad input, no daemon, or no plan executed (the daemon's refusal included). A trace of several
+iteration shapes is replayed shape by shape in one session (`shapes`) unless --shape picks one.
 """
 
 from __future__ import annotations
@@ -14,40 +15,39 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
-import mmap
-import shutil
-import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tidalcore.units import align_up, format_size, parse_size
+from tidalcore.units import format_size
 
-from tidaloffline.replay.compute import Compute, CudaCompute, SimCompute, need_cupy
+from tidaloffline.replay.compute import Compute
 from tidaloffline.replay.errors import ReplayError
 from tidaloffline.replay.replayer import Replayer
 from tidaloffline.replay.report import Report, plan_of, render, show_ms, show_size
-from tidaloffline.simulate_command import InputError, load, parse_limit
+from tidaloffline.replay.session import (
+    DEFAULT_ITERATIONS,
+    DEFAULT_PLAN_TIMEOUT_S,
+    EXTRA_ITERATIONS,
+    LEARNING_ITERATIONS,
+    MIN_ITERATIONS,
+    check_backend,
+    check_options,
+    compute_of,
+    open_session,
+    private_daemon,
+    refuse,
+    say_from,
+)
+from tidaloffline.simulate_command import InputError, load, parse_limit, shapes_of
 
 if TYPE_CHECKING:
     from tidalclient.session import Session
     from tidalclient.timeline import Timeline
     from tidalplan.model import Iteration
     from tidalplan.wire import Simulated
-
-LEARNING_ITERATIONS = 3
-"""Iterations the daemon needs before it plans (its `plan_after_iterations`, 3 by default and
-for the daemon this command starts); the command waits for the plan after them."""
-DEFAULT_ITERATIONS = 8
-MIN_ITERATIONS = LEARNING_ITERATIONS + 2  # the learning ones, the switch, one steady
-EXTRA_ITERATIONS = 3  # run beyond N while the session has not switched to the plan
-DEFAULT_PLAN_TIMEOUT_S = 60.0
-CHUNK = 2 << 20  # chunk size of the daemon this command starts
-OS_PAGE = mmap.PAGESIZE
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -95,7 +95,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--shape",
         default=None,
-        help="of a trace of several iteration shapes, the one to replay",
+        help="of a trace of several iteration shapes, the one to replay (default: all of them"
+        " in one session, --iterations each, in a random order)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="the random order of the shapes of a trace of several (default 0)",
     )
     parser.add_argument(
         "--page",
@@ -136,62 +143,24 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def _refuse(problem: object) -> None:
-    """The command's error: one line on stderr (a daemon's log, say, folded onto it)."""
-    print(f"tidalpool replay: {' '.join(str(problem).split())}", file=sys.stderr)
-
-
-def _say(started: float) -> Callable[[str], None]:
-    def say(text: str) -> None:
-        print(f"[{time.monotonic() - started:6.1f} s] {text}", file=sys.stderr, flush=True)
-
-    return say
-
-
-def _check_options(args: argparse.Namespace) -> None:
-    if not (math.isfinite(args.compute_scale) and args.compute_scale > 0):
-        raise InputError("--compute-scale must be positive")
-    if args.iterations < MIN_ITERATIONS:
-        raise InputError(
-            f"--iterations must be at least {MIN_ITERATIONS}: {LEARNING_ITERATIONS} learning,"
-            " the switch to the plan and one steady iteration"
-        )
-    if args.copy_gbps is not None and not (math.isfinite(args.copy_gbps) and args.copy_gbps > 0):
-        raise InputError("--copy-gbps must be positive")
-    if not (math.isfinite(args.plan_timeout) and args.plan_timeout > 0):
-        raise InputError("--plan-timeout must be a positive number of seconds")
-    if args.timeline is not None:
-        folder = args.timeline.parent
-        if not folder.is_dir():
-            raise InputError(f"--timeline {args.timeline}: no directory {folder} to write it in")
-        if args.timeline.is_dir():
-            raise InputError(f"--timeline {args.timeline}: a directory, not a file")
-    if args.page is not None:
-        try:
-            args.page = parse_size(args.page)
-        except ValueError as e:
-            raise InputError(f"--page: {e}") from None
-        if args.page < OS_PAGE or args.page & (args.page - 1) or CHUNK % args.page:
-            raise InputError(
-                f"--page {args.page} bytes: a power of two from {OS_PAGE} bytes (the OS page)"
-                f" to {format_size(CHUNK)} (the daemon's chunk)"
-            )
-
-
-def lease_bytes(peak: int) -> int:
-    """Device (and host) lease for a replay whose unconstrained peak is `peak`: the peak and a
-    quarter more (alignment and best-fit's fragmentation while learning), whole chunks."""
-    return align_up(peak + peak // 4 + CHUNK, CHUNK)
-
-
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from tidalplan.autoswap import load as load_curve
     from tidalplan.autoswap import op_bound
 
     socket_dir = args.replay_socket_dir or getattr(args, "socket_dir", None)
+    if args.shape is None:
+        try:
+            shapes = shapes_of(args.trace)
+        except InputError as e:
+            refuse(e)
+            return 2
+        if len(shapes) > 1:
+            from tidaloffline.replay import shapes as several
+
+            return several.run(args, shapes, socket_dir)
     try:
-        _check_options(args)
+        check_options(args)
         it = load(args.trace, "replay", args.shape)
         peak = int(load_curve(it).max(initial=0))
         limit = parse_limit(args.limit, peak)
@@ -201,16 +170,9 @@ def run(args: argparse.Namespace) -> int:
                 f"--limit {args.limit} ({format_size(limit)}) is below {format_size(bound)}, the"
                 " bytes one op of the iteration accesses at once: no plan fits it"
             )
-        if args.backend == "cuda" and socket_dir is None:
-            if args.page is not None and args.page != CHUNK:
-                raise InputError(
-                    f"--page {format_size(args.page)} on cuda: a page there is a whole chunk of"
-                    f" the daemon's ({format_size(CHUNK)}), because CUDA maps a VMM handle only"
-                    f" from its first byte: use --page {CHUNK >> 20}MiB"
-                )
-            need_cupy()
+        check_backend(args, socket_dir)
     except (InputError, ReplayError) as e:
-        _refuse(e)
+        refuse(e)
         return 2
     report = Report(
         trace=str(args.trace),
@@ -223,54 +185,25 @@ def run(args: argparse.Namespace) -> int:
         copy_gbps=args.copy_gbps,
         page_bytes=args.page or 0,
     )
-    say = _say(time.monotonic())
+    say = say_from(time.monotonic())
     try:
         with contextlib.ExitStack() as stack:
             directory = socket_dir
             if directory is None:
-                directory = stack.enter_context(_private_daemon(args.backend, peak, say))
+                directory = stack.enter_context(private_daemon(args.backend, peak, say))
             _replay(args, it, report, Path(directory), say)
     except ReplayError as e:
-        _refuse(e)
+        refuse(e)
         return e.status
     if args.json:
         print(json.dumps(report.as_json()))
     else:
         render(report, Console())  # the tables fit its width, or fold
     if report.outcome != "compared":
-        _refuse(report.outcome)
+        refuse(report.outcome)
         return 2
     checks = report.checks()
     return 1 if checks["mismatches"] or checks["not_resident"] else 0
-
-
-@contextlib.contextmanager
-def _private_daemon(backend: str, peak: int, say: Callable[[str], None]) -> Iterator[Path]:
-    """A daemon of `backend` for this run only, with pools for one lease of each kind."""
-    from tidalclient.local import LocalDaemon
-
-    directory = Path(tempfile.mkdtemp(prefix="tp-replay-", dir="/tmp"))
-    pool = str(lease_bytes(peak))
-    say(f"starting a {backend} daemon in {directory}")
-    try:
-        try:
-            daemon = LocalDaemon.start(
-                directory,
-                device_pool=pool,
-                host_pool=pool,
-                default_lease=pool,
-                extra=("--plan-after-iterations", str(LEARNING_ITERATIONS)),
-                backend=backend,
-                chunk_size=str(CHUNK),
-            )
-        except RuntimeError as e:
-            raise ReplayError(f"could not start a {backend} daemon: {e}") from None
-        try:
-            yield directory
-        finally:
-            daemon.stop()
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _replay(
@@ -280,41 +213,14 @@ def _replay(
     directory: Path,
     say: Callable[[str], None],
 ) -> None:
-    from tidalclient.errors import AttachError, LeaseExceeded, SessionClosed
-    from tidalclient.local import is_serving
-    from tidalclient.session import attach
+    from tidalclient.errors import LeaseExceeded, SessionClosed
 
-    if not is_serving(directory):
-        raise ReplayError(f"no daemon answers at {directory}")
-    lease = lease_bytes(report.peak_bytes)
-    try:
-        session = attach(
-            directory,
-            device_limit=lease,
-            host_limit=lease,
-            job_name="tidalpool-replay",
-            swap_limit=report.limit_bytes,
-            copy_gbps=args.copy_gbps,
-            async_compute=True,
-            page_bytes=args.page,
-        )
-    except AttachError as e:
-        raise ReplayError(f"the daemon at {directory} refused the session: {e}") from None
-    say(
-        f"session {session.id}: leases of {format_size(lease)}, swap limit"
-        f" {format_size(report.limit_bytes)}"
+    session, report.limit_bytes = open_session(
+        args, directory, report.limit_bytes, report.peak_bytes, say
     )
-    swap = session.stats().swap
-    if swap is not None and swap.limit < report.limit_bytes:  # paged: mapped pages of the lease
-        say(f"the limit is the lease's {format_size(swap.limit)}: no more pages can be mapped")
-        report.limit_bytes = swap.limit
     with session:
         report.backend = "sim" if session.cuda is None else "cuda"
-        compute: Compute
-        if session.cuda is None:
-            compute = SimCompute(session.compute)
-        else:
-            compute = CudaCompute(session.compute, session.cuda.ordinal)
+        compute = compute_of(session)
         replayer = Replayer(session, it, compute, args.compute_scale)
         report.unresolved_accesses = replayer.script.unresolved
         timeline = _timeline(session, compute, replayer) if args.timeline is not None else None

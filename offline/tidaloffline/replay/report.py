@@ -101,9 +101,12 @@ class Report:
         }
 
 
-def plan_of(session: Session) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    """The plan in use (id, version, limit, swaps) and its prediction, as JSON values."""
-    plan = session.plan
+def plan_of(
+    session: Session, shape: str | None = None
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """The plan in use (id, version, limit, swaps), or the plan of iteration shape `shape`,
+    and its prediction, as JSON values."""
+    plan = session.plan if shape is None else session.plans.get(shape)
     if plan is None:
         return None, None
     about = {
