@@ -25,7 +25,8 @@ plan for Perfetto (`timeline`). Progress goes to stderr.
 
 A trace of several iteration shapes (`tidalpool.torch.record(..., batches=)`, a job's
 `step(shape=)`) is simulated shape by shape, each at the one limit a session of that job runs
-under: a fraction is of the largest shape's peak. `--shape` picks one.
+under: a fraction is of the largest shape's peak. `--shape` picks one. `--buckets` says what
+bucketing such inputs costs instead (`buckets`).
 Exit status: 0 done, 1 a plan that fails validation (a bug), 2 bad input or an
 output that cannot be written, 3 no policy's plan fits (at any limit of a sweep).
 """
@@ -211,6 +212,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="FRACTION",
         help=f"sweep step as a fraction of the peak (default {DEFAULT_STEP})",
     )
+    parser.add_argument(
+        "--buckets",
+        action="store_true",
+        help="of a trace of several shapes that are sizes of one input (sequence lengths,"
+        " batch sizes): what each choice of buckets costs, every shape padded to the smallest"
+        " bucket that holds it (the daemon's plan of each bucket; plans, step)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
         "--plot",
@@ -302,6 +310,18 @@ def shapes_of(path: Path) -> list[str]:
     except ValueError as e:
         text = str(e)
         raise InputError(text if str(path) in text else f"{path}: {text}") from None
+
+
+def _shape_counts(path: Path) -> dict[str, int]:
+    """How many iterations of each shape the trace at `path` marks."""
+    from collections import Counter
+
+    from tidalplan import learn
+
+    from tidaloffline import formats as tracecsv
+
+    events = tracecsv.read_trace_csv(path)
+    return dict(Counter(learn.mark_shapes(events, events.marks())))
 
 
 def pick_shape(path: Path, events: Events, shape: str | None) -> str | None:
@@ -539,6 +559,11 @@ def run(args: argparse.Namespace) -> int:
     """Carry out `tidalpool simulate` with parsed arguments; the exit status."""
     try:
         shapes = shapes_of(args.trace) if args.shape is None else [args.shape]
+        if args.buckets and len(shapes) < 2:
+            raise InputError(
+                "--buckets compares the shapes of a trace of several: "
+                + ("leave out --shape" if args.shape is not None else f"{args.trace} has one")
+            )
     except InputError as e:
         print(f"tidalpool simulate: {e}", file=sys.stderr)
         return 2
@@ -568,12 +593,44 @@ def _each_shape(args: argparse.Namespace, shapes: list[str]) -> int:
                     f"{option} shows one iteration shape, and {args.trace} has {len(shapes)}"
                     f" ({named}): pick one with --shape"
                 )
-        peaks = {s: int(load_curve(load(args.trace, shape=s)).max(initial=0)) for s in shapes}
+        its = {s: load(args.trace, shape=s) for s in shapes}
+        peaks = {s: int(load_curve(it).max(initial=0)) for s, it in its.items()}
         largest = max(peaks.values())
         limit = parse_limit(args.limit, largest) if args.limit is not None else None
+        if args.buckets:
+            out_gbps, in_gbps, _ = _options(args)
     except InputError as e:
         print(f"tidalpool simulate: {e}", file=sys.stderr)
         return 2
+    if args.buckets:
+        from tidaloffline.buckets import advise, render_advice
+
+        counts = _shape_counts(args.trace)
+        say = _say(time.monotonic())
+
+        def step_of(shape: str, it: Iteration) -> int | None:
+            """The step under the daemon's plan at the limit (None: it has none), or with none."""
+            if limit is None:
+                from tidalplan.simulate import no_limit
+
+                return no_limit(it, args.compute_scale).baseline_ns
+            say(f"the daemon's plan of shape {shape!r}")
+            (row,) = evaluate(
+                it, [DAEMON], limit, out_gbps, in_gbps, args.compute_scale, page=args.page
+            )
+            return row.plan.result.iteration_ns if row.plan.fits else None
+
+        advice = {
+            "trace": str(args.trace),
+            "limit_bytes": limit,
+            "page_bytes": args.page,
+            **advise(its, counts, step_of),
+        }
+        if args.json:
+            print(json.dumps(advice))
+        else:
+            render_advice(advice, limit, _console())
+        return 0 if any(c["feasible"] for c in advice["choices"]) else NONE_FITS
     documents: list[dict[str, Any]] = []
     status = 0
     for k, shape in enumerate(shapes):

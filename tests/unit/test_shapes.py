@@ -273,3 +273,36 @@ def test_plan_places_each_shape(shapes_trace: Path, capsys: pytest.CaptureFixtur
     assert json.loads(capsys.readouterr().out)["height_bytes"] == heights["128x256"]
     assert main(["plan", str(shapes_trace), "--out", "x.csv"]) == 2
     assert "pick one with --shape" in capsys.readouterr().err
+
+
+def test_buckets_cost_each_choice_padding_shapes_to_larger_ones(
+    shapes_trace: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tidalpool.cli import main
+
+    assert main(["simulate", str(shapes_trace), "--buckets", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    shapes = got["shapes"]
+    assert list(shapes) == ["128x256", "512x256"]  # smallest first, by peak
+    small, large = (shapes[s]["step_ns"] for s in shapes)
+    assert 0 < small < large
+    assert [s["iterations"] for s in shapes.values()] == [3, 3]  # how often the trace runs each
+    one, two = got["choices"]
+    assert (one["buckets"], one["padded"], one["plans"]) == (["512x256"], ["128x256"], 1)
+    assert one["mean_step_ns"] == large  # the small batch padded: every step the large one's
+    assert (two["buckets"], two["padded"], two["plans"]) == (["128x256", "512x256"], [], 2)
+    assert two["mean_step_ns"] == (small + large) / 2
+    assert one["over_every_shape_its_own"] == pytest.approx(2 * large / (small + large))
+    assert main(["simulate", str(shapes_trace), "--buckets"]) == 0
+    assert "the fastest buckets for each number of plans" in capsys.readouterr().out
+    # Under a limit, each bucket runs the daemon's plan: no faster than with no limit.
+    limited = ["simulate", str(shapes_trace), "--buckets", "--limit", "0.8", "--page", "64KiB"]
+    assert main([*limited, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["limit_bytes"] == int(0.8 * shapes["512x256"]["peak_bytes"])
+    assert got["shapes"]["128x256"]["step_ns"] >= small
+    assert got["shapes"]["512x256"]["step_ns"] >= large
+    assert all(c["feasible"] for c in got["choices"])
+    argv = ["simulate", str(shapes_trace), "--buckets", "--shape", "128x256"]
+    assert main(argv) == 2
+    assert "--buckets compares the shapes of a trace of several" in capsys.readouterr().err
