@@ -40,7 +40,7 @@ from tidalcore.unplanned import PlanUnavailable
 from tidalcore.v1 import pool_pb2
 from tidalcore.wire import HANDLES_SOCKET, MAX_SHAPE_BYTES
 
-from tidalclient import cupy
+from tidalclient import cupy, node
 from tidalclient.connection import Connection
 from tidalclient.devices.lease import CudaLease, DeviceLease, HostLease, MappedLease, map_grant
 from tidalclient.devices.pages import CudaPageSpace, Frames, PageSpace, SimPageSpace
@@ -65,7 +65,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tidalpool")
 
-DEFAULT_SOCKET_DIR = Path("/run/tidalpool")
+DEFAULT_SOCKET_DIR = node.DEFAULT_SOCKET_DIR
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,10 +99,14 @@ class SessionStats:
 
 
 def socket_dir_from_env(socket_dir: str | os.PathLike[str] | None) -> Path:
-    """The argument, else $TIDALPOOL_SOCKET_DIR, else /run/tidalpool."""
-    if socket_dir is not None:
-        return Path(socket_dir)
-    return Path(os.environ.get("TIDALPOOL_SOCKET_DIR") or DEFAULT_SOCKET_DIR)
+    """The argument, else $TIDALPOOL_SOCKET_DIR, else, in a rank of a launcher (torchrun's
+    LOCAL_RANK), its GPU's daemon in the node layout (/run/tidalpool/gpu<N>), else
+    /run/tidalpool; `{gpu}` in either is this process's GPU index (`tidalclient.node`).
+    AttachError when that index cannot be told."""
+    try:
+        return node.socket_dir(socket_dir, os.environ)
+    except node.LayoutError as e:
+        raise AttachError(f"which daemon: {e}") from None
 
 
 def attach(

@@ -81,7 +81,9 @@ def _parser() -> tuple[Parser, dict[str, Parser]]:
         "--socket-dir",
         type=Path,
         default=None,
-        help="the daemon's socket directory (default: $TIDALPOOL_SOCKET_DIR or /run/tidalpool)",
+        help="the daemon's socket directory (default: $TIDALPOOL_SOCKET_DIR, else in a rank of"
+        " torchrun or srun its GPU's, /run/tidalpool/gpu<N>, else /run/tidalpool; {gpu} in"
+        " either is the GPU's index)",
     )
     debug_help = f"show the traceback of an error (also {DEBUG_ENV}=1)"
     parser.add_argument("--debug", action="store_true", help=debug_help)
