@@ -21,19 +21,29 @@ reader ever sees half a plan:
 The plans take at most `limit` bytes on disk (`plan_cache_bytes`): after each put, the least
 recently used plan files (by modification time: written, or read by `get`) go until the rest
 fit; the one just written stays, whatever its size.
+
+The daemons of one node (one per GPU) share the directory, and the ranks of a job, one per
+GPU, run the same iteration: so that N ranks cost one solve, a daemon plans under `solving`, an
+exclusive lock (flock) on one of `LOCK_STRIPES` files picked by the plan's name, and looks in
+the cache again once it holds it: a daemon that needs a plan another is making waits for it
+(at most its planning deadline) and takes it from the cache. A lock is released when its
+holder closes it or dies, so a killed daemon never holds one; a lock file that is not a regular
+file, or cannot be opened, is planned past.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import logging
 import os
 import stat
 import struct
 import tempfile
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +62,11 @@ allocations each swapped once, the most one iteration can have in a session's tr
 plan measured, and no real plan comes near it."""
 
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+_LOCK_FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+LOCK_STRIPES = 64
+"""Lock files a cache directory holds at most (`solving-NN.lock`): plans of different names
+share one in 64, and wait for each other only while both are being made at once."""
+LOCK_POLL_S = 0.01
 
 
 MEASURED = -1.0
@@ -118,6 +133,43 @@ class PlanCache:
         with contextlib.suppress(OSError):  # used now: the last to go (a link is not touched)
             os.utime(path, follow_symlinks=False)
         return plan
+
+    @contextlib.contextmanager
+    def solving(self, name: str, wait_s: float) -> Iterator[bool]:
+        """Held while this daemon makes the plan named `name`: another daemon sharing the
+        directory that needs a plan of the same lock waits (at most its own `wait_s`) and
+        finds it in the cache. Yields whether this daemon waited for another; it plans without
+        the lock (logging `plan.cache_unlocked` why) when the lock file cannot be used or
+        `wait_s` passed."""
+        stripe = int(name[:4], 16) % LOCK_STRIPES if name[:4].isalnum() else 0
+        path = self.directory / f"solving-{stripe:02d}.lock"
+        fd, waited = -1, False
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, _LOCK_FLAGS, 0o600)
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise OSError(errno.EINVAL, f"not a regular file but a {_kind(st.st_mode)}")
+            deadline = time.monotonic() + wait_s
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    waited = True
+                    if time.monotonic() >= deadline:
+                        raise OSError(errno.ETIMEDOUT, f"held past {wait_s:g} s") from None
+                    time.sleep(LOCK_POLL_S)
+        except OSError as e:
+            log.warning("plan.cache_unlocked", extra={"path": str(path), "why": str(e)})
+            if fd >= 0:
+                os.close(fd)
+                fd = -1
+        try:
+            yield waited
+        finally:
+            if fd >= 0:
+                os.close(fd)  # the lock goes with it
 
     def put(self, name: str, plan: pool_pb2.PlanUpdate) -> None:
         """Store `plan` under `name`, replacing whatever entry is there (a link is replaced,

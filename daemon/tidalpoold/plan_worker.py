@@ -304,7 +304,6 @@ class PlanWorker:
         of it serves too. Unfit when a swap plan does not fit its limit, a plan's footprint is
         more than the lease, or its swapped-out blocks need more than a `host` lease of that
         many bytes at once (`profile.host_peak`)."""
-        from tidalplan import placed, wire
         from tidalplan.learn import signature
 
         # Without a swap limit nothing is copied: the bandwidth changes nothing of the plan (an
@@ -314,6 +313,28 @@ class PlanWorker:
         cached = self._cached(name, iteration, swap_limit, gbps, lease, measured)
         if cached is not None:
             return self._host_room(cached, iteration, swap_limit, host)
+        with self.cache.solving(name, self.settings.plan_deadline_s) as waited:
+            # Waited for another daemon of the node (a rank on another GPU): it made it.
+            cached = (
+                self._cached(name, iteration, swap_limit, gbps, lease, measured) if waited else None
+            )
+            if cached is not None:
+                return self._host_room(cached, iteration, swap_limit, host)
+            return self._solve(name, iteration, swap_limit, gbps, lease, host, budget_s)
+
+    def _solve(
+        self,
+        name: str,
+        iteration: Iteration,
+        swap_limit: int,
+        gbps: float,
+        lease: int | None,
+        host: int | None,
+        budget_s: float | None,
+    ) -> Planned | Unfit:
+        """`make`'s plan when no daemon has one cached: planned, encoded, checked, cached."""
+        from tidalplan import placed, wire
+
         time_limit_s = self.settings.plan_time_limit_s
         if swap_limit:
             plan = placed.fit(
@@ -359,21 +380,48 @@ class PlanWorker:
         fits the limit (planned once per layout, at the limit itself: one round), its mapped
         peak is more than the lease, or its swapped-out blocks need more than a `host` lease of
         that many bytes at once (`profile.host_peak`). `measured` as for `make`."""
-        from tidalplan import wire
         from tidalplan.learn import signature
 
         made_at = plan_cache.MEASURED if measured else gbps
         name = plan_cache.key(
             signature(iteration), swap_limit, made_at, planupdate.PAGED_VERSION, page, persistent_at
         )
-        cached = self._from_cache(
-            name,
-            lambda found, path: _checked_paged(
-                found, path, iteration, swap_limit, gbps, page, persistent_at, lease, measured
-            ),
-        )
-        if cached is not None:
-            return self._host_room(cached, iteration, swap_limit, host)
+
+        def cached() -> PlannedPaged | None:
+            return self._from_cache(
+                name,
+                lambda found, path: _checked_paged(
+                    found, path, iteration, swap_limit, gbps, page, persistent_at, lease, measured
+                ),
+            )
+
+        found = cached()
+        if found is not None:
+            return self._host_room(found, iteration, swap_limit, host)
+        with self.cache.solving(name, self.settings.plan_deadline_s) as waited:
+            found = cached() if waited else None  # waited: another daemon of the node made it
+            if found is not None:
+                return self._host_room(found, iteration, swap_limit, host)
+            return self._solve_paged(
+                name, iteration, swap_limit, gbps, page, persistent_at, lease, host, budget_s
+            )
+
+    def _solve_paged(
+        self,
+        name: str,
+        iteration: Iteration,
+        swap_limit: int,
+        gbps: float,
+        page: int,
+        persistent_at: list[tuple[int, bool]],
+        lease: int | None,
+        host: int | None,
+        budget_s: float | None,
+    ) -> PlannedPaged | Unfit:
+        """`make_paged`'s plan when no daemon has one cached: planned, encoded, checked,
+        cached."""
+        from tidalplan import wire
+
         plan = wire.paged_session_plan(
             iteration,
             swap_limit,

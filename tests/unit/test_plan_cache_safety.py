@@ -363,7 +363,7 @@ def test_a_plan_over_the_lease_is_not_sent(
     assert (planner.plans_made, planner.plans_unfit, planner.plans_failed) == (0, 1, 0)
     (line,) = [r for r in caplog.records if r.getMessage() == "plan.unfit"]
     assert (line.footprint, line.limit, line.beyond) == (3 * C // 2, C, "lease")  # type: ignore[attr-defined]
-    assert not registry.settings.plan_cache_dir.exists()  # nothing cached
+    assert not list(registry.settings.plan_cache_dir.glob("*.plan"))  # nothing cached
     end(registry, s)
 
 
@@ -405,3 +405,72 @@ def test_the_cache_keeps_to_its_size_and_the_least_recently_used_plans_go(
     assert cache.get("e") == big and cache.evicted == 4
     with pytest.raises(ValueError, match="a plan cache of 0 bytes"):
         PlanCache(tmp_path, limit=0)
+
+
+# -- one solve for the daemons of a node ---------------------------------------------------------
+NAME = "0123abcd" * 4 + "-feedface"
+
+
+def test_a_daemon_waits_for_the_plan_another_is_making_then_goes_on(tmp_path: Path) -> None:
+    """Two daemons sharing the directory: the second to need a plan waits while the first
+    makes it (it then finds it cached); one that holds the lock past the wait is planned past."""
+    import threading
+
+    cache = PlanCache(tmp_path)
+    holding, release, done = threading.Event(), threading.Event(), threading.Event()
+    result: list[bool] = []
+
+    def first() -> None:
+        with cache.solving(NAME, wait_s=DEADLINE_S):
+            holding.set()
+            release.wait(DEADLINE_S)
+
+    def second() -> None:
+        with cache.solving(NAME, wait_s=DEADLINE_S) as waited:
+            result.append(waited)
+        done.set()
+
+    a = threading.Thread(target=first)
+    a.start()
+    assert holding.wait(DEADLINE_S)
+    b = threading.Thread(target=second)
+    b.start()
+    assert not done.wait(0.2)  # it waits while the first holds the lock
+    release.set()
+    a.join()
+    b.join()
+    assert result == [True]
+    # Not held: nobody waits. Held past the wait: planned past, said once.
+    with cache.solving(NAME, wait_s=DEADLINE_S) as waited:
+        assert not waited
+        with cache.solving(NAME, wait_s=0.05) as waited_again:
+            assert waited_again
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"solving-{0x0123 % 64:02d}.lock"]
+
+
+def test_a_killed_holder_leaves_no_lock_and_a_planted_lock_file_is_planned_past(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cache = PlanCache(tmp_path)
+    lock = tmp_path / f"solving-{0x0123 % 64:02d}.lock"
+    script = (
+        "import fcntl, os, time\n"
+        f"fd = os.open({str(lock)!r}, os.O_RDWR | os.O_CREAT, 0o600)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "print('held', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    with subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) as h:
+        try:
+            assert h.stdout is not None and h.stdout.readline() == "held\n"
+        finally:
+            h.kill()  # SIGKILL while it holds the lock
+            h.wait(timeout=DEADLINE_S)
+    with cache.solving(NAME, wait_s=DEADLINE_S) as waited:
+        assert not waited  # the kernel released it with the process
+    lock.unlink()
+    lock.mkdir()  # another user's entry under the lock's name
+    with caplog.at_level(logging.WARNING), cache.solving(NAME, wait_s=DEADLINE_S) as waited:
+        assert not waited
+    (record,) = [r for r in caplog.records if r.getMessage() == "plan.cache_unlocked"]
+    assert "directory" in str(record.__dict__["why"])
