@@ -79,6 +79,11 @@ log = logging.getLogger("tidalpoold.planning")
 
 Taken = TypeVar("Taken")
 
+CATCH_UP_S = 1.0
+"""How long a plan waits for the events of the iteration after the one it plans
+(`TraceStore.caught_up`) before it is made with those it has: a job waiting for its plan
+after its learning iterations sends no more."""
+FORGET_AFTER_S = 60.0  # a shape still catching up after this long: its session is gone
 MEASURED_SPREAD = 1.5
 """A cached plan for an unthrottled session serves a daemon whose backend measured a copy
 bandwidth up to this factor from the one it was made at (its prediction retimed at this
@@ -208,6 +213,9 @@ class PlanWorker:
         # Of those, planned while their session had one shape: their persistent blocks may be
         # away across the boundary, which iterations of another shape do not expect.
         self._open: set[tuple[str, str]] = set()
+        # (session id, shape) due to be planned once the events of the iteration after the one
+        # it plans are in: since when (monotonic seconds).
+        self._catching_up: dict[tuple[str, str], float] = {}
         self._lock = threading.Lock()
         self._next_plan_id = 1
         self.plans_made = 0
@@ -252,11 +260,41 @@ class PlanWorker:
                 continue
             if count.whole < 1 and len(session.trace.shapes.counts) > 1:
                 continue
+            if len(session.trace.shapes.counts) == 1 and not session.trace.caught_up():
+                with self._lock:  # once the next iteration's events are in (`on_events`)
+                    self._catching_up.setdefault((session.id, shape), time.monotonic())
+                continue
+            self._queue(session, shape)
+
+    def on_events(self, session: Session) -> None:
+        """Called after trace events or a heartbeat of `session`: queues a shape whose plan
+        waits for the events of the iteration after the one it plans (`TraceStore.caught_up`),
+        once they are in or `CATCH_UP_S` have passed (a job that sends no more, waiting for
+        its plan)."""
+        if not self._catching_up:
+            return
+        now = time.monotonic()
+        with self._lock:
+            for key in [k for k, t in self._catching_up.items() if now - t > FORGET_AFTER_S]:
+                del self._catching_up[key]  # its session is gone
+            waiting = [(k, t) for k, t in self._catching_up.items() if k[0] == session.id]
+        if not waiting:
+            return
+        late = now - min(t for _, t in waiting) >= CATCH_UP_S
+        if not (late or session.trace.caught_up()):
+            return
+        for (_, shape), _ in waiting:
             with self._lock:
-                if (session.id, shape) in self._queued:
-                    continue
-                self._queued.add((session.id, shape))
-            self._turns.put(session, shape)
+                self._catching_up.pop((session.id, shape), None)
+            self._queue(session, shape)
+
+    def _queue(self, session: Session, shape: str) -> None:
+        """Put `session`'s `shape` in line for the planning thread, unless it is there."""
+        with self._lock:
+            if (session.id, shape) in self._queued:
+                return
+            self._queued.add((session.id, shape))
+        self._turns.put(session, shape)
 
     def _budget(self, started: float) -> float:
         """What is left of a plan's `plan_deadline_s` once it started at `started`

@@ -163,9 +163,13 @@ class PoolService:
         body = msg.WhichOneof("body")
         if body == "heartbeat":
             self.registry.touch(session, msg.heartbeat)
+            if self.planner is not None:
+                self.planner.on_events(session)
         elif body == "trace":
             session.trace.add(msg.trace)
             self.registry.touch(session)
+            if self.planner is not None:
+                self.planner.on_events(session)
         elif body == "step":
             live = live_blocks(session, msg.step)
             ended, forgotten = session.trace.step(msg.step)

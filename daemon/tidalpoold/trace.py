@@ -168,6 +168,7 @@ class TraceStore:
         self.name_bytes = 0  # sum of name_cost over the names defined
         self.events_received = 0  # all events ever accepted, dropped ones included
         self.iterations_seen = 0
+        self._marks_at: deque[int] = deque(maxlen=2)  # events before the last two step marks
         self.shapes = Shapes(max_shapes)
         self._held = 0
         self._lock = threading.Lock()
@@ -255,7 +256,19 @@ class TraceStore:
             )
         with self._lock:
             self.iterations_seen += 1
+            self._marks_at.append(mark.events_before)
             return self.shapes.step(mark.shape)
+
+    def caught_up(self) -> bool:
+        """Whether the events after the last step mark are at least as many as those between
+        the two before it: the iteration the last mark ended has been followed far enough
+        that a steady iteration's next has freed what it left live (the blocks that cross its
+        end), so the iteration extracted now is the one it will be once the next is whole."""
+        with self._lock:
+            if len(self._marks_at) < 2:
+                return True
+            before, last = self._marks_at
+            return self.events_received - last >= last - before
 
     def shape_counts(self, shape: str) -> ShapeCount | None:
         """The counts of `shape` (a copy), None if it is not among those kept."""

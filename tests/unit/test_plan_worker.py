@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -499,4 +500,37 @@ def test_a_plan_cut_at_its_deadline_is_told_so(
             " setting plan_deadline_s), where the search stopped: a longer deadline may find one",
         )
     ]
+    end(registry, s)
+
+
+def test_a_plan_waits_for_the_next_iterations_events_or_a_second(
+    registry: Registry, planner: PlanWorker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The iteration a plan takes is the one the last step mark ended, and what it leaves live
+    is freed in the next: the plan waits until the next iteration's events are in (as many as
+    the one before), or CATCH_UP_S passed, so that every daemon of a job's ranks learns the same
+    iteration whatever the timing of its stream."""
+    from tidalpoold import plan_worker
+
+    s = registry.open(C, C, "job", 1, 0)
+    registry.attach(s, 1500, 1.0)
+    msg = chunk(HIDE, {}, iterations=3)
+    s.trace.add(msg)
+    iters = [k for k, kind in enumerate(msg.kinds) if kind == ITER]
+    for n, at in enumerate(iters[:3]):  # the third mark: the third iteration's events are in
+        s.trace.step(pool_pb2.StepMark(iteration=n, events_before=at))
+    assert s.trace.caught_up()
+    s.trace.step(pool_pb2.StepMark(iteration=3, events_before=iters[3]))  # none after it yet
+    assert not s.trace.caught_up()
+    planner.on_step(s, "", ())
+    planner.on_events(s)  # a heartbeat, nothing new
+    assert (s.id, "") not in planner._queued  # not in line for the planning thread: waiting
+    assert (s.id, "") in planner._catching_up
+    monkeypatch.setattr(plan_worker, "CATCH_UP_S", 0.0)  # as when a second has passed
+    planner.on_events(s)  # planned with what it has
+    deadline = time.monotonic() + 60
+    while (plan := sent(s)) is None:
+        assert time.monotonic() < deadline and planner.plans_failed == 0, "no plan"
+        time.sleep(0.01)
+    assert plan.limit_bytes == 1500
     end(registry, s)

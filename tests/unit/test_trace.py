@@ -296,3 +296,14 @@ def test_invalid_argument_maps_to_its_grpc_code() -> None:
             )
         )
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_caught_up_once_the_next_iteration_is_as_long_as_the_one_before() -> None:
+    s = TraceStore(max_events=100)
+    s.add(chunk(0, 10))
+    s.step(StepMark(iteration=0, events_before=0))
+    assert s.caught_up()  # one mark: no iteration ended yet
+    s.step(StepMark(iteration=1, events_before=6))
+    assert not s.caught_up()  # 4 events of the next iteration, the one before had 6
+    s.add(chunk(10, 2))
+    assert s.caught_up()
