@@ -81,7 +81,7 @@ def check_probes(container: Object) -> None:
 
 
 @pytest.mark.parametrize("version", [OLDEST, NEWEST])
-@pytest.mark.parametrize("relative", ["node", "sidecar"])
+@pytest.mark.parametrize("relative", ["node", "sidecar", "job"])
 def test_every_built_in_object_is_valid(relative: str, version: str) -> None:
     docs = [d for d in objects(relative) if d["apiVersion"] != "monitoring.coreos.com/v1"]
     assert docs
@@ -236,3 +236,23 @@ def test_the_sidecar_shares_the_gpu_and_the_sockets_with_the_training_container(
     assert train_uid == daemon_uid or train_gid in s.allowed_gids
     assert context["fsGroup"] == train_gid  # the emptyDir, and so the sockets, are its group's
     assert memory_limit(daemon) >= s.host_pool + parse_size("1GiB")
+
+
+def test_a_pod_of_several_gpus_reaches_each_gpus_daemon() -> None:
+    """The torchrun pod beside the DaemonSets: all of a node's GPUs in the daemons' order, the
+    node's socket directories, the daemons' group and uid."""
+    pod = named(objects("job"), "Pod")
+    (train,) = pod["spec"]["containers"]
+    gpus = int(train["resources"]["limits"]["nvidia.com/gpu"])
+    assert gpus == GPUS and train["command"][:3] == ["torchrun", "--standalone", "--nproc_per_node"]
+    assert train["command"][3] == str(gpus)  # one rank per GPU
+    env = env_of(train)
+    assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert env["TIDALPOOL_DAEMON_USERS"] == str(DAEMON_UID)
+    assert "TIDALPOOL_SOCKET_DIR" not in env  # each rank finds /run/tidalpool/gpu<N>
+    assert pod["spec"]["securityContext"]["runAsGroup"] == DAEMON_UID
+    sockets = mounts(pod["spec"], train)["/run/tidalpool"]
+    assert sockets["hostPath"]["path"] == "/run/tidalpool"
+    daemonset = named(objects("node"), "DaemonSet", "tidalpoold-gpu0")
+    env0 = env_of(daemonset["spec"]["template"]["spec"]["containers"][0])
+    assert env0["TIDALPOOLD_SOCKET_DIR"] == "/run/tidalpool/gpu0"  # the layout the ranks expect

@@ -18,6 +18,7 @@ SETTINGS = {f.name for f in dataclasses.fields(Settings)}
 # Options of the other commands the doc shows (useradd, systemctl, docker, kubectl).
 OTHER_TOOLS = {"--system", "--user-group", "--home-dir", "--shell", "--now", "--rm", "--gpus"}
 OTHER_TOOLS |= {"--ulimit"}
+OTHER_TOOLS |= {"--standalone", "--nproc"}  # torchrun's (--nproc_per_node)
 
 
 def options(main: object, *argv: str, capsys: pytest.CaptureFixture[str]) -> set[str]:

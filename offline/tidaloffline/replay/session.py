@@ -156,7 +156,7 @@ def open_session(
         raise ReplayError(f"the daemon at {directory} refused the session: {e}") from None
     say(f"session {session.id}: leases of {format_size(lease)}, swap limit {format_size(limit)}")
     swap = session.stats().swap
-    if swap is not None and swap.limit < limit:  # paged: mapped pages of the lease
+    if args.page and swap is not None and swap.limit < limit:  # mapped pages of the lease
         say(f"the limit is the lease's {format_size(swap.limit)}: no more pages can be mapped")
         limit = swap.limit
     return session, limit
