@@ -100,39 +100,17 @@ def plan_seconds(log: str) -> dict[str, float]:
 def run(its: dict[str, Any], fraction: float, args: argparse.Namespace) -> dict[str, Any]:
     """One session replaying the shapes in a random order under `fraction` of the largest
     shape's peak; its per-shape results."""
-    from tidalclient.local import LocalDaemon
-    from tidalclient.session import attach
-    from tidalcore.units import align_up
     from tidaloffline.replay.compute import SimCompute
     from tidaloffline.replay.replayer import Replayer
+    from tidaloffline.replay.session import open_session, private_daemon
     from tidalplan.autoswap import load as load_curve
 
     peaks = {s: int(load_curve(it).max(initial=0)) for s, it in its.items()}
     peak = max(peaks.values())
     limit = int(peak * fraction)
-    lease = align_up(peak + peak // 4 + CHUNK, CHUNK)
-    directory = Path(tempfile.mkdtemp(prefix="tp-shapes-", dir="/tmp"))
-    daemon = LocalDaemon.start(
-        directory,
-        device_pool=str(lease),
-        host_pool=str(lease),
-        default_lease=str(lease),
-        extra=("--plan-after-iterations", "3"),
-        backend="sim",
-        chunk_size=str(CHUNK),
-    )
     rows: list[dict[str, Any]] = []
-    try:
-        session = attach(
-            directory,
-            device_limit=lease,
-            host_limit=lease,
-            job_name="bench-shapes",
-            swap_limit=limit,
-            copy_gbps=args.copy_gbps,
-            async_compute=True,
-            page_bytes=args.page,
-        )
+    with private_daemon("sim", peak, lambda text: None) as directory:
+        session, limit = open_session(args, directory, limit, peak, lambda text: None)
         with session:
             compute = SimCompute(session.compute)
             replayers = {
@@ -167,10 +145,7 @@ def run(its: dict[str, Any], fraction: float, args: argparse.Namespace) -> dict[
             seconds = time.monotonic() - started
             plans = session.plans
             unavailable = session.plan_unavailable
-        log = daemon.log_path.read_text()
-    finally:
-        daemon.stop()
-        shutil.rmtree(directory, ignore_errors=True)
+        log = (directory / "tidalpoold.log").read_text()
     planned_at = plan_seconds(log)
     shapes = {}
     for s in its:
