@@ -214,8 +214,8 @@ class PlanWorker:
         # away across the boundary, which iterations of another shape do not expect.
         self._open: set[tuple[str, str]] = set()
         # (session id, shape) due to be planned once the events of the iteration after the one
-        # it plans are in: since when (monotonic seconds).
-        self._catching_up: dict[tuple[str, str], float] = {}
+        # it plans are in: since when (monotonic seconds), and the step marks seen then.
+        self._catching_up: dict[tuple[str, str], tuple[float, int]] = {}
         self._lock = threading.Lock()
         self._next_plan_id = 1
         self.plans_made = 0
@@ -253,40 +253,43 @@ class PlanWorker:
         after = self.settings.plan_after_iterations
         if not after:
             return
+        self.on_events(session)  # a mark ends the iteration after any that waited for it
         current = session.trace.shapes.current
+        marks = session.trace.iterations_seen
         for shape in {s for s in (ended, current) if s is not None} | again:
             count = session.trace.shape_counts(shape)
             if count is None or count.marks < after:
                 continue
             if count.whole < 1 and len(session.trace.shapes.counts) > 1:
                 continue
-            if len(session.trace.shapes.counts) == 1 and not session.trace.caught_up():
-                with self._lock:  # once the next iteration's events are in (`on_events`)
-                    self._catching_up.setdefault((session.id, shape), time.monotonic())
+            if shape == ended and not session.trace.caught_up():
+                # Its iteration just ended: planned once the next one's events are in.
+                with self._lock:
+                    if (session.id, shape) not in self._queued:
+                        self._catching_up.setdefault((session.id, shape), (time.monotonic(), marks))
                 continue
             self._queue(session, shape)
 
     def on_events(self, session: Session) -> None:
-        """Called after trace events or a heartbeat of `session`: queues a shape whose plan
-        waits for the events of the iteration after the one it plans (`TraceStore.caught_up`),
-        once they are in or `CATCH_UP_S` have passed (a job that sends no more, waiting for
-        its plan)."""
+        """Called after trace events, a heartbeat or a step mark of `session`: queues a shape
+        whose plan waits for the events of the iteration after the one it plans, once they are
+        in (`TraceStore.caught_up`, or a later mark ended that iteration) or `CATCH_UP_S` have
+        passed (a job that sends no more, waiting for its plan)."""
         if not self._catching_up:
             return
         now = time.monotonic()
         with self._lock:
-            for key in [k for k, t in self._catching_up.items() if now - t > FORGET_AFTER_S]:
+            gone = [k for k, (t, _) in self._catching_up.items() if now - t > FORGET_AFTER_S]
+            for key in gone:
                 del self._catching_up[key]  # its session is gone
-            waiting = [(k, t) for k, t in self._catching_up.items() if k[0] == session.id]
-        if not waiting:
-            return
-        late = now - min(t for _, t in waiting) >= CATCH_UP_S
-        if not (late or session.trace.caught_up()):
-            return
-        for (_, shape), _ in waiting:
-            with self._lock:
-                self._catching_up.pop((session.id, shape), None)
-            self._queue(session, shape)
+            waiting = [(k, v) for k, v in self._catching_up.items() if k[0] == session.id]
+        caught_up = session.trace.caught_up()
+        marks = session.trace.iterations_seen
+        for (_, shape), (since, marks_then) in waiting:
+            if caught_up or marks > marks_then or now - since >= CATCH_UP_S:
+                with self._lock:
+                    self._catching_up.pop((session.id, shape), None)
+                self._queue(session, shape)
 
     def _queue(self, session: Session, shape: str) -> None:
         """Put `session`'s `shape` in line for the planning thread, unless it is there."""

@@ -534,3 +534,23 @@ def test_a_plan_waits_for_the_next_iterations_events_or_a_second(
         time.sleep(0.01)
     assert plan.limit_bytes == 1500
     end(registry, s)
+
+
+def test_a_plan_waiting_for_the_next_iteration_goes_once_a_later_mark_ends_it(
+    registry: Registry, planner: PlanWorker
+) -> None:
+    """Where the next iteration is shorter (another shape), its events never match the one
+    before: the next step mark, which ends it, is enough."""
+    s = registry.open(C, C, "job", 1, 0)
+    registry.attach(s, 1500, 1.0)
+    msg = chunk(HIDE, {}, iterations=3)
+    s.trace.add(msg)
+    iters = [k for k, kind in enumerate(msg.kinds) if kind == ITER]
+    for n, at in enumerate(iters):
+        s.trace.step(pool_pb2.StepMark(iteration=n, events_before=at))
+    planner.on_step(s, "", ())
+    assert (s.id, "") in planner._catching_up and (s.id, "") not in planner._queued
+    s.trace.step(pool_pb2.StepMark(iteration=len(iters), events_before=iters[-1] + 1))
+    planner.on_step(s, "", ())
+    assert (s.id, "") in planner._queued and (s.id, "") not in planner._catching_up
+    end(registry, s)
