@@ -169,23 +169,22 @@ class Residency:
         h = self._held[key]
         return -(-h.size // self.page) if h.where == HOST else 0
 
-    def _give(self, frames: list[int], after: Completion | None) -> None:
+    def _give(self, frames: list[int], first: int, after: Completion | None) -> None:
         """Frames back to the free ones, parked (their mapping stays, stale); `after`: the
-        work that may still use them."""
+        work that may still use them. `first`: `_run(frames)`."""
         self._frames.give(frames, parked=True)
         if after is not None:
-            first = _run(frames)
             if first >= 0:
                 self._fences[first : first + len(frames)] = [after] * len(frames)
             else:
                 for f in frames:
                     self._fences[f] = after
 
-    def _taken(self, frames: list[int], copied: bool) -> None:
+    def _taken(self, frames: list[int], first: int, copied: bool) -> None:
         """`frames` were taken for a block: a copy into them (`copied`, on the in stream)
         first waits for the work that last used them; a block's compute comes after it in
-        stream order anyway."""
-        first, n = _run(frames), len(frames)
+        stream order anyway. `first`: `_run(frames)`."""
+        n = len(frames)
         if first >= 0:
             events = dict.fromkeys(self._fences[first : first + n])  # each once
             self._fences[first : first + n] = [None] * n
@@ -222,7 +221,7 @@ class Residency:
                 for p, f in zip(range(page, end), frames, strict=True):
                     if parked[f] == p:
                         parked[f] = -1
-            self._taken(frames, copied)
+            self._taken(frames, first, copied)
             return frames
         got: list[int] = []
         for p in range(page, end):
@@ -248,7 +247,7 @@ class Residency:
                 self._unmap_stale(p)
             self.space.map(p * self.page, fresh)
             got.append(fresh[0])
-        self._taken(got, copied)
+        self._taken(got, _run(got), copied)
         return got
 
     def _longest_stale(self) -> tuple[int, int]:
@@ -296,11 +295,11 @@ class Residency:
     def _unmapped(self, page: int, frames: list[int], after: Completion | None) -> None:
         """Pages from `page` no longer hold `frames`: the frames go back at once, each page
         stays mapped, stale, until `after` is done and its frame is taken."""
-        self._give(frames, after)
+        first = _run(frames)
+        self._give(frames, first, after)
         n = len(frames)
         self._shows[page : page + n] = array("i", frames)
         self._stale_after[page : page + n] = [after] * n
-        first = _run(frames)
         if first >= 0:
             self._parked_for[first : first + n] = array("i", range(page, page + n))
         else:
