@@ -65,8 +65,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tidalpool")
 
-DEFAULT_SOCKET_DIR = node.DEFAULT_SOCKET_DIR
-
 
 @dataclass(frozen=True, slots=True)
 class SessionStats:
