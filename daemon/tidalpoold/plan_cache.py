@@ -141,7 +141,7 @@ class PlanCache:
         finds it in the cache. Yields whether this daemon waited for another; it plans without
         the lock (logging `plan.cache_unlocked` why) when the lock file cannot be used or
         `wait_s` passed."""
-        stripe = int(name[:4], 16) % LOCK_STRIPES if name[:4].isalnum() else 0
+        stripe = int(name[:4], 16) % LOCK_STRIPES  # a `key`: the signature in hex first
         path = self.directory / f"solving-{stripe:02d}.lock"
         fd, waited = -1, False
         try:

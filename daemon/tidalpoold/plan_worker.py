@@ -351,17 +351,25 @@ class PlanWorker:
         # unthrottled session's is what each daemon measured at start), so it is not its key.
         made_at = (plan_cache.MEASURED if measured else gbps) if swap_limit else 0.0
         name = plan_cache.key(signature(iteration), swap_limit, made_at, planupdate.ARENA_VERSION)
-        cached = self._cached(name, iteration, swap_limit, gbps, lease, measured)
-        if cached is not None:
-            return self._host_room(cached, iteration, swap_limit, host)
+        made = self._cached_else_solved(
+            name,
+            lambda: self._cached(name, iteration, swap_limit, gbps, lease, measured),
+            lambda: self._solve(name, iteration, swap_limit, gbps, lease, budget_s),
+        )
+        return self._host_room(made, iteration, swap_limit, host)
+
+    def _cached_else_solved(
+        self, name: str, cached: Callable[[], _Made | None], solve: Callable[[], _Made | Unfit]
+    ) -> _Made | Unfit:
+        """The plan `cached` finds under `name`, else the one `solve` makes under the cache's
+        lock (`PlanCache.solving`): a daemon that waited there for another of the node (a rank
+        on another GPU) takes the plan that one cached."""
+        found = cached()
+        if found is not None:
+            return found
         with self.cache.solving(name, self.settings.plan_deadline_s) as waited:
-            # Waited for another daemon of the node (a rank on another GPU): it made it.
-            cached = (
-                self._cached(name, iteration, swap_limit, gbps, lease, measured) if waited else None
-            )
-            if cached is not None:
-                return self._host_room(cached, iteration, swap_limit, host)
-            return self._solve(name, iteration, swap_limit, gbps, lease, host, budget_s)
+            found = cached() if waited else None
+            return found if found is not None else solve()
 
     def _solve(
         self,
@@ -370,7 +378,6 @@ class PlanWorker:
         swap_limit: int,
         gbps: float,
         lease: int | None,
-        host: int | None,
         budget_s: float | None,
     ) -> Planned | Unfit:
         """`make`'s plan when no daemon has one cached: planned, encoded, checked, cached."""
@@ -398,8 +405,7 @@ class PlanWorker:
         update = wire.encode(iteration, plan, gbps)
         checked = wire.check(iteration, update, lease=lease)  # the whole plan, as it is sent
         self.cache.put(name, update)
-        made = Planned(update, checked, plan.combined.placement.solver)
-        return self._host_room(made, iteration, swap_limit, host)
+        return Planned(update, checked, plan.combined.placement.solver)
 
     def make_paged(
         self,
@@ -428,24 +434,19 @@ class PlanWorker:
             signature(iteration), swap_limit, made_at, planupdate.PAGED_VERSION, page, persistent_at
         )
 
-        def cached() -> PlannedPaged | None:
-            return self._from_cache(
+        made = self._cached_else_solved(
+            name,
+            lambda: self._from_cache(
                 name,
                 lambda found, path: _checked_paged(
                     found, path, iteration, swap_limit, gbps, page, persistent_at, lease, measured
                 ),
-            )
-
-        found = cached()
-        if found is not None:
-            return self._host_room(found, iteration, swap_limit, host)
-        with self.cache.solving(name, self.settings.plan_deadline_s) as waited:
-            found = cached() if waited else None  # waited: another daemon of the node made it
-            if found is not None:
-                return self._host_room(found, iteration, swap_limit, host)
-            return self._solve_paged(
-                name, iteration, swap_limit, gbps, page, persistent_at, lease, host, budget_s
-            )
+            ),
+            lambda: self._solve_paged(
+                name, iteration, swap_limit, gbps, page, persistent_at, lease, budget_s
+            ),
+        )
+        return self._host_room(made, iteration, swap_limit, host)
 
     def _solve_paged(
         self,
@@ -456,7 +457,6 @@ class PlanWorker:
         page: int,
         persistent_at: list[tuple[int, bool]],
         lease: int | None,
-        host: int | None,
         budget_s: float | None,
     ) -> PlannedPaged | Unfit:
         """`make_paged`'s plan when no daemon has one cached: planned, encoded, checked,
@@ -479,21 +479,19 @@ class PlanWorker:
         update = wire.encode_paged(iteration, plan, gbps)
         checked = wire.check_paged(iteration, update, swap_limit, gbps, persistent_at)
         self.cache.put(name, update)
-        return self._host_room(
-            PlannedPaged(update, checked, plan.layout.solver), iteration, swap_limit, host
-        )
+        return PlannedPaged(update, checked, plan.layout.solver)
 
     @staticmethod
     def _host_room(
-        made: _Made, iteration: Iteration, swap_limit: int, host: int | None
+        made: _Made | Unfit, iteration: Iteration, swap_limit: int, host: int | None
     ) -> _Made | Unfit:
         """`made`, or Unfit when its swapped-out blocks need more than a `host` lease (None:
         not bounded) at once: each rounded to the session's page under virtual residency,
-        else to the alignment its host lease is allocated in."""
+        else to the alignment its host lease is allocated in. An Unfit stays as it is."""
         from tidalplan import wire
         from tidalplan.profile import host_peak
 
-        if host is None:
+        if host is None or isinstance(made, Unfit):
             return made
         if isinstance(made, PlannedPaged):
             schedule, unit = made.checked.schedule, made.checked.layout.page
