@@ -190,9 +190,9 @@ def run(
         from tidaloffline import simulate_command
 
         try:
-            shapes = simulate_command.shapes_of(args.input)
+            shapes = list(simulate_command.shapes_of(args.input))
         except simulate_command.InputError:
-            shapes = []  # not a trace that can be read: `load` below says what it is
+            shapes = []  # not a file that can be read: `load` below says why
         if len(shapes) > 1:
             return _each_shape(args, shapes, out, err, clock)
     try:

@@ -261,6 +261,29 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
+def _read_trace(path: Path) -> Events | str:
+    """The events of the trace CSV at `path`, or, for a file of another format, what it is;
+    InputError naming the file when it is missing or cannot be read."""
+    from tidaloffline import formats as tracecsv
+
+    if not path.is_file():
+        raise InputError(f"{path}: no such file" if not path.exists() else f"{path}: not a file")
+    try:
+        kind = tracecsv.detect_format(path, accepted=("trace",))
+        if kind != "trace":
+            return tracecsv.FORMATS[kind].split(" (")[0]
+        return tracecsv.read_trace_csv(path)
+    except OSError as e:
+        raise InputError(f"{path}: cannot read: {e.strerror or e}") from None
+    except ValueError as e:
+        raise _named(path, e) from None
+
+
+def _named(path: Path, e: ValueError) -> InputError:
+    text = str(e)
+    return InputError(text if str(path) in text else f"{path}: {text}")
+
+
 def load(path: Path, command: str = "simulate", shape: str | None = None) -> Iteration:
     """The steady iteration of the trace at `path`, of iteration shape `shape` in a trace of
     several (`learn.extract_finished`); InputError naming the file if unusable, and `command`,
@@ -269,59 +292,33 @@ def load(path: Path, command: str = "simulate", shape: str | None = None) -> Ite
 
     from tidaloffline import formats as tracecsv
 
-    if not path.is_file():
-        raise InputError(f"{path}: no such file" if not path.exists() else f"{path}: not a file")
+    events = _read_trace(path)
+    if isinstance(events, str):
+        raise InputError(
+            f"{path}: {events}; {command} reads a trace CSV v1 (header"
+            f" {','.join(tracecsv.TRACE_HEADER)}, with ops), as tidalpool.torch.record writes it"
+        )
     try:
-        kind = tracecsv.detect_format(path, accepted=("trace",))
-        if kind != "trace":
-            what = tracecsv.FORMATS[kind].split(" (")[0]
-            raise InputError(
-                f"{path}: {what}; {command} reads a trace CSV v1 (header"
-                f" {','.join(tracecsv.TRACE_HEADER)}, with ops), as tidalpool.torch.record"
-                " writes it"
-            )
-        events = tracecsv.read_trace_csv(path)
         it = learn.extract_finished(events, pick_shape(path, events, shape)).iteration
-    except OSError as e:
-        raise InputError(f"{path}: cannot read: {e.strerror or e}") from None
     except ValueError as e:
-        text = str(e)
-        raise InputError(text if str(path) in text else f"{path}: {text}") from None
+        raise _named(path, e) from None
     if not it.ops:
         raise InputError(f"{path}: the iteration has no ops: nothing to time")
     return it
 
 
-def shapes_of(path: Path) -> list[str]:
-    """The iteration shapes of the trace at `path` (one, "", for a trace of one); InputError
-    naming the file if it is not a trace or cannot be read."""
-    from tidalplan import learn
-
-    from tidaloffline import formats as tracecsv
-
-    if not path.is_file():
-        raise InputError(f"{path}: no such file" if not path.exists() else f"{path}: not a file")
-    try:
-        if tracecsv.detect_format(path, accepted=("trace",)) != "trace":
-            return [""]  # `load` says what it is
-        return learn.shapes(tracecsv.read_trace_csv(path)) or [""]
-    except OSError as e:
-        raise InputError(f"{path}: cannot read: {e.strerror or e}") from None
-    except ValueError as e:
-        text = str(e)
-        raise InputError(text if str(path) in text else f"{path}: {text}") from None
-
-
-def _shape_counts(path: Path) -> dict[str, int]:
-    """How many iterations of each shape the trace at `path` marks."""
+def shapes_of(path: Path) -> dict[str, int]:
+    """The iteration shapes of the trace at `path`, in the order they first come, each with
+    the iterations it marks (one, "", for a trace of one, and for a file of another format,
+    which `load` names); InputError naming the file if it cannot be read."""
     from collections import Counter
 
     from tidalplan import learn
 
-    from tidaloffline import formats as tracecsv
-
-    events = tracecsv.read_trace_csv(path)
-    return dict(Counter(learn.mark_shapes(events, events.marks())))
+    events = _read_trace(path)
+    if isinstance(events, str):
+        return {"": 0}
+    return dict(Counter(learn.mark_shapes(events, events.marks()))) or {"": 0}
 
 
 def pick_shape(path: Path, events: Events, shape: str | None) -> str | None:
@@ -558,7 +555,7 @@ def _facts(args: argparse.Namespace, it: Iteration, out_gbps: float, in_gbps: fl
 def run(args: argparse.Namespace) -> int:
     """Carry out `tidalpool simulate` with parsed arguments; the exit status."""
     try:
-        shapes = shapes_of(args.trace) if args.shape is None else [args.shape]
+        shapes = shapes_of(args.trace) if args.shape is None else {args.shape: 0}
         if args.buckets and len(shapes) < 2:
             raise InputError(
                 "--buckets compares the shapes of a trace of several: "
@@ -576,9 +573,10 @@ def _print_json(document: dict[str, Any]) -> None:
     print(json.dumps(document))
 
 
-def _each_shape(args: argparse.Namespace, shapes: list[str]) -> int:
-    """Every iteration shape of the trace in turn, at the one limit a session of the job runs
-    under (a fraction: of the largest shape's peak); with --json, one object of them all."""
+def _each_shape(args: argparse.Namespace, shapes: dict[str, int]) -> int:
+    """Every iteration shape of the trace (`shapes_of`) in turn, at the one limit a session of
+    the job runs under (a fraction: of the largest shape's peak); with --json, one object of
+    them all."""
     from tidalplan.autoswap import load as load_curve
 
     named = ", ".join(map(repr, shapes))
@@ -605,7 +603,6 @@ def _each_shape(args: argparse.Namespace, shapes: list[str]) -> int:
     if args.buckets:
         from tidaloffline.buckets import advise, render_advice
 
-        counts = _shape_counts(args.trace)
         say = _say(time.monotonic())
 
         def step_of(shape: str, it: Iteration) -> int | None:
@@ -624,7 +621,7 @@ def _each_shape(args: argparse.Namespace, shapes: list[str]) -> int:
             "trace": str(args.trace),
             "limit_bytes": limit,
             "page_bytes": args.page,
-            **advise(its, counts, step_of),
+            **advise(its, shapes, step_of),
         }
         if args.json:
             print(json.dumps(advice))

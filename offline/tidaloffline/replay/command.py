@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
         if len(shapes) > 1:
             from tidaloffline.replay import shapes as several
 
-            return several.run(args, shapes, socket_dir)
+            return several.run(args, list(shapes), socket_dir)
     try:
         check_options(args)
         it = load(args.trace, "replay", args.shape)

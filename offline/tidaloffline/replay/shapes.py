@@ -133,15 +133,13 @@ def run(args: argparse.Namespace, shapes: list[str], socket_dir: Path | None) ->
             render(report, console)
             if k + 1 < len(reports):
                 console.print()
-    wrong = False
-    for s, report in reports.items():
-        if report.outcome != "compared":
-            refuse(f"shape {s!r}: {report.outcome}")
-        checks = report.checks()
-        wrong = wrong or bool(checks["mismatches"] or checks["not_resident"])
-    if any(r.outcome != "compared" for r in reports.values()):
+    failed = [s for s, report in reports.items() if report.outcome != "compared"]
+    for s in failed:
+        refuse(f"shape {s!r}: {reports[s].outcome}")
+    if failed:
         return 2
-    return 1 if wrong else 0
+    checks = [report.checks() for report in reports.values()]
+    return 1 if any(c["mismatches"] or c["not_resident"] for c in checks) else 0
 
 
 def _replay(
@@ -187,10 +185,8 @@ def _replay(
                     f" + {show_size(r.on_demand_out_bytes)} on demand,"
                     f" in {show_size(r.planned_in_bytes)} + {show_size(r.on_demand_in_bytes)}"
                 )
-        except LeaseExceeded as e:
-            raise ReplayError(
-                f"iteration {len(ran)} ({ran[-1] if ran else shape}): {e}", 1
-            ) from None
+        except LeaseExceeded as e:  # in an iteration of `shape`
+            raise ReplayError(f"iteration {len(ran)} (shape {shape!r}): {e}", 1) from None
         except SessionClosed as e:
             raise ReplayError(f"the daemon ended the session: {e}") from None
         swap = session.executor.stats().swap
