@@ -177,9 +177,11 @@ def _ctrl_c() -> Iterator[Flag]:
             yield pressed
             return
         previous = signal.signal(signal.SIGINT, lambda signum, frame: pressed.set())
+        wakeup = pressed.wake_on_signals()  # a Ctrl-C taken by one of gRPC's threads too
         try:
             yield pressed
         finally:
+            signal.set_wakeup_fd(wakeup)
             signal.signal(signal.SIGINT, previous)
     finally:
         pressed.close()

@@ -103,6 +103,7 @@ def _serve(args: argparse.Namespace, serve: Parser, debug: bool) -> int:
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
+    stop.wake_on_signals()  # a signal taken by one of gRPC's threads wakes the wait too
     try:
         daemon = build_daemon(settings)
     except (OSError, ValueError, RuntimeError, NotImplementedError) as e:
