@@ -26,6 +26,8 @@ the highest excess in each stretch of equal compute and then the highest overall
       cover   Σ_g min(size_g, E_t) (y_gt + r_gt) ≥ E_t,   y_gt + r_gt ≤ 1,   y, r in [0, 1]
       out     s_t ≥ θ + Σ { o_g y_gt : D(≤lo_g) ≥ θ }        (inner gaps; wrap gaps if t > lo)
       in      T ≥ s_t + φ + Σ { i_g y_gt : C(≥hi_g) ≥ φ }    (inner gaps; wrap gaps if t < hi)
+      out'    T - s_t ≥ θ + Σ { o_g y_gt : D(≤lo_g) - D(<t) ≥ θ }    (wrap gaps, t < hi)
+      in'     s_t ≥ φ + Σ { i_g y_gt : D(<t) - D(<hi_g) ≥ φ }         (wrap gaps, t > lo)
       rebuild T ≥ s_t + C(≥t) + Σ_g κ_gt r_gt,   κ_gt = size_g Σ_{w in W(g)} d_w / B_wt
 
 for every θ, φ among the gaps' own values (grouped into at most `_BINS` thresholds, each
@@ -51,6 +53,10 @@ tick t, y_gt = 1 when the block is swapped out at tick t, r_gt = 1 when it is dr
    at most T - C(≥c) ≤ T - C(≥hi); the in engine is serial likewise. A persistent block
    away over its wrap gap is away from the iteration's start (its swap-in comes before
    op c ≤ hi: the in row holds for t < hi) or since an op a ≥ lo (the out row, t > lo).
+   Its other copy runs in the iteration too (`simulate` ends it when both engines are
+   idle): away since the start (t < hi), it goes out again after op lo > t, at or after
+   s_t + D(≤lo) - D(<t), and ends by T (out'); away since op lo < t, it came in from time
+   0 and ended before op hi < t started, by s_t - (D(<t) - D(<hi)) (in').
 5. A dropped block is rebuilt right before op c > t, so after s_t, by its writers, which
    include W(g) (no access lies between lo and the drop). A rebuild runs each writer
    once, so after s_t compute runs every op w that writes a block dropped at t at least
@@ -462,6 +468,22 @@ def _program(
         into = (kind == _INNER) | ((kind == _WRAP) & (t < hi))
         outs.append((idx[out], ycols[out]))
         ins.append((idx[into], ycols[into]))
+        # a wrap gap's other copy runs in this iteration too: away since the start, it goes
+        # out after its last access lo > t; away since lo < t, it came in before hi < t
+        later = (kind == _WRAP) & ~out
+        p.chain(
+            [(tcol, 1.0), (s + k, -1.0)],
+            ycols[later],
+            g.out_ns[idx[later]],
+            g.release[idx[later]] - clock.before[t],
+        )
+        earlier = (kind == _WRAP) & ~into
+        p.chain(
+            [(s + k, 1.0)],
+            ycols[earlier],
+            g.in_ns[idx[earlier]],
+            clock.before[t] - clock.before[hi[earlier]],
+        )
         # rebuilds after s_t: each writer's duration spread over the bytes it writes here
         written: dict[int, int] = {}
         for j in idx[can].tolist():

@@ -139,6 +139,16 @@ def test_none_when_an_op_or_a_tick_cannot_fit() -> None:
     assert _best(both, 150, 1.0, True)[0] is None
 
 
+def test_a_weight_away_since_the_start_goes_out_again_after_its_access() -> None:
+    # W (read at t5 only) must be away while X lives: it comes in after X's free (100 ns),
+    # and after op t5 it goes out again (100 ns) within the iteration, after the 30 ns of ops
+    # from t2 to t5: at least 10 + 30 + 100 ns. Its only plan takes 230 ns.
+    it = build(["a X 100", "o 10 >X", "o 10 X", "f X", "o 10", "o 10 W", "o 1"], {"W": 100})
+    b = step_bound(it, 100, 1.0, 1.0, recompute=False)
+    assert b.ns == 140
+    assert _best(it, 100, 1.0, False)[0] == 230
+
+
 CASES = [
     # (steps, persistent, limits, gbps)
     (["a A 100", "o 10 >A", "a B 100", "o 0 B", "f B", "o 20 A", "f A"], {}, (100, 150), 1.0),
@@ -149,6 +159,7 @@ CASES = [
         2.0,
     ),
     (["o 10 W", "a X 100", "o 30 >X", "o 5 X", "f X"], {"W": 100}, (100, 150), 1.0),
+    (["a X 100", "o 10 >X", "o 10 X", "f X", "o 10", "o 10 W", "o 1"], {"W": 100}, (100, 150), 1.0),
     (
         ["o 10 W", "a X 50", "o 20 >X", "o 10", "o 5 X", "f X", "o 5 W"],
         {"W": 80},
