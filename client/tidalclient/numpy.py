@@ -107,7 +107,7 @@ def view(address: int, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarr
 class Tensor:
     """An array of a session whose bytes may move: its shape, dtype and block.
 
-    Freed when the tensor is garbage (at the session's next op or tensor) or by
+    Freed when the tensor is garbage (at the session's next op, tensor or step) or by
     `Session.release`. Compute on the views `Session.op` yields.
     """
 

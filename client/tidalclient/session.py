@@ -538,8 +538,8 @@ class Session:
         release(self, array)
 
     def bury(self, block: Block) -> None:
-        """A garbage tensor's block, freed at the next `op` or `tensor` (a finalizer may run on
-        any thread and in the middle of the executor's work, so it only queues)."""
+        """A garbage tensor's block, freed at the next `op`, `tensor` or `step` (a finalizer may
+        run on any thread and in the middle of the executor's work, so it only queues)."""
         self._dead.append(block)
 
     def _free_dead(self) -> None:
@@ -649,6 +649,8 @@ class Session:
                 f"shape {shape[:32]!r}... is {len(shape.encode())} bytes, longer than"
                 f" {MAX_SHAPE_BYTES}"
             )
+        if self._dead:  # garbage tensors' blocks go before the boundary, not after it
+            self._free_dead()
         with self._shapes_lock:
             if shape != self._shape:
                 self.executor.install_plan(self._shapes.get(shape))  # None: online from here

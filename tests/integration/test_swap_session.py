@@ -88,6 +88,17 @@ def test_garbage_tensors_are_freed_at_the_next_op(daemon: LocalDaemon) -> None:
         assert s.stats().live_blocks == 0
 
 
+def test_garbage_tensors_are_freed_before_the_next_boundary(daemon: LocalDaemon) -> None:
+    # A tensor that died in an iteration is freed in it: not live across the step mark.
+    with tidalpool.attach(daemon.socket_dir, swap_limit="64KiB") as s:
+        t = s.tensor(100, "uint8")
+        del t
+        gc.collect()
+        assert s.stats().live_blocks == 1
+        s.step()
+        assert s.stats().live_blocks == 0
+
+
 def test_released_tensor_cannot_be_released_again(daemon: LocalDaemon) -> None:
     with tidalpool.attach(daemon.socket_dir) as s:
         t = s.tensor(16, "uint8")
