@@ -137,6 +137,15 @@ def layout(
     pages of their own."""
     if page < ALIGNMENT or page % ALIGNMENT:
         raise ValueError(f"page of {page} bytes is not a positive multiple of {ALIGNMENT}")
+    for b in it.blocks:
+        if b.end - it.ticks > b.start:  # its two instances live at once: no one address
+            raise ValueError(
+                f"block {b.id} is allocated again (tick {b.start}) while its instance of the"
+                f" iteration before is live (to tick {b.end - it.ticks}): a paged plan gives"
+                " each allocation of the iteration one address, so each block must be freed"
+                " before it is allocated again (drop the last reference to a tensor before"
+                " making the one that replaces it)"
+            )
     owning = tuple(owns_pages(b.size, page, max_waste) for b in it.blocks)
     if persistent_at is not None:
         persistent, persistent_owning, address = _given(it, page, persistent_at)

@@ -189,6 +189,22 @@ def test_persistent_addresses_that_cannot_be_are_refused() -> None:
         paged.layout(SMALL, PAGE, persistent_at=[(0, True)])
 
 
+def test_a_block_allocated_again_before_its_last_instance_is_freed_is_refused_by_name() -> None:
+    # x = session.tensor(...) in a loop: the old x goes only once the name takes the new one,
+    # so block A's instances overlap for a tick and no one address can hold both.
+    a = SMALL.blocks[0]
+    late = dataclasses.replace(a, end=Tick(SMALL.ticks + a.start + 1), crosses=True)
+    it = dataclasses.replace(SMALL, blocks=(late, *SMALL.blocks[1:]))
+    with pytest.raises(ValueError, match=f"block {a.id} is allocated again"):
+        paged.layout(it, PAGE)
+    # Freed as it is allocated again: one instance at a time, laid out as any block.
+    ok = dataclasses.replace(
+        SMALL,
+        blocks=(dataclasses.replace(late, end=Tick(SMALL.ticks + a.start)), *SMALL.blocks[1:]),
+    )
+    assert paged.plan(ok, daemon_policy, 0, 1.0, 1.0, page=PAGE).fits
+
+
 def test_the_host_lease_a_plan_needs_counts_each_swap_from_its_out_to_its_in() -> None:
     lay = paged.layout(SMALL, PAGE, max_waste=0.05)
     # W (4 pages) away from t2 to t8; A (2 pages, live from t0 to t4) away from t2 to t4 too.
