@@ -30,12 +30,13 @@ the meta device have shapes, dtypes and storages but no bytes.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
 import torch
+from tidalclient.torch.aten import tensors_in, written
 from tidalcore.events import ALLOC, FREE, ITER, OP, READ, WRITE, Events
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -84,30 +85,6 @@ def _weak_ref(s: torch.UntypedStorage) -> int:
 
 def _free_weak_ref(ref: int) -> None:
     torch.UntypedStorage._free_weak_ref(ref)  # type: ignore[no-untyped-call]  # unannotated
-
-
-def tensors_in(value: Any) -> Iterator[torch.Tensor]:
-    """The tensors in a value, recursing into tuples, lists and dict values."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from tensors_in(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from tensors_in(item)
-
-
-def _written(
-    func: torch._ops.OpOverload, args: Sequence[Any], kwargs: dict[str, Any]
-) -> Iterator[torch.Tensor]:
-    """The arguments the op's schema marks as written (`Tensor(a!)`, `Tensor(a!)[]`)."""
-    for i, argument in enumerate(func._schema.arguments):
-        alias = argument.alias_info
-        if alias is None or not alias.is_write:
-            continue
-        value = args[i] if i < len(args) else kwargs.get(argument.name)
-        yield from tensors_in(value)
 
 
 class Capture(TorchDispatchMode):  # type: ignore[no-untyped-call]  # unannotated in PyTorch
@@ -214,7 +191,7 @@ class Capture(TorchDispatchMode):  # type: ignore[no-untyped-call]  # unannotate
                 from_host = from_host or t.device.type == "cpu"
             elif (s := _storage(t)) is not None and (block := self._block(s)) is not None:
                 reads[block] = None
-        for t in _written(func, args, kwargs):
+        for t in written(func, args, kwargs):
             if t.device.type == "meta" and (s := _storage(t)) is not None:
                 block = self._block(s)
                 if block is not None:

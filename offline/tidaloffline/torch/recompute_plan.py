@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 from tidalclient.errors import TidalpoolError
+from tidalclient.torch.aten import tensors_in
 from tidalclient.torch.recompute import Recomputed, is_recomputed, names_of, recompute
 from tidalplan import learn
 from tidalplan.autoswap import durations, load
@@ -46,7 +47,7 @@ from tidalplan.simulate import simulate
 from torch import nn
 
 from tidaloffline.torch.attention import fused_attention
-from tidaloffline.torch.capture import Capture, tensors_in
+from tidaloffline.torch.capture import Capture
 from tidaloffline.torch.record import _held, _upload, autocast_region, call, record, to_meta
 from tidaloffline.torch.roofline import Roofline
 

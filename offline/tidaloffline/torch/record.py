@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 
 import torch
 from tidalclient.errors import TidalpoolError
+from tidalclient.torch.aten import tensors_in
 from tidalclient.torch.recompute import is_recomputed, names_of
 from tidalclient.torch.recompute import recompute as recompute_blocks
 from tidalcore.events import Events
@@ -41,7 +42,7 @@ from torch.optim import Optimizer
 from tidaloffline.formats import write_trace_csv
 from tidaloffline.torch.attention import fused_attention
 from tidaloffline.torch.autocast import meta_autocast
-from tidaloffline.torch.capture import GRANULE, Capture, tensors_in
+from tidaloffline.torch.capture import GRANULE, Capture
 from tidaloffline.torch.roofline import Roofline
 
 OptimizerFactory = Callable[[nn.Module], Optimizer]
