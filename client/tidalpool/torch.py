@@ -7,6 +7,10 @@ At run time (`tidalclient.torch`):
 - `SavedTensors(session, optimizer)`: while active, the tensors autograd saves for backward
   live in the session (CPU tensors on sim, CUDA tensors on cuda), where the swap engine moves
   them to the host lease under the session's swap limit.
+- `InPlace(session, model, optimizer)`: on a paged sim session, the model's parameters,
+  buffers, gradients, the optimizer's state and autograd's saves live in the session, each at
+  one address for life, and any of them may leave between the ops that use it (every ATen op
+  is watched, so every use is seen).
 - `recompute(blocks)`: those blocks of the model rebuild what they save for backward instead
   of keeping it.
 - `MicroBatchConv2d`, `micro_batch_convs`, `LinearCrossEntropy`, `BatchSplit`, `parts_of`: ops
@@ -38,6 +42,7 @@ from tidalclient.torch.allocator import (
     saves_lease,
     step,
 )
+from tidalclient.torch.inplace import InPlace, InPlaceStats
 from tidalclient.torch.microbatch import (
     BatchSplit,
     LinearCrossEntropy,
@@ -64,6 +69,8 @@ __all__ = [
     "COMPUTE_OP",
     "BatchSplit",
     "ComputeGaps",
+    "InPlace",
+    "InPlaceStats",
     "LinearCrossEntropy",
     "MicroBatchConv2d",
     "OptimizerFactory",

@@ -54,6 +54,18 @@ def test_the_saved_tensors_example_runs(
     assert swap is not None and swap.swap_outs > 0  # the saves went beyond 256 KiB
 
 
+def test_the_in_place_example_runs(
+    start_daemon: StartDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    d = start_daemon()
+    monkeypatch.setenv("TIDALPOOL_SOCKET_DIR", str(d.socket_dir))
+    namespace = run_example("torch.md", "InPlace(session")  # it asserts the bits itself
+    stats = namespace["in_place"].stats()
+    swap = namespace["session"].stats().swap
+    assert stats.tensors == 0 and stats.saves > 0 and stats.iterations == 13  # all given back
+    assert swap is not None and swap.swap_outs > 0 and swap.peak_resident_bytes <= 12 << 20
+
+
 def test_the_shell_lines_after_the_recording_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -6,6 +6,10 @@
 - `saved`: `SavedTensors(session, optimizer)`: while active, the tensors autograd saves for
   backward live in the session (CPU tensors on sim, CUDA tensors on cuda), where the swap
   engine moves them to the host lease under the session's swap limit.
+- `inplace`: `InPlace(session, model, optimizer)`: on a paged sim session, the model's
+  parameters, buffers and gradients, the optimizer's state and autograd's saves live in the
+  session at one address each, and any of them may leave between the ops that use them.
+- `aten`: what an ATen op touches (shared with the meta-device recorder).
 - `recompute`: `recompute(blocks)`: those blocks of the model rebuild what they save for
   backward instead of keeping it.
 - `oom`: PyTorch's out-of-memory path for the native allocator.

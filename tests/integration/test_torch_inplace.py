@@ -1,0 +1,176 @@
+"""tidalpool.torch.InPlace against a real sim daemon: a model's parameters, gradients, Adam's
+state and autograd's saves in one paged session, planned and swapped under limits down to the
+tightest the daemon plans, train to the same bits as plain PyTorch; an access PyTorch's ops
+make is brought in, one they do not make faults instead of reading stale bytes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import tidalpool  # noqa: E402
+from tidalclient.local import LocalDaemon  # noqa: E402
+from tidalpool.torch import InPlace  # noqa: E402
+from torch import nn  # noqa: E402
+
+from ..conftest import StartDaemon  # noqa: E402
+
+MiB = 1 << 20
+BEFORE_PLAN, AFTER_PLAN = 8, 4  # iterations: learning, then once the plan is in
+
+
+def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)
+    )
+    return model, torch.optim.Adam(model.parameters(), lr=1e-3)
+
+
+BATCHES = [
+    (
+        torch.randn(64, 256, generator=torch.Generator().manual_seed(k)),
+        torch.randint(0, 10, (64,), generator=torch.Generator().manual_seed(100 + k)),
+    )
+    for k in range(4)
+]
+
+
+def _train(model: nn.Module, optimizer: torch.optim.Optimizer, first: int, n: int) -> list[float]:
+    losses = []
+    for k in range(first, first + n):
+        x, y = BATCHES[k % len(BATCHES)]
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _in_place(daemon: LocalDaemon, swap_limit: int) -> tuple[list[float], nn.Module, dict]:
+    """Train in a paged session: BEFORE_PLAN iterations, wait for the daemon's plan, then
+    AFTER_PLAN more; the losses, the model after `InPlace` gave its tensors back, and what
+    the session did."""
+    model, optimizer = _model()
+    with tidalpool.attach(
+        daemon.socket_dir,
+        device_limit="64MiB",
+        host_limit="64MiB",
+        swap_limit=swap_limit,
+        page_bytes="64KiB",
+    ) as session:
+        with InPlace(session, model, optimizer) as ip:
+            losses = _train(model, optimizer, 0, BEFORE_PLAN)
+            deadline = time.monotonic() + 60
+            while session.stats().plans_received == 0 and session.stats().plan_unavailable is None:
+                assert time.monotonic() < deadline, "no plan in 60 s"
+                time.sleep(0.02)
+            assert session.stats().plan_unavailable is None, session.stats().plan_unavailable
+            hits_before = session.stats().plan_hits
+            losses += _train(model, optimizer, BEFORE_PLAN, AFTER_PLAN)
+            stats = session.stats()
+            seen = ip.stats()
+        done = {
+            "mode": stats.mode,
+            "hits": stats.plan_hits - hits_before,
+            "misses": stats.plan_misses,
+            "swap": stats.swap,
+            "in_place": seen,
+            "peak": stats.swap.peak_resident_bytes if stats.swap else 0,
+        }
+    return losses, model, done
+
+
+@pytest.fixture(scope="module")
+def plain() -> tuple[list[float], nn.Module]:
+    model, optimizer = _model()
+    return _train(model, optimizer, 0, BEFORE_PLAN + AFTER_PLAN), model
+
+
+@pytest.mark.parametrize("swap_limit", [64 * MiB, 14 * MiB, 12 * MiB])
+def test_training_in_place_under_a_limit_matches_plain_pytorch_to_the_bit(
+    start_daemon: StartDaemon, plain: tuple[list[float], nn.Module], swap_limit: int
+) -> None:
+    expected, plain_model = plain
+    losses, model, done = _in_place(start_daemon(), swap_limit)
+    assert losses == expected  # bit for bit, every iteration
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)  # given back into PyTorch's memory, the same bytes
+    seen = done["in_place"]
+    # 5 parameters of each kind, their gradients and Adam's 2 states a parameter (its step
+    # counters too): 30 tensors; 3 saves an iteration at least (two ReLUs' outputs, the input).
+    assert seen.tensors == 30 and seen.saves >= 3 * (BEFORE_PLAN + AFTER_PLAN)
+    assert done["mode"] == "planned" and done["hits"] > 0
+    assert done["peak"] <= swap_limit
+    if swap_limit < 16 * MiB:  # under the model's 20 MiB: the plan moves blocks
+        assert done["swap"].planned_out_bytes > 0
+        assert done["swap"].planned_in_bytes > 0
+
+
+# The child trains one step in place, then sends the first layer's weight out and waits for
+# its pages to go: an op on it (its sum) brings it back; a read outside any op must fault.
+FAULT_CHILD = textwrap.dedent(
+    """
+    import ctypes, sys
+    import torch
+    from torch import nn
+    import tidalpool
+    from tidalpool.torch import InPlace
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tidalpool.attach(sys.argv[1], device_limit="16MiB", host_limit="16MiB",
+                          swap_limit="16MiB", page_bytes="64KiB") as session:
+        with InPlace(session, model, opt) as ip:
+            model(torch.randn(8, 64)).sum().backward()
+            opt.step()
+            w = model[0].weight
+            before = w.detach().clone()
+            residency = session.residency
+            block = ip.block_of(w)
+            for attempt in ("op", "raw"):
+                residency.synchronize()  # the block is back on the device, settled
+                assert residency.swap_out(block)
+                residency.synchronize()
+                print(attempt, residency.where(block), flush=True)
+                if attempt == "op":
+                    print("equal", torch.equal(w.detach() + 0, before), flush=True)
+                else:
+                    ctypes.string_at(w.data_ptr(), 4)
+                    print("read stale bytes", flush=True)
+    """
+)
+
+
+def test_a_use_pytorch_runs_brings_a_block_back_and_a_raw_read_faults(
+    daemon: LocalDaemon,
+) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONFAULTHANDLER"}
+    child = subprocess.run(
+        [sys.executable, "-c", FAULT_CHILD, str(daemon.socket_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert child.stdout == "op host\nequal True\nraw host\n", child.stderr
+    assert child.returncode == -signal.SIGSEGV, child.stderr
+
+
+def test_an_unpaged_session_is_refused_with_the_reason(daemon: LocalDaemon) -> None:
+    model, optimizer = _model()
+    with (
+        tidalpool.attach(daemon.socket_dir, device_limit="32MiB") as session,
+        pytest.raises(ValueError, match="needs a paged session"),
+    ):
+        InPlace(session, model, optimizer)
