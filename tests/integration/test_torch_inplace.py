@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -20,6 +21,7 @@ import tidalpool  # noqa: E402
 from tidalclient.local import LocalDaemon  # noqa: E402
 from tidalpool.torch import InPlace  # noqa: E402
 from torch import nn  # noqa: E402
+from torch.optim import Optimizer  # noqa: E402
 
 from ..conftest import StartDaemon  # noqa: E402
 
@@ -27,7 +29,7 @@ MiB = 1 << 20
 BEFORE_PLAN, AFTER_PLAN = 8, 4  # iterations: learning, then once the plan is in
 
 
-def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
+def _model() -> tuple[nn.Module, Optimizer]:
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)
@@ -44,7 +46,7 @@ BATCHES = [
 ]
 
 
-def _train(model: nn.Module, optimizer: torch.optim.Optimizer, first: int, n: int) -> list[float]:
+def _train(model: nn.Module, optimizer: Optimizer, first: int, n: int) -> list[float]:
     losses = []
     for k in range(first, first + n):
         x, y = BATCHES[k % len(BATCHES)]
@@ -56,11 +58,13 @@ def _train(model: nn.Module, optimizer: torch.optim.Optimizer, first: int, n: in
     return losses
 
 
-def _in_place(daemon: LocalDaemon, swap_limit: int) -> tuple[list[float], nn.Module, dict]:
+def _in_place(
+    daemon: LocalDaemon, swap_limit: int, make: Callable[[], tuple[nn.Module, Optimizer]] = _model
+) -> tuple[list[float], nn.Module, dict]:
     """Train in a paged session: BEFORE_PLAN iterations, wait for the daemon's plan, then
     AFTER_PLAN more; the losses, the model after `InPlace` gave its tensors back, and what
     the session did."""
-    model, optimizer = _model()
+    model, optimizer = make()
     with tidalpool.attach(
         daemon.socket_dir,
         device_limit="64MiB",
@@ -114,6 +118,54 @@ def test_training_in_place_under_a_limit_matches_plain_pytorch_to_the_bit(
     if swap_limit < 16 * MiB:  # under the model's 20 MiB: the plan moves blocks
         assert done["swap"].planned_out_bytes > 0
         assert done["swap"].planned_in_bytes > 0
+
+
+class _Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(16, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16)
+        self.conv2, self.bn2 = nn.Conv2d(16, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = nn.functional.relu(self.bn1(self.conv1(x)))
+        return nn.functional.relu(self.bn2(self.conv2(y)) + x)
+
+
+def _conv_net() -> tuple[nn.Module, Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        _Residual(),
+        _Residual(),
+        nn.AdaptiveAvgPool2d(4),
+        nn.Flatten(),
+        nn.Linear(256, 10),
+    )
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def test_a_conv_net_with_batch_norm_trains_to_the_same_bits_and_running_stats(
+    start_daemon: StartDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    images = [
+        (torch.randn(64, 3, 32, 32, generator=torch.Generator().manual_seed(k)), y)
+        for k, (_, y) in enumerate(BATCHES)
+    ]
+    monkeypatch.setattr(sys.modules[__name__], "BATCHES", images)
+    model, optimizer = _conv_net()
+    expected = _train(model, optimizer, 0, BEFORE_PLAN + AFTER_PLAN)
+    daemon = start_daemon()
+    _, _, free = _in_place(daemon, 64 * MiB, _conv_net)
+    limit = int(free["peak"] * 0.9)  # at 0.75 the daemon says swaps alone cannot reach it
+    losses, held, done = _in_place(daemon, limit, _conv_net)
+    assert losses == expected
+    # parameters, and the batch norms' running statistics (buffers written by the forward)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(model.state_dict().values(), held.state_dict().values(), strict=True)
+    )
+    assert done["mode"] == "planned" and done["peak"] <= limit
+    assert done["swap"].planned_out_bytes > 0
 
 
 # The child trains one step in place, then sends the first layer's weight out and waits for
