@@ -154,6 +154,7 @@ def in_place(
             "plan_hits": per_iteration(lambda s: s.plan_hits),
             "plan_misses": per_iteration(lambda s: s.plan_misses),
             "planned_out_bytes": per_iteration(lambda s: s.swap.planned_out_bytes),
+            "schedule_skips": per_iteration(lambda s: s.swap.schedule_skips),
             "on_demand_bytes": per_iteration(
                 lambda s: s.swap.on_demand_out_bytes + s.swap.on_demand_in_bytes
             ),
@@ -250,6 +251,7 @@ def main() -> int:
                     f" {row['plan_hits']}/it misses {row['plan_misses']}/it,"
                     f" planned out {size_text(row['planned_out_bytes'])}/it,"
                     f" on demand {size_text(row['on_demand_bytes'])}/it,"
+                    f" skips {row['schedule_skips']}/it,"
                     f" peak {format_size(row['peak_mapped'])},"
                     f" step {ms_text(row['step_ns'])} ms"
                     f" (x{row['over_plain']} plain; predicted {ms_text(row['predicted_ns'])} ms)"
