@@ -110,8 +110,9 @@ def test_training_in_place_under_a_limit_matches_plain_pytorch_to_the_bit(
     for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b)  # given back into PyTorch's memory, the same bytes
     seen = done["in_place"]
-    # 5 parameters of each kind, their gradients and Adam's 2 states a parameter (its step
-    # counters too): 30 tensors; 3 saves an iteration at least (two ReLUs' outputs, the input).
+    # 6 parameters (3 weights, 3 biases), their gradients and Adam's 3 state tensors of each
+    # (its two averages and its step counter): 30; 3 saves an iteration at least (the two
+    # ReLUs' outputs and the input).
     assert seen.tensors == 30 and seen.saves >= 3 * (BEFORE_PLAN + AFTER_PLAN)
     assert done["mode"] == "planned" and done["hits"] > 0
     assert done["peak"] <= swap_limit
@@ -217,6 +218,21 @@ def test_a_use_pytorch_runs_brings_a_block_back_and_a_raw_read_faults(
     )
     assert child.stdout == "op host\nequal True\nraw host\n", child.stderr
     assert child.returncode == -signal.SIGSEGV, child.stderr
+
+
+def test_a_session_that_ends_first_is_said_to_have_taken_the_tensors(
+    daemon: LocalDaemon, caplog: pytest.LogCaptureFixture
+) -> None:
+    model, optimizer = _model()
+    session = tidalpool.attach(
+        daemon.socket_dir, device_limit="64MiB", swap_limit="64MiB", page_bytes="64KiB"
+    )
+    held = InPlace(session, model, optimizer)
+    held.__enter__()
+    session.close()
+    held.__exit__(None, None, None)
+    assert "the session ended before InPlace was left" in caplog.text
+    assert "6 tensors" in caplog.text  # the three layers' weights and biases
 
 
 def test_an_unpaged_session_is_refused_with_the_reason(daemon: LocalDaemon) -> None:

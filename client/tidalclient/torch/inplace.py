@@ -125,7 +125,8 @@ class InPlace:
     `__enter__`, then one after each step of `optimizer`, or at each `step()` without one.
     `min_bytes`: saves and optimizer state tensors under it stay where they are. On leaving,
     every tensor it moved is copied back into PyTorch's memory, so the model and optimizer go
-    on without the session.
+    on without the session; leave it before the session ends (a session that ended first took
+    their bytes with it).
     """
 
     def __init__(
@@ -402,6 +403,12 @@ class InPlace:
             flat = moved[address]
             return flat.view(t.dtype).as_strided(t.shape, t.stride(), 0)
 
+        if self.session.closed and self._held:
+            log.warning(
+                "tidalpool: the session ended before InPlace was left: the %d tensors it held"
+                " in it (the model's parameters among them) lost their bytes",
+                len(self._held),
+            )
         if not self.session.closed:
             for p in self.model.parameters():
                 p.data = plain(p.data)
