@@ -1,7 +1,8 @@
-"""What an ATen op touches: the tensors among its arguments, and those its schema writes.
+"""What an ATen op touches: the tensors among its arguments, those its schema writes, and the
+storage a tensor spans.
 
-Shared by what watches ops as they run (`inplace`) and what records them on the meta device
-(`tidaloffline.torch.capture`), so both see the same accesses.
+Shared by what watches ops as they run (`inplace`), what keeps saves (`saved`) and what records
+ops on the meta device (`tidaloffline.torch.capture`), so all see the same accesses.
 """
 
 from __future__ import annotations
@@ -34,3 +35,9 @@ def written(
             continue
         value = args[i] if i < len(args) else kwargs.get(argument.name)
         yield from tensors_in(value)
+
+
+def span(t: torch.Tensor) -> int:
+    """Elements of storage from the tensor's first element to its last (numel() > 0): what a
+    copy must hold for the same strides to view it."""
+    return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))

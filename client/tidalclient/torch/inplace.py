@@ -63,7 +63,7 @@ from tidalclient.errors import LeaseExceeded
 from tidalclient.executors.base import Block
 from tidalclient.numpy import view as numpy_view
 from tidalclient.session import Session
-from tidalclient.torch.aten import tensors_in, written
+from tidalclient.torch.aten import span, tensors_in, written
 from tidalclient.torch.saved import COMPUTE_OP
 
 log = logging.getLogger("tidalpool")
@@ -82,11 +82,6 @@ class InPlaceStats:
     kept: int  # saves kept where they were (see `InPlace`)
     ops: int  # ATen ops run as session ops so far
     iterations: int
-
-
-def _span(t: torch.Tensor) -> int:
-    """Elements of storage from the tensor's first element to its last (numel() > 0)."""
-    return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
 
 
 def _storage_address(t: torch.Tensor) -> int | None:
@@ -268,8 +263,8 @@ class InPlace:
         """A session tensor with `like`'s dtype, shape and strides, holding its bytes (copied
         by a session op). `keep`: held until `__exit__`; else its block goes back once PyTorch
         lets go of its storage. LeaseExceeded when it cannot have a block."""
-        span = _span(like)
-        nbytes = span * like.element_size()
+        elements = span(like)
+        nbytes = elements * like.element_size()
         block = self.session.malloc(nbytes)
         address = self.session.address(block)  # a paged session's block: its address for life
         array = numpy_view(address, (nbytes,), _BYTE)
@@ -279,7 +274,7 @@ class InPlace:
             self._held[id(flat)] = (flat, block)
         else:
             weakref.finalize(array, self._gone, address)  # the storage holds the array
-        source = like.detach().as_strided((span,), (1,), like.storage_offset())
+        source = like.detach().as_strided((elements,), (1,), like.storage_offset())
         flat.copy_(source.view(torch.uint8))  # the mode runs it as a session op
         return flat.view(like.dtype).as_strided(like.shape, like.stride())
 
@@ -357,7 +352,7 @@ class InPlace:
         session already (a parameter) or is not kept there."""
         if self._closed or not self._fits(t) or self._ours(t):
             return t
-        if _span(t) * t.element_size() < self.min_bytes:
+        if span(t) * t.element_size() < self.min_bytes:
             self._kept += 1
             return t
         earlier = self._by_tensor.get(id(t))
@@ -373,13 +368,13 @@ class InPlace:
                 self._warned = True
                 log.warning(
                     "tidalpool: a saved tensor of %d bytes stays where it is: %s",
-                    _span(t) * t.element_size(),
+                    span(t) * t.element_size(),
                     e,
                 )
             return t
         self._by_tensor[id(t)] = (weakref.ref(t), t._version, saved)
         self._saved += 1
-        self._saved_bytes += _span(t) * t.element_size()
+        self._saved_bytes += span(t) * t.element_size()
         return saved
 
     @staticmethod

@@ -60,6 +60,7 @@ from tidalclient.errors import LeaseExceeded
 from tidalclient.executors.base import HOST, LEAVING
 from tidalclient.numpy import Tensor as SessionTensor
 from tidalclient.session import Session
+from tidalclient.torch.aten import span
 
 log = logging.getLogger("tidalpool")
 
@@ -342,8 +343,8 @@ class SavedTensors:
                 self._shared += 1  # e.g. a ReLU's output, saved by the ReLU and the next layer
                 return saved
         self.session.record_op(COMPUTE_OP, self.gaps.begin())
-        span = _span(t)
-        nbytes = span * t.element_size()
+        elements = span(t)
+        nbytes = elements * t.element_size()
         try:
             held = self.session.tensor((nbytes,), "uint8")
         except LeaseExceeded as e:  # larger than the swap limit, or the lease is full
@@ -354,7 +355,7 @@ class SavedTensors:
                     "tidalpool: a saved tensor of %d bytes stays where it is: %s", nbytes, e
                 )
             return t
-        flat = t.detach().as_strided((span,), (1,), t.storage_offset())
+        flat = t.detach().as_strided((elements,), (1,), t.storage_offset())
         with self.session.op(writes=[held.block], name="tidalpool.torch.pack") as (dst,):
             if self.device.type == "cuda":  # dst: the block's device address now
                 with _on_compute_stream(self.device):
@@ -362,7 +363,7 @@ class SavedTensors:
             else:  # a NumPy view of the block's bytes
                 dst[:] = flat.view(torch.uint8).numpy()
         saved = Saved(
-            self.order.save(), self._iteration, held, t.dtype, tuple(t.shape), t.stride(), span
+            self.order.save(), self._iteration, held, t.dtype, tuple(t.shape), t.stride(), elements
         )
         self._current[saved.ident] = weakref.ref(saved)
         self._by_tensor[id(t)] = (weakref.ref(t), t._version, weakref.ref(saved))
@@ -403,7 +404,7 @@ class SavedTensors:
         base = t._base if t._base is not None else t
         if isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad):
             return False  # a parameter (or a view of one): it stays in memory anyway
-        return _span(t) * t.element_size() >= self.min_bytes
+        return span(t) * t.element_size() >= self.min_bytes
 
     def _prefetch(self, idents: list[int]) -> None:
         residency = self.session.residency
@@ -455,8 +456,3 @@ def _on_compute_stream(device: torch.device) -> Iterator[None]:
 def _device_bytes(address: int, nbytes: int, device: torch.device) -> torch.Tensor:
     """A uint8 tensor over `nbytes` of device memory at `address` (it owns nothing)."""
     return torch.as_tensor(_CudaArray(address, nbytes), device=device)
-
-
-def _span(t: torch.Tensor) -> int:
-    """Elements of storage from the tensor's first element to its last (numel() > 0)."""
-    return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
