@@ -22,6 +22,7 @@ STAMP  := $(VENV)/.installed-dev
 SOURCES := pyproject.toml planner/tidalplan/_exact.c client/tidalclient/_native/hotpath.c \
            client/tidalclient/_native/hotpath.h client/tidalclient/_native/bench.c
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
+TEST_WORKERS ?= auto
 
 .PHONY: demo test lint typecheck unit stubs bench traces prometheus dashboards clean gpu-check \
         gpu-wheels
@@ -56,8 +57,9 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(PY) -m mypy
 
+# The suite in TEST_WORKERS processes (pytest-xdist; "auto": one a CPU, 0: in this one).
 unit: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS)
 
 stubs: $(STAMP)
 	$(PY) proto/generate.py
