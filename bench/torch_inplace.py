@@ -150,6 +150,7 @@ def in_place(
             "saves_per_iteration": seen.saves / len(data),
             "ops_per_iteration": seen.ops / len(data),
             "mode": stats.mode,
+            "plans": stats.plans_received,  # a second plan mid-run moves blocks at its switch
             "steady_iterations": n,
             "plan_hits": per_iteration(lambda s: s.plan_hits),
             "plan_misses": per_iteration(lambda s: s.plan_misses),
@@ -247,7 +248,8 @@ def main() -> int:
                 print(
                     f"  {'-' if row['fraction'] is None else row['fraction']:>4}"
                     f" limit {format_size(row['limit'])}: bits {row['bit_identical']},"
-                    f" {row['mode']}, {row['steady_iterations']} planned its: hits"
+                    f" {row['mode']} ({row['plans']} plans),"
+                    f" {row['steady_iterations']} planned its: hits"
                     f" {row['plan_hits']}/it misses {row['plan_misses']}/it,"
                     f" planned out {size_text(row['planned_out_bytes'])}/it,"
                     f" on demand {size_text(row['on_demand_bytes'])}/it,"
