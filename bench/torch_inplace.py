@@ -162,6 +162,12 @@ def in_place(
             "peak_mapped": stats.swap.peak_resident_bytes if stats.swap else 0,
             "step_ns": statistics.median(steady) if steady else None,
             "predicted_ns": plan.prediction.step_ns if plan and plan.prediction else None,
+            # the learned ops' time, without stalls, and the copy rate the plan assumed
+            "predicted_compute_ns": plan.prediction.baseline_ns
+            if plan and plan.prediction
+            else None,
+            "predicted_stall_ns": plan.prediction.stall_ns if plan and plan.prediction else None,
+            "plan_copy_gbps": plan.prediction.copy_gbps if plan and plan.prediction else None,
         }
     )
     row["model"] = model
@@ -256,7 +262,9 @@ def main() -> int:
                     f" skips {row['schedule_skips']}/it,"
                     f" peak {format_size(row['peak_mapped'])},"
                     f" step {ms_text(row['step_ns'])} ms"
-                    f" (x{row['over_plain']} plain; predicted {ms_text(row['predicted_ns'])} ms)"
+                    f" (x{row['over_plain']} plain; predicted {ms_text(row['predicted_ns'])} ms:"
+                    f" compute {ms_text(row['predicted_compute_ns'])}, stall"
+                    f" {ms_text(row['predicted_stall_ns'])}, at {row['plan_copy_gbps']} GB/s)"
                     + (f", no plan: {told['reason']}" if told else ""),
                     flush=True,
                 )

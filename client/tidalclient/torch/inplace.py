@@ -28,8 +28,10 @@ are waited for, all stay on the device while the op runs, and those the op's sch
 (in-place and `out=` ops) are recorded as written. So the daemon learns the whole iteration
 (parameters, gradients, optimizer state and saves, each use an access at its op) and its plan
 may swap any of these blocks between uses. Ops that view no session tensor are the model's
-other compute: their time reaches the daemon as one op (`tidalpool.torch.compute`) before the
-next session op, so its schedule can hide copies behind them.
+other compute: where some ran, the thread's time since the last session op ended (those ops,
+and the Python around them: on the CPU the thread is the device) reaches the daemon as one op
+(`tidalpool.torch.compute`) before the next session op, so its schedule can hide copies
+behind it.
 
 What is not seen: bytes read outside ATen ops (`.numpy()`, `data_ptr()` handed to other code)
 and ops on another thread. A block that is out then is unmapped, and reading it faults
@@ -156,8 +158,8 @@ class InPlace:
         self._by_tensor: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
         self._thread: int | None = None
         self._undo: list[Callable[[], None]] = []
-        self._gap_ns = 0  # ns of ops on no session tensor since the last session op
-        self._gap_ops = 0
+        self._since = time.perf_counter_ns()  # the end of the last session op (or step)
+        self._gap_ops = 0  # ops on no session tensor since then
         self._closed = True
         self._warned = False
         self._ops = self._saved = self._saved_bytes = self._kept = self._iterations = 0
@@ -208,6 +210,7 @@ class InPlace:
         self._by_tensor = {}  # the saves autograd let go of are garbage now, before the mark
         self.session.step(shape)
         self._iterations += 1
+        self._since = time.perf_counter_ns()
 
     def block_of(self, t: torch.Tensor) -> Block:
         """The session block under a tensor this `InPlace` holds (a parameter, buffer,
@@ -238,25 +241,27 @@ class InPlace:
             if (address := _storage_address(t)) is not None and address in blocks:
                 reads[address] = blocks[address]
         if not reads:  # the model's other compute
-            started = time.perf_counter_ns()
-            out = func(*args, **kwargs)
-            self._gap_ns += time.perf_counter_ns() - started
             self._gap_ops += 1
-            return out
+            return func(*args, **kwargs)
         writes: dict[int, Block] = {}
         for t in written(func, args, kwargs):
             if (address := _storage_address(t)) is not None and address in reads:
                 writes[address] = reads.pop(address)
         self._flush_gap()
         self._ops += 1
-        with self.session.op(list(reads.values()), list(writes.values()), name=str(func)):
-            return func(*args, **kwargs)
+        try:
+            with self.session.op(list(reads.values()), list(writes.values()), name=str(func)):
+                return func(*args, **kwargs)
+        finally:
+            self._since = time.perf_counter_ns()
 
     def _flush_gap(self) -> None:
-        """Tell the daemon of the compute since the last session op, if any ran."""
+        """Tell the daemon how long this thread computed since the last session op ended, where
+        it ran ops on no session tensor: on the CPU the thread is the device, so its time
+        between session ops (those ops, the mode's and the program's Python) is compute."""
         if self._gap_ops:
-            self.session.record_op(COMPUTE_OP, self._gap_ns)
-            self._gap_ns = self._gap_ops = 0
+            self.session.record_op(COMPUTE_OP, time.perf_counter_ns() - self._since)
+            self._gap_ops = 0
 
     # -- session tensors --------------------------------------------------------------------------
     def _new(self, like: torch.Tensor, keep: bool) -> torch.Tensor:
