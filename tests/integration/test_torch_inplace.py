@@ -220,6 +220,30 @@ def test_a_use_pytorch_runs_brings_a_block_back_and_a_raw_read_faults(
     assert child.returncode == -signal.SIGSEGV, child.stderr
 
 
+def test_the_compute_between_session_ops_is_the_threads_time(
+    daemon: LocalDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On the CPU the thread is the device: its time between two ops on session tensors, ops on
+    # none and the Python around them (here a 50 ms wait), is compute the daemon is told of.
+    model = nn.Linear(8, 8)
+    with tidalpool.attach(
+        daemon.socket_dir, device_limit="16MiB", swap_limit="16MiB", page_bytes="64KiB"
+    ) as session:
+        told: list[tuple[str, int]] = []
+        record_op = session.record_op
+        monkeypatch.setattr(
+            session, "record_op", lambda n, ns: (told.append((n, ns)), record_op(n, ns))
+        )
+        with InPlace(session, model):
+            x = torch.ones(2, 8)
+            model(x)  # a session op (the weights)
+            y = x * 2  # an op on no session tensor
+            time.sleep(0.05)
+            model(y)
+        computes = [ns for name, ns in told if name == "tidalpool.torch.compute"]
+        assert computes and computes[-1] >= 50_000_000  # the one before the second forward
+
+
 def test_a_session_that_ends_first_is_said_to_have_taken_the_tensors(
     daemon: LocalDaemon, caplog: pytest.LogCaptureFixture
 ) -> None:
