@@ -18,6 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import tidalpool  # noqa: E402
+from tidalclient.errors import LeaseExceeded  # noqa: E402
 from tidalclient.local import LocalDaemon  # noqa: E402
 from tidalpool.torch import InPlace  # noqa: E402
 from torch import nn  # noqa: E402
@@ -257,6 +258,24 @@ def test_a_session_that_ends_first_is_said_to_have_taken_the_tensors(
     held.__exit__(None, None, None)
     assert "the session ended before InPlace was left" in caplog.text
     assert "6 tensors" in caplog.text  # the three layers' weights and biases
+
+
+def test_an_op_over_the_limit_is_named_with_what_it_needs(daemon: LocalDaemon) -> None:
+    # SGD with momentum updates a 4 MiB weight with its 4 MiB gradient: 8 MiB at once.
+    torch.manual_seed(0)
+    model = nn.Linear(1024, 1024)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with (
+        tidalpool.attach(
+            daemon.socket_dir, device_limit="32MiB", swap_limit="6MiB", page_bytes="64KiB"
+        ) as session,
+        InPlace(session, model, optimizer),
+        pytest.raises(LeaseExceeded, match=r"aten\.\S+ needs 8 MiB .* Raise the swap limit"),
+    ):
+        for _ in range(3):
+            model(torch.randn(4, 1024)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
 
 
 def test_an_unpaged_session_is_refused_with_the_reason(daemon: LocalDaemon) -> None:

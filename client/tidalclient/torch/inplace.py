@@ -62,7 +62,7 @@ from torch.optim import Optimizer
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tidalclient.errors import LeaseExceeded
-from tidalclient.executors.base import Block
+from tidalclient.executors.base import Block, size_text
 from tidalclient.numpy import view as numpy_view
 from tidalclient.session import Session
 from tidalclient.torch.aten import span, tensors_in, written
@@ -252,6 +252,13 @@ class InPlace:
         try:
             with self.session.op(list(reads.values()), list(writes.values()), name=str(func)):
                 return func(*args, **kwargs)
+        except LeaseExceeded as e:  # its blocks cannot all be on the device at once
+            need = sum(b.size for b in (*reads.values(), *writes.values()))
+            raise LeaseExceeded(
+                f"{func} needs {size_text(need)} of session tensors on the device at once"
+                f" ({len(reads) + len(writes)} blocks): {e}. Raise the swap limit, or make the"
+                " op touch less (an optimizer with foreach=False steps a parameter at a time)"
+            ) from e
         finally:
             self._since = time.perf_counter_ns()
 
