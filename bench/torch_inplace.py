@@ -96,7 +96,6 @@ def in_place(
     limit: int,
     page: int,
     learn: int,
-    wait: Callable[[Any], bool],
 ) -> dict[str, Any]:
     model, optimizer = made(name)
     losses: list[float] = []
@@ -115,7 +114,7 @@ def in_place(
             for k, batch in enumerate(data):
                 if k == learn:
                     deadline = time.monotonic() + 600
-                    while not wait(session.stats()) and time.monotonic() < deadline:
+                    while not answered(session.stats()) and time.monotonic() < deadline:
                         time.sleep(0.05)
                     stats = session.stats()
                     row["unavailable"] = (
@@ -178,6 +177,11 @@ def size_text(n: int | None) -> str:
     return "-" if n is None else format_size(n)
 
 
+def answered(stats: Any) -> bool:
+    """The daemon sent the session a plan, or its word that none can be made."""
+    return bool(stats.plans_received > 0 or stats.plan_unavailable is not None)
+
+
 def ms_text(ns: float | None) -> str:
     return "-" if ns is None else f"{ns / 1e6:.1f}"
 
@@ -222,7 +226,6 @@ def main() -> int:
                 pool,
                 page,
                 args.learn,
-                lambda s: s.plans_received > 0 or s.plan_unavailable is not None,
             )
             peak = free["peak_mapped"]
             rows = [dict(free, fraction=None)]
@@ -238,7 +241,6 @@ def main() -> int:
                         limit,
                         page,
                         args.learn,
-                        lambda s: s.plans_received > 0 or s.plan_unavailable is not None,
                     )
                 except LeaseExceeded as e:  # an op needs more than the limit: it cannot run
                     print(f"  {fraction:>4} limit {format_size(limit)}: refused: {e}", flush=True)

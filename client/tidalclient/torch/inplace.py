@@ -86,14 +86,6 @@ class InPlaceStats:
     iterations: int
 
 
-def _storage_address(t: torch.Tensor) -> int | None:
-    """Where the tensor's storage starts; None for tensors without one (sparse, nested)."""
-    try:
-        return int(t.untyped_storage().data_ptr())
-    except (NotImplementedError, RuntimeError):
-        return None
-
-
 class _Watch(TorchDispatchMode):  # type: ignore[no-untyped-call]  # unannotated in PyTorch
     """Runs each ATen op on session tensors as a session op (see the module doc)."""
 
@@ -153,7 +145,7 @@ class InPlace:
         self.saves = saves
         self.min_bytes = min_bytes
         self._blocks: dict[int, Block] = {}  # storage address -> block of a live session tensor
-        self._held: dict[int, tuple[torch.Tensor, Block]] = {}  # id(tensor) -> what it took
+        self._held: list[Block] = []  # the blocks of what it keeps until `__exit__`
         self._grads: dict[int, torch.Tensor] = {}  # id(parameter) -> its gradient's block
         self._by_tensor: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
         self._thread: int | None = None
@@ -216,16 +208,15 @@ class InPlace:
         """The session block under a tensor this `InPlace` holds (a parameter, buffer,
         gradient, optimizer state or save, or a view of one): to pin it, prefetch it or swap
         it out through `session.residency`. KeyError for any other tensor."""
-        address = _storage_address(t)
-        if address is None or address not in self._blocks:
+        block = self._block(t)
+        if block is None:
             raise KeyError("this tensor is not in the session")
-        return self._blocks[address]
+        return block
 
     def stats(self) -> InPlaceStats:
-        held = list(self._held.values())
         return InPlaceStats(
-            tensors=len(held),
-            tensor_bytes=sum(block.size for _, block in held),
+            tensors=len(self._held),
+            tensor_bytes=sum(block.size for block in self._held),
             saves=self._saved,
             save_bytes=self._saved_bytes,
             kept=self._kept,
@@ -235,18 +226,17 @@ class InPlace:
 
     # -- the mode's work -------------------------------------------------------------------------
     def _run(self, func: torch._ops.OpOverload, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-        blocks = self._blocks
         reads: dict[int, Block] = {}
         for t in tensors_in((args, kwargs)):
-            if (address := _storage_address(t)) is not None and address in blocks:
-                reads[address] = blocks[address]
+            if (block := self._block(t)) is not None:
+                reads[block.id] = block
         if not reads:  # the model's other compute
             self._gap_ops += 1
             return func(*args, **kwargs)
         writes: dict[int, Block] = {}
         for t in written(func, args, kwargs):
-            if (address := _storage_address(t)) is not None and address in reads:
-                writes[address] = reads.pop(address)
+            if (block := self._block(t)) is not None and block.id in reads:
+                writes[block.id] = reads.pop(block.id)
         self._flush_gap()
         self._ops += 1
         try:
@@ -283,7 +273,7 @@ class InPlace:
         flat = torch.from_numpy(array)
         self._blocks[address] = block
         if keep:
-            self._held[id(flat)] = (flat, block)
+            self._held.append(block)
         else:
             weakref.finalize(array, self._gone, address)  # the storage holds the array
         source = like.detach().as_strided((elements,), (1,), like.storage_offset())
@@ -296,9 +286,14 @@ class InPlace:
         if block is not None and not self._closed:
             self.session.bury(block)
 
-    def _ours(self, t: torch.Tensor) -> bool:
-        address = _storage_address(t)
-        return address is not None and address in self._blocks
+    def _block(self, t: torch.Tensor) -> Block | None:
+        """The block of a session tensor this `InPlace` made (or a view of one); None for any
+        other tensor."""
+        try:
+            address = t.untyped_storage().data_ptr()
+        except (NotImplementedError, RuntimeError):  # no storage (sparse, nested)
+            return None
+        return self._blocks.get(address)
 
     def _fits(self, t: torch.Tensor) -> bool:
         """A dense CPU tensor with bytes, which the session can hold."""
@@ -332,7 +327,7 @@ class InPlace:
     def _take_grad(self, p: torch.Tensor) -> None:
         """After accumulation: a gradient PyTorch made goes into the parameter's block."""
         g = p.grad
-        if g is None or self._ours(g):
+        if g is None or self._block(g) is not None:
             return
         mine = self._grads.get(id(p))
         if mine is None or mine.shape != g.shape or mine.stride() != g.stride():
@@ -349,7 +344,7 @@ class InPlace:
                 if (
                     isinstance(value, torch.Tensor)
                     and self._fits(value)
-                    and not self._ours(value)
+                    and self._block(value) is None
                     and value.numel() * value.element_size() >= self.min_bytes
                 ):
                     state[key] = self._new(value, keep=True)
@@ -362,9 +357,10 @@ class InPlace:
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         """The pack hook: `t` copied into a new block, or `t` itself where it is in the
         session already (a parameter) or is not kept there."""
-        if self._closed or not self._fits(t) or self._ours(t):
+        if self._closed or not self._fits(t) or self._block(t) is not None:
             return t
-        if span(t) * t.element_size() < self.min_bytes:
+        nbytes = span(t) * t.element_size()
+        if nbytes < self.min_bytes:
             self._kept += 1
             return t
         earlier = self._by_tensor.get(id(t))
@@ -379,14 +375,12 @@ class InPlace:
             if not self._warned:
                 self._warned = True
                 log.warning(
-                    "tidalpool: a saved tensor of %d bytes stays where it is: %s",
-                    span(t) * t.element_size(),
-                    e,
+                    "tidalpool: a saved tensor of %d bytes stays where it is: %s", nbytes, e
                 )
             return t
         self._by_tensor[id(t)] = (weakref.ref(t), t._version, saved)
         self._saved += 1
-        self._saved_bytes += span(t) * t.element_size()
+        self._saved_bytes += nbytes
         return saved
 
     @staticmethod
@@ -397,17 +391,16 @@ class InPlace:
     # -- leaving ----------------------------------------------------------------------------------
     def _give_back(self) -> None:
         """Every held tensor's bytes back in PyTorch's memory, its block freed."""
-        moved: dict[int, torch.Tensor] = {}  # storage address -> a plain copy of its bytes
+        moved: dict[int, torch.Tensor] = {}  # block id -> a plain copy of its bytes
 
         def plain(t: torch.Tensor) -> torch.Tensor:
-            address = _storage_address(t)
-            if address is None or address not in self._blocks:
+            block = self._block(t)
+            if block is None:
                 return t
-            if address not in moved:
-                block = self._blocks[address]
+            if block.id not in moved:
                 with self.session.op(reads=[block], name="tidalpool.torch.give_back") as (src,):
-                    moved[address] = torch.from_numpy(np.array(src, copy=True))
-            flat = moved[address]
+                    moved[block.id] = torch.from_numpy(np.array(src, copy=True))
+            flat = moved[block.id]
             return flat.view(t.dtype).as_strided(t.shape, t.stride(), 0)
 
         if self.session.closed and self._held:
@@ -430,9 +423,8 @@ class InPlace:
                     for key, value in list(state.items()):
                         if isinstance(value, torch.Tensor):
                             state[key] = plain(value)
-            for _, block in self._held.values():
-                address = self.session.address(block)
-                self._blocks.pop(address, None)
+            for block in self._held:
+                self._blocks.pop(self.session.address(block), None)
                 self.session.free(block)
         self._held.clear()
         self._grads.clear()
