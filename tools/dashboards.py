@@ -268,6 +268,34 @@ def pool() -> dict[str, Any]:
                         "bytes",
                         stack=True,
                     ),
+                    Panel(
+                        "Elastic leases by session",
+                        [
+                            (
+                                f'tidalpool_session_device_quota_bytes{{{S},bound="{bound}"}}',
+                                f"{per_session} {bound}",
+                            )
+                            for bound in ("floor", "quota", "borrowed")
+                        ],
+                        "bytes",
+                        "An elastic session's floor (guaranteed), quota (what the daemon lets it"
+                        " hold now) and borrowed bytes (held above its floor): the pool lends what"
+                        " no floor holds, by need, in proportion to floors.",
+                    ),
+                    Panel(
+                        "Give-back latency",
+                        [
+                            (
+                                f"histogram_quantile({q}, sum by ({BY}, le)"
+                                f" (rate(tidalpool_quota_give_back_seconds_bucket{{{S}}}[{R}])))",
+                                f"{WHERE} p{round(q * 100)}",
+                            )
+                            for q in (0.5, 0.99)
+                        ],
+                        "s",
+                        "From a QuotaChange asking an elastic session for chunks to those chunks"
+                        " scrubbed and free in the pool (empty while none is asked for).",
+                    ),
                 ],
             ),
             Row(

@@ -17,6 +17,9 @@ HANDLES_VERSION = 2
 HANDLES_GIVE_BACK_VERSION = 3
 """Version of its give-back request (`HandlesRequest.give_back_token`): a daemon that knows only
 version 2 refuses it instead of taking it for a lease request."""
+HANDLES_ELASTIC_VERSION = 4
+"""Version of an elastic lease request (`HandlesRequest.elastic`) and of a grow request
+(`grow_token`): an older daemon refuses both rather than grant a fixed lease."""
 
 TOKEN_KEY = "tidalpool-token"
 """gRPC metadata key of a session's token on every session RPC."""

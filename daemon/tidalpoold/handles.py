@@ -49,8 +49,8 @@ from tidalcore.errors import (
     ResourceExhausted,
     status_of,
 )
-from tidalcore.v1 import handles_pb2
-from tidalcore.wire import HANDLES_GIVE_BACK_VERSION, HANDLES_VERSION
+from tidalcore.v1 import common_pb2, handles_pb2
+from tidalcore.wire import HANDLES_ELASTIC_VERSION, HANDLES_GIVE_BACK_VERSION, HANDLES_VERSION
 
 from tidalpoold.backends.base import Backend
 from tidalpoold.sessions import Reason, Registry, lease_message
@@ -504,7 +504,11 @@ class HandlesServer:
                     )
                     framing.send(conn.sock, handles_pb2.HandlesResponse(session_id=given.id))
                     return
-                if request.version != HANDLES_VERSION or request.give_back_token:
+                if request.grow_token and request.version == HANDLES_ELASTIC_VERSION:
+                    self._grow(conn, request.grow_token)
+                    return
+                elastic = request.elastic and request.version == HANDLES_ELASTIC_VERSION
+                if (request.version != HANDLES_VERSION and not elastic) or request.give_back_token:
                     kind, version = (
                         ("give-back", HANDLES_GIVE_BACK_VERSION)
                         if request.give_back_token
@@ -512,10 +516,17 @@ class HandlesServer:
                     )
                     raise InvalidArgument(
                         f"handles protocol version {request.version} is not supported for a"
-                        f" {kind} request ({version})"
+                        f" {kind} request ({version}; an elastic lease or a grow:"
+                        f" {HANDLES_ELASTIC_VERSION})"
                     )
                 session = self.registry.open(
-                    request.device_bytes, request.host_bytes, request.job_name, peer.pid, peer.uid
+                    request.device_bytes,
+                    request.host_bytes,
+                    request.job_name,
+                    peer.pid,
+                    peer.uid,
+                    elastic=elastic,
+                    device_min=request.device_min_bytes,
                 )
             except Failure as e:
                 code, message = status_of(e)
@@ -536,6 +547,9 @@ class HandlesServer:
                 fd_count=len(fds),
                 ipc_handle=backend.device.ipc_handle if backend.mode == "ipc" else b"",
             )
+            if session.elastic is not None:
+                reply.device_floor_chunks = session.elastic.floor
+                reply.device_ceiling_chunks = session.elastic.most
             try:
                 framing.send(conn.sock, reply)
                 framing.send_fds(conn.sock, fds)
@@ -553,6 +567,37 @@ class HandlesServer:
                 self._serving.discard(conn)
             conn.sock.close()
             self._wake()  # a slot is free: the selector may listen again
+
+    def _grow(self, conn: _Conn, token: str) -> None:
+        """Chunks up to an elastic session's quota (`Registry.grow`), and their fds; a Failure
+        is answered by the caller."""
+        peer = conn.peer
+        session, added = self.registry.grow(token, peer.uid)
+        backend = self.registry.backend
+        fds = lease_fds(backend, added.chunks, ())
+        reply = handles_pb2.HandlesResponse(
+            session_id=session.id,
+            lease=common_pb2.Lease(
+                device=common_pb2.PoolLease(
+                    length=len(added.chunks) * added.chunk_bytes,
+                    chunks=added.chunks,
+                    chunk_bytes=added.chunk_bytes,
+                ),
+                backend=backend.name,
+                mode=backend.mode,
+            ),
+            fd_count=len(fds),
+        )
+        try:
+            framing.send(conn.sock, reply)
+            framing.send_fds(conn.sock, fds)
+        except OSError as e:  # the session's lease holds them: it ends, and they go back
+            self.registry.end_quietly(
+                session.id,
+                Reason.REASON_EVICTED,
+                f"chunks it grew by could not be handed over: {e}",
+            )
+            raise
 
 
 def lease_fds(backend: Backend, device: tuple[int, ...], host: tuple[int, ...]) -> list[int]:

@@ -59,6 +59,8 @@ REASONS = ("detached", "evicted", "shutdown")
 
 PLAN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 """Seconds: a cached plan takes milliseconds, a solve up to plan_time_limit_s (5 s) and more."""
+GIVE_BACK_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+"""Seconds: a session gives chunks back at its next op or step, within quota_deadline_s (5 s)."""
 
 
 def job_label(job_name: str) -> str:
@@ -171,6 +173,16 @@ class DaemonCollector(Collector):
         on_demand.add_metric(["in"], c.on_demand_in_bytes)
         yield on_demand
         yield CounterMetricFamily(
+            "tidalpool_quota_changes",
+            "QuotaChange messages sent to elastic sessions.",
+            value=self.registry.quota_changes,
+        )
+        yield CounterMetricFamily(
+            "tidalpool_quota_given_back_chunks",
+            "Device chunks elastic sessions gave back.",
+            value=self.registry.given_back_chunks,
+        )
+        yield CounterMetricFamily(
             "tidalpool_swap_stall_seconds",
             "Time clients' ops and mallocs waited for swap copies.",
             value=c.swap_stall_ns / 1e9,
@@ -218,6 +230,12 @@ class DaemonCollector(Collector):
             "direction",
         )
         stall = counter("tidalpool_session_swap_stall_seconds", "Time waited for swap copies.")
+        elastic = gauge(
+            "tidalpool_session_device_quota_bytes",
+            "An elastic session's device lease bounds: floor (guaranteed), quota (what it may"
+            " hold now), ceiling (the most it asked for), borrowed (held above its floor).",
+            "bound",
+        )
         for s in snap.sessions:
             key = [s.id, job_label(s.job_name)]
             lease.add_metric([*key, "device"], s.device_lease)
@@ -238,8 +256,16 @@ class DaemonCollector(Collector):
             on_demand.add_metric([*key, "out"], s.counts.on_demand_out_bytes)
             on_demand.add_metric([*key, "in"], s.counts.on_demand_in_bytes)
             stall.add_metric(key, s.counts.swap_stall_ns / 1e9)
+            if s.elastic is not None:
+                chunk = self.registry.device.chunk_bytes
+                elastic.add_metric([*key, "floor"], s.elastic.floor * chunk)
+                elastic.add_metric([*key, "quota"], s.elastic.quota * chunk)
+                elastic.add_metric([*key, "ceiling"], s.elastic.most * chunk)
+                elastic.add_metric(
+                    [*key, "borrowed"], max(0, s.device_lease - s.elastic.floor * chunk)
+                )
         yield from (lease, used, peak, live_peak, footprint, bound, ratio, events, misses, swapped)
-        yield from (on_demand, stall)
+        yield from (on_demand, stall, elastic)
 
     def _planner(self) -> Iterator[Metric]:
         plans = CounterMetricFamily(
@@ -428,10 +454,20 @@ class Metrics:
         )
         for outcome in ("solved", "cached"):
             self.plan_seconds.labels(outcome)
+        self.give_back_seconds = Histogram(
+            "tidalpool_quota_give_back_seconds",
+            "Time from a QuotaChange asking an elastic session for chunks to those chunks free"
+            " in the pool (scrubbed).",
+            buckets=GIVE_BACK_BUCKETS,
+            registry=self._own,
+        )
 
     def add(self, collector: Collector) -> None:
         """Serve `collector`'s metrics too (with the gpu label)."""
         self._own.register(collector)
+
+    def on_give_back(self, seconds: float) -> None:
+        self.give_back_seconds.observe(seconds)
 
     def on_planned(self, outcome: str, seconds: float) -> None:
         self.plan_seconds.labels(outcome).observe(seconds)

@@ -291,6 +291,17 @@ class PlanWorker:
                     self._catching_up.pop((session.id, shape), None)
                 self._queue(session, shape)
 
+    def replan(self, session: Session) -> None:
+        """`session`'s limit moved (its elastic quota): plan again each shape planned or
+        queued for it (the plan cache keys plans by limit)."""
+        with self._lock:
+            shapes = {shape for sid, shape in self._queued if sid == session.id}
+            for shape in shapes:
+                self._queued.discard((session.id, shape))
+                self._open.discard((session.id, shape))
+        for shape in shapes:
+            self._queue(session, shape)
+
     def _queue(self, session: Session, shape: str) -> None:
         """Put `session`'s `shape` in line for the planning thread, unless it is there."""
         with self._lock:
@@ -698,7 +709,7 @@ class PlanWorker:
                 self.swap_gbps(session),
                 session.page_bytes,
                 persistent_at,
-                session.device.length,
+                session.device_quota(),
                 session.host.length,
                 measured=not session.copy_gbps,
                 budget_s=self._budget(started),

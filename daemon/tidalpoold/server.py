@@ -160,7 +160,9 @@ def _build(
         copy_gbps=copy_gbps_of(backend),
         on_planned=metrics.on_planned if metrics else None,
     )
+    registry.on_quota = planner.replan
     if metrics is not None:
+        registry.on_give_back = metrics.on_give_back
         per_session = settings.metrics_sessions == "on"
         metrics.add(DaemonCollector(registry, planner, backend.facts, per_session=per_session))
     pool, admin = PoolService(registry, planner), AdminService(registry)

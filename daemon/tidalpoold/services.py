@@ -178,8 +178,13 @@ class PoolService:
             self.registry.touch(session)
             if self.planner is not None:
                 self.planner.on_step(session, ended, forgotten)
+        elif body == "lease_return":
+            self.registry.take_back(session, msg.lease_return)
+            self.registry.touch(session)
         else:
-            raise InvalidArgument("client message has no body (heartbeat, trace or step)")
+            raise InvalidArgument(
+                "client message has no body (heartbeat, trace, step or lease_return)"
+            )
 
     def detach(
         self, request: pool_pb2.DetachRequest, context: grpc.ServicerContext
@@ -199,7 +204,7 @@ class PoolService:
 
 
 class AdminService:
-    """What operators speak: ListSessions, EvictSession, PoolStatus."""
+    """What operators speak: ListSessions, EvictSession, PoolStatus, SetQuota."""
 
     name = "tidalpool.v1.Admin"
 
@@ -216,6 +221,7 @@ class AdminService:
                 ),
                 "EvictSession": unary("EvictSession", admin_pb2.EvictSessionRequest, self.evict),
                 "PoolStatus": unary("PoolStatus", admin_pb2.PoolStatusRequest, self.pool_status),
+                "SetQuota": unary("SetQuota", admin_pb2.SetQuotaRequest, self.set_quota),
             },
         )
 
@@ -242,6 +248,20 @@ class AdminService:
             why = why[:REASON_CHARS] + f"… ({len(why.encode())} bytes)"
         ended = self.registry.end(request.session_id, Reason.REASON_EVICTED, why)
         return admin_pb2.EvictSessionResponse(session=ended.info(self.registry.backend))
+
+    def set_quota(
+        self, request: admin_pb2.SetQuotaRequest, context: grpc.ServicerContext
+    ) -> admin_pb2.SetQuotaResponse:
+        if not request.session_id or len(request.session_id) > SESSION_ID_CHARS:
+            raise InvalidArgument(f"SetQuota needs a session id, got {clip(request.session_id)!r}")
+        if not (request.device_min_bytes or request.device_max_bytes):
+            raise InvalidArgument(
+                "SetQuota changes nothing: give device_min_bytes or device_max_bytes"
+            )
+        session = self.registry.set_quota(
+            request.session_id, request.device_min_bytes, request.device_max_bytes
+        )
+        return admin_pb2.SetQuotaResponse(session=session.info(self.registry.backend))
 
     def pool_status(
         self, request: admin_pb2.PoolStatusRequest, context: grpc.ServicerContext

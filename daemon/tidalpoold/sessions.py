@@ -10,6 +10,16 @@ chunks to their pools and scrubs them, then tells its stream (if any) goodbye.
     handles socket ──open()──▶ pending ──attach()──▶ attached ──end()──▶ (gone)
                                   └──────── reap(): attach timeout ─────▲
 
+An *elastic* session (paged, asked for on the handles socket with a floor and a ceiling) holds
+its floor's chunks for life and borrows above it as `tidalpoold.quota.share` lends the pool:
+the registry sends it a `QuotaChange` whenever its share moves; a session told to hold less
+gives chunks back (`take_back`) within `quota_deadline_s` or is ended (`reap`); one told it
+may hold more takes chunks (`grow`). A newcomer whose floor needs borrowed chunks waits in
+`open` until they come back. Floors never add up to more than the pool.
+
+    open(floor) ──▶ holds floor ──attach──▶ quota = share ──▶ QuotaChange ──┬─ lower: LeaseReturn
+                                                                           └─ higher: grow()
+
 A session under virtual residency (`page_bytes` > 0 at attach) keeps every block at one
 address of a range it reserves, and tells the daemon at each step mark, until it has a plan,
 where its live blocks are (`live_at`): its plans keep its persistent blocks there.
@@ -38,6 +48,7 @@ from tidalcore.v1 import common_pb2, pool_pb2
 
 from tidalpoold.backends.base import Backend
 from tidalpoold.pool import Lease, PoolAccount, PoolExhausted
+from tidalpoold.quota import Claim, share
 from tidalpoold.settings import Settings
 from tidalpoold.trace import TraceStore
 
@@ -54,6 +65,9 @@ INT64_MAX = 2**63 - 1
 """The most a heartbeat count may say (the counts are summed as int64 downstream)."""
 HOST_PAGE = 4096
 """A session's page is a whole number of these: the host's page, the least a mapping moves."""
+_QUOTA_GRACE_S = 1.0
+"""An elastic open waits this long past `quota_deadline_s`: an overdue borrower's end (its
+chunks scrubbed) is in it."""
 
 
 def clip(text: str, limit: int = CLIP_CHARS) -> str:
@@ -114,6 +128,19 @@ class PlanFootprint:
     lower_bound_bytes: int
 
 
+@dataclass(slots=True)
+class Elastic:
+    """An elastic session's claim on the device pool, in chunks, and its pending give-back."""
+
+    floor: int
+    most: int  # its ceiling: the most it may ever hold
+    quota: int  # what it may hold now (floor <= quota <= most)
+    quota_id: int = 0  # of the last QuotaChange sent
+    deadline: float = 0.0  # monotonic: chunks over its quota are due back by then; 0: none due
+    asked_at: float = 0.0  # monotonic: when the give-back now due was asked for
+    told_to_grow: bool = False  # a QuotaChange over what it holds went, and it has not grown
+
+
 @dataclass(eq=False)
 class Session:
     """One client's session; its fields change only under the registry's lock."""
@@ -146,6 +173,8 @@ class Session:
     plan: PlanFootprint | None = None  # set by the planner's thread, as one value
     ended: bool = False  # end() took it out of the registry: what it reports now is ignored
     bad_messages: int = 0  # stream messages refused (counted by the stream's reader)
+    elastic: Elastic | None = None  # None: a fixed lease
+    swap_asked: int = 0  # the swap limit its Attach asked for (swap_limit: that within its quota)
     # What the Session stream sends to the client; None closes the stream.
     outbox: queue.SimpleQueue[pool_pb2.ServerMessage | None] = field(
         default_factory=queue.SimpleQueue
@@ -171,24 +200,46 @@ class Session:
             swapped_in_bytes=self.counts.swapped_in_bytes,
             swap_stall_ns=self.counts.swap_stall_ns,
             plan_misses=self.counts.plan_misses,
+            **self._elastic_info(),
         )
+
+    def _elastic_info(self) -> dict[str, int]:
+        e, chunk = self.elastic, self.device.chunk_bytes
+        if e is None:
+            return {}
+        return {
+            "device_floor_bytes": e.floor * chunk,
+            "device_quota_bytes": e.quota * chunk,
+            "device_max_bytes": e.most * chunk,
+        }
+
+    def device_quota(self) -> int:
+        """The device bytes the session may hold now: its lease, or an elastic one's quota."""
+        e = self.elastic
+        return self.device.length if e is None else e.quota * self.device.chunk_bytes
+
+    def device_ceiling(self) -> int:
+        """The most device bytes the session may ever hold: its lease, or an elastic one's
+        ceiling (what it reports is checked against this: a peak may predate a give-back)."""
+        e = self.elastic
+        return self.device.length if e is None else e.most * self.device.chunk_bytes
 
 
 def check_heartbeat(session: Session, beat: pool_pb2.Heartbeat) -> None:
     """InvalidArgument naming the first number of `beat` the session cannot mean: bytes in
     use or at peak beyond its lease of that pool (live bytes: beyond both leases together), a
     count past int64 or below its last."""
-    for name, value, pool, lease in (
-        ("device_used_bytes", beat.device_used_bytes, "device", session.device),
-        ("device_peak_bytes", beat.device_peak_bytes, "device", session.device),
-        ("host_used_bytes", beat.host_used_bytes, "host", session.host),
+    device = session.device_ceiling()
+    for name, value, pool, length in (
+        ("device_used_bytes", beat.device_used_bytes, "device", device),
+        ("device_peak_bytes", beat.device_peak_bytes, "device", device),
+        ("host_used_bytes", beat.host_used_bytes, "host", session.host.length),
     ):
-        if value > lease.length:
+        if value > length:
             raise InvalidArgument(
-                f"heartbeat {name} {value} exceeds the session's {pool} lease of"
-                f" {lease.length} bytes"
+                f"heartbeat {name} {value} exceeds the session's {pool} lease of {length} bytes"
             )
-    held = session.device.length + session.host.length
+    held = device + session.host.length
     if beat.live_peak_bytes > held:
         raise InvalidArgument(
             f"heartbeat live_peak_bytes {beat.live_peak_bytes} exceeds the session's device and"
@@ -287,6 +338,16 @@ class Registry:
         )
         self.host = PoolAccount("host", backend.host.chunk_bytes, len(backend.host.chunks))
         self._lock = threading.Lock()
+        self._freed = threading.Condition(self._lock)  # device chunks came back to the pool
+        # Elastic opens waiting for their floor, oldest first: waiter number -> floor chunks.
+        self._waiting: dict[int, int] = {}
+        self._waiters = 0
+        # Told of an elastic session whose quota changed (the planner plans it again), and of
+        # each give-back: the seconds from its QuotaChange to its chunks free.
+        self.on_quota: Callable[[Session], None] | None = None
+        self.on_give_back: Callable[[float], None] | None = None
+        self.given_back_chunks = 0  # device chunks elastic sessions gave back
+        self.quota_changes = 0  # QuotaChange messages sent
         # Chunks whose scrub failed, by pool: still leased in the account, held by no session.
         self._quarantined: dict[str, list[int]] = {"device": [], "host": []}
         self._rescrubbing = threading.Lock()  # one retry of the quarantine at a time
@@ -299,31 +360,54 @@ class Registry:
 
     # -- birth ------------------------------------------------------------------
     def open(
-        self, device_bytes: int, host_bytes: int, job_name: str, pid: int, uid: int
+        self,
+        device_bytes: int,
+        host_bytes: int,
+        job_name: str,
+        pid: int,
+        uid: int,
+        elastic: bool = False,
+        device_min: int = 0,
     ) -> Session:
-        """Take a pending session's chunks (from the handles socket)."""
+        """Take a pending session's chunks (from the handles socket). `elastic`: its floor is
+        `device_min` (0: `default_device_floor`, else one chunk), its ceiling `device_bytes`
+        (0: the whole pool); it takes its floor's chunks now, waiting up to
+        `quota_deadline_s` for borrowed ones to come back, and borrows above it once attached."""
         s = self.settings
-        device_bytes = device_bytes or s.default_device_lease
         host_bytes = host_bytes or s.default_host_lease
+        claim: Elastic | None = None
+        if elastic:
+            claim = self._claim(device_min, device_bytes)
+            device_bytes = claim.floor * self.device.chunk_bytes
+        else:
+            device_bytes = device_bytes or s.default_device_lease
         with self._lock:
-            if len(self._by_id) >= s.max_sessions:
-                raise ResourceExhausted(f"the daemon already serves {s.max_sessions} sessions")
-            pending = sum(x.uid == uid and x.state == "pending" for x in self._by_id.values())
-            if pending >= s.max_pending_per_uid:
-                raise ResourceExhausted(
-                    f"uid {uid} already holds {pending} leases not attached, the most one uid"
-                    f" may (max_pending_per_uid {s.max_pending_per_uid}): attach them, or wait"
-                    f" {s.attach_timeout_s:g} s (attach_timeout_s) for them to be reclaimed"
-                )
+            self._admit(uid)
+            floor = claim.floor if claim is not None else 0
+            if claim is not None:
+                self._guarantee(floor)
+            elif (
+                self._borrowed()
+                and self._floors() + (n := self.device.chunks_for(device_bytes))
+                <= self.device.count
+            ):
+                floor = n  # a fixed lease is a floor too: what is borrowed comes back for it
+        waiter, device = self._take_floor(floor) if floor else (0, None)
+        with self._lock:
             try:
-                device = self.device.lease(device_bytes)
-            except PoolExhausted as e:
-                raise ResourceExhausted(str(e)) from e
-            try:
+                self._admit(uid)  # again: others may have come while the floor was freed
+                if device is None:
+                    device = self.device.lease(device_bytes)
                 host = self.host.lease(host_bytes)
-            except PoolExhausted as e:
-                self.device.release(device)
-                raise ResourceExhausted(str(e)) from e
+            except (PoolExhausted, ResourceExhausted) as e:
+                if device is not None:
+                    self.device.release(device)
+                self._waiting.pop(waiter, None)
+                self._freed.notify_all()
+                if isinstance(e, ResourceExhausted):
+                    raise
+                raise ResourceExhausted(self._exhausted(str(e))) from e
+            self._waiting.pop(waiter, None)  # its floor is the session's from here
             session = Session(
                 id="s-" + secrets.token_hex(6),
                 token=secrets.token_urlsafe(32),
@@ -334,9 +418,11 @@ class Registry:
                 host=host,
                 trace=TraceStore(s.max_trace_events, s.max_trace_name_bytes, s.max_plan_shapes),
                 created=self.clock(),
+                elastic=claim,
             )
             self._by_id[session.id] = session
             self._by_token[session.token] = session
+            self._rebalance()  # a floor or a fixed lease less to lend
         log.info(
             "session.opened",
             extra={
@@ -348,9 +434,112 @@ class Registry:
                 "host_bytes": host.length,
                 "device_chunks": len(device.chunks),
                 "host_chunks": len(host.chunks),
+                **({"floor": claim.floor, "ceiling": claim.most} if claim else {}),
             },
         )
         return session
+
+    def _admit(self, uid: int) -> None:
+        """ResourceExhausted when the daemon serves its most sessions, or `uid` holds its most
+        pending leases (under the lock)."""
+        s = self.settings
+        if len(self._by_id) >= s.max_sessions:
+            raise ResourceExhausted(f"the daemon already serves {s.max_sessions} sessions")
+        pending = sum(x.uid == uid and x.state == "pending" for x in self._by_id.values())
+        if pending >= s.max_pending_per_uid:
+            raise ResourceExhausted(
+                f"uid {uid} already holds {pending} leases not attached, the most one uid"
+                f" may (max_pending_per_uid {s.max_pending_per_uid}): attach them, or wait"
+                f" {s.attach_timeout_s:g} s (attach_timeout_s) for them to be reclaimed"
+            )
+
+    def _claim(self, device_min: int, device_max: int) -> Elastic:
+        """An elastic lease's floor and ceiling in chunks (a ceiling over the pool is the
+        pool: no more can be lent); InvalidArgument when the floor is over the ceiling."""
+        chunks = self.device.chunks_for
+        floor = chunks(device_min or self.settings.default_device_floor or 1)
+        most = min(chunks(device_max), self.device.count) if device_max else self.device.count
+        if floor > most:
+            raise InvalidArgument(
+                f"an elastic lease's floor of {floor} chunks ({device_min} bytes) is over its"
+                f" ceiling of {most} chunks ({device_max} bytes)"
+            )
+        return Elastic(floor=floor, most=most, quota=floor)
+
+    def _floors(self) -> int:
+        """Device chunks no one can be asked for (under the lock): every elastic session's
+        floor, every fixed lease, the floors waiting, and the quarantined chunks."""
+        held = sum(
+            len(x.device.chunks) if x.elastic is None else x.elastic.floor
+            for x in self._by_id.values()
+        )
+        return held + sum(self._waiting.values()) + len(self._quarantined["device"])
+
+    def _guarantee(self, floor: int) -> None:
+        """ResourceExhausted unless a floor of `floor` chunks fits beside every floor held."""
+        taken, pool = self._floors(), self.device.count
+        if taken + floor > pool:
+            raise ResourceExhausted(
+                f"an elastic lease's floor of {floor} chunks cannot be guaranteed: floors and"
+                f" fixed leases hold {taken} of the device pool's {pool} chunks of"
+                f" {self.device.chunk_bytes} bytes"
+            )
+
+    def _borrowed(self) -> int:
+        """Device chunks elastic sessions hold above their floors (under the lock)."""
+        return sum(
+            max(0, len(x.device.chunks) - x.elastic.floor)
+            for x in self._by_id.values()
+            if x.elastic is not None
+        )
+
+    def _exhausted(self, why: str) -> str:
+        """`why` a lease was refused, and what holds the pool (under the lock)."""
+        borrowed = self._borrowed()
+        if not borrowed:
+            return why
+        return (
+            f"{why}; elastic sessions borrow {borrowed} chunks, which come back for a lease"
+            " only as far as floors and fixed leases leave room"
+        )
+
+    def _take_floor(self, floor: int) -> tuple[int, Lease]:
+        """Lease `floor` chunks for an elastic session, asking borrowers to give chunks back
+        while too few are free, and waiting for them until `quota_deadline_s` past the ask (a
+        borrower overdue is ended). Returns the waiter's number, still counted among the floors
+        (`open` drops it as the session takes the floor), and the lease. ResourceExhausted
+        when the chunks do not come back in time."""
+        s = self.settings
+        with self._lock:
+            self._waiters += 1
+            me = self._waiters
+            self._waiting[me] = floor
+            self._rebalance()
+        try:
+            give_up = self.clock() + s.quota_deadline_s + _QUOTA_GRACE_S
+            while True:
+                with self._lock:
+                    ahead = sum(f for w, f in self._waiting.items() if w < me)
+                    if self.device.free_chunks - ahead >= floor:
+                        return me, self.device.lease(floor * self.device.chunk_bytes)
+                    now = self.clock()
+                    overdue = self._overdue(now)
+                    if not overdue:
+                        if now >= give_up:
+                            raise ResourceExhausted(
+                                f"an elastic lease's floor of {floor} chunks was not freed within"
+                                f" {s.quota_deadline_s + _QUOTA_GRACE_S:g} s:"
+                                f" {self.device.free_chunks} of {self.device.count} chunks free"
+                            )
+                        self._freed.wait(max(0.0, min(give_up, self._next_deadline()) - now))
+                        continue
+                for session_id, why in overdue:
+                    self.end_quietly(session_id, Reason.REASON_EVICTED, why)
+        except BaseException:
+            with self._lock:
+                del self._waiting[me]
+                self._rebalance()
+            raise
 
     def by_token(self, token: str) -> Session | None:
         with self._lock:
@@ -383,14 +572,22 @@ class Registry:
                 session.device.chunk_bytes,
                 granularity if isinstance(granularity, int) else 0,
             )
+            if session.elastic is not None and not page_bytes:
+                raise InvalidArgument(
+                    "an elastic lease needs pages (page_bytes and a swap limit at Attach): only a"
+                    " paged session can give chunks back while it runs"
+                )
             session.state = "attached"
-            lease = session.device.length
+            lease = session.device_quota()
+            session.swap_asked = swap_limit
             session.swap_limit = min(swap_limit, lease) if page_bytes else swap_limit
             session.copy_gbps = copy_gbps
             session.page_bytes = page_bytes
             session.attached_unix_ns = time.time_ns()
             session.last_seen = self.clock()
             self.attached_total += 1
+            if session.elastic is not None:
+                self._rebalance()
         log.info("session.attached", extra={"session": session.id})
 
     def open_stream(self, session: Session) -> None:
@@ -410,7 +607,10 @@ class Registry:
             if session.ended:
                 return
             if heartbeat is not None:
+                need = self._need(session) if session.elastic is not None else 0
                 self._take(session, heartbeat)
+                if session.elastic is not None and self._need(session) != need:
+                    self._rebalance()
             session.last_seen = self.clock()
 
     def _take(self, session: Session, beat: pool_pb2.Heartbeat) -> None:
@@ -421,6 +621,203 @@ class Registry:
         session.live_peak = max(session.live_peak, beat.live_peak_bytes)
         session.host_used = beat.host_used_bytes
         session.counts.advance(beat, self.counts)
+
+    # -- elastic leases -----------------------------------------------------------
+    def _need(self, session: Session) -> int:
+        """The chunks an elastic session would use now: its ceiling until it has run a whole
+        iteration, then its live bytes at their peak (or its swap limit, if lower), within its
+        floor and ceiling."""
+        e = session.elastic
+        assert e is not None
+        if session.state != "attached":
+            return e.floor
+        chunks = self.device.chunks_for
+        need = e.most
+        if session.trace.iterations_seen >= 2 and session.live_peak:
+            need = chunks(session.live_peak)
+        if session.swap_asked:
+            need = min(need, chunks(session.swap_asked))
+        return max(e.floor, min(need, e.most))
+
+    def _rebalance(self) -> None:
+        """Share the pool among the elastic sessions again (`quota.share`; under the lock) and
+        send a QuotaChange to each whose quota moved: one holding more than its new quota
+        gives the rest back by `quota_deadline_s` from now (an earlier deadline still due
+        stands)."""
+        elastic = [(x, x.elastic) for x in self._by_id.values() if x.elastic is not None]
+        claims = [Claim(x.id, e.floor, e.most, self._need(x)) for x, e in elastic]
+        claims += [Claim(f"waiting {w}", f, f, f) for w, f in self._waiting.items()]
+        fixed = sum(len(x.device.chunks) for x in self._by_id.values() if x.elastic is None)
+        pool = self.device.count - fixed - len(self._quarantined["device"])
+        # Floors fit by admission; only chunks quarantined since could crowd them: then each
+        # keeps its floor, lent nothing, until the quarantine clears.
+        quotas = share(max(pool, sum(c.floor for c in claims)), claims)
+        now = self.clock()
+        free = self.device.free_chunks - sum(self._waiting.values())
+        for x, e in elastic:
+            quota = quotas[x.id]
+            if quota == e.quota:
+                if len(x.device.chunks) < quota and free > 0 and not e.told_to_grow:
+                    e.quota_id += 1  # chunks it may take came free: tell it again
+                    e.told_to_grow = True
+                    self._tell_quota(x, "chunks came free")
+                continue
+            e.quota = quota
+            e.quota_id += 1
+            held = len(x.device.chunks)
+            if held > quota and not e.deadline:
+                e.deadline, e.asked_at = now + self.settings.quota_deadline_s, now
+            elif held <= quota:
+                e.deadline = 0.0
+            if x.page_bytes:
+                x.swap_limit = min(x.swap_asked, quota * self.device.chunk_bytes)
+            e.told_to_grow = held < quota
+            self._tell_quota(x, "the pool was shared again")
+            if self.on_quota is not None:
+                self.on_quota(x)
+
+    def _tell_quota(self, session: Session, why: str) -> None:
+        e = session.elastic
+        assert e is not None
+        chunk = self.device.chunk_bytes
+        due = max(0.0, e.deadline - self.clock()) if e.deadline else 0.0
+        session.outbox.put(
+            pool_pb2.ServerMessage(
+                quota=pool_pb2.QuotaChange(
+                    device_limit_bytes=e.quota * chunk,
+                    reason=why,
+                    quota_id=e.quota_id,
+                    deadline_ms=max(1, round(due * 1000)) if e.deadline else 0,
+                    device_chunks=e.quota,
+                )
+            )
+        )
+        self.quota_changes += 1
+        log.info(
+            "quota.changed",
+            extra={
+                "session": session.id,
+                "quota_chunks": e.quota,
+                "held_chunks": len(session.device.chunks),
+                "floor": e.floor,
+                "ceiling": e.most,
+                "deadline_s": round(due, 3),
+            },
+        )
+
+    def _overdue(self, now: float) -> list[tuple[str, str]]:
+        """Elastic sessions past their give-back deadline, with why (under the lock)."""
+        doomed = []
+        for x in self._by_id.values():
+            e = x.elastic
+            if e is not None and e.deadline and now > e.deadline:
+                doomed.append(
+                    (
+                        x.id,
+                        f"did not give back {len(x.device.chunks) - e.quota} device chunks within"
+                        f" {self.settings.quota_deadline_s:g} s of its QuotaChange (quota"
+                        f" {e.quota} chunks, held {len(x.device.chunks)})",
+                    )
+                )
+        return doomed
+
+    def _next_deadline(self) -> float:
+        """The earliest give-back deadline due (under the lock); infinity when none is."""
+        due = [x.elastic.deadline for x in self._by_id.values() if x.elastic and x.elastic.deadline]
+        return min(due, default=float("inf"))
+
+    def set_quota(self, session_id: str, device_min: int, device_max: int) -> Session:
+        """An operator's new floor and ceiling (bytes; 0: unchanged) for an elastic session;
+        the pool is shared again at once. InvalidArgument when they do not make a claim, or
+        the new floor does not fit beside the others; FailedPrecondition for a fixed lease."""
+        with self._lock:
+            session = self._by_id.get(session_id)
+            if session is None:
+                raise NotFound(f"no session {clip(session_id)}")
+            e = session.elastic
+            if e is None:
+                raise FailedPrecondition(
+                    f"session {session.id} has a fixed lease: only an elastic one (attached with"
+                    " a floor and a ceiling) has a quota to change"
+                )
+            chunk = self.device.chunk_bytes
+            claim = self._claim(device_min or e.floor * chunk, device_max or e.most * chunk)
+            if claim.floor > e.floor:
+                self._guarantee(claim.floor - e.floor)
+            e.floor, e.most = claim.floor, claim.most
+            self._rebalance()
+        log.info("quota.set", extra={"session": session.id, "floor": e.floor, "ceiling": e.most})
+        return session
+
+    def grow(self, token: str, uid: int) -> tuple[Session, Lease]:
+        """Chunks for the elastic session holding `token` (its own uid's), up to its quota:
+        free ones not promised to a floor waiting. The session's lease now holds them; the
+        Lease returned names only them (none when nothing is free). NotFound otherwise."""
+        with self._lock:
+            session = self._by_token.get(token)
+            if session is None or session.uid != uid or session.state != "attached":
+                raise NotFound("no attached session under that token for this uid")
+            e = session.elastic
+            if e is None:
+                raise FailedPrecondition(f"session {session.id} has a fixed lease: it cannot grow")
+            held = len(session.device.chunks)
+            free = self.device.free_chunks - sum(self._waiting.values())
+            n = max(0, min(e.quota - held, free))
+            e.told_to_grow = False
+            added = self.device.lease(n * self.device.chunk_bytes) if n else Lease((), 0)
+            session.device = Lease(session.device.chunks + added.chunks, self.device.chunk_bytes)
+        if n:
+            log.info(
+                "quota.grown",
+                extra={"session": session.id, "chunks": list(added.chunks), "held": held + n},
+            )
+        return session, Lease(added.chunks, self.device.chunk_bytes)
+
+    def take_back(self, session: Session, returned: pool_pb2.LeaseReturn) -> None:
+        """Device chunks an elastic session gave back: scrubbed, then free for others.
+        InvalidArgument (nothing taken) when one is not the session's or comes twice."""
+        chunks = tuple(returned.device_chunks)
+        with self._lock:
+            if session.ended:
+                return
+            if session.elastic is None:
+                raise InvalidArgument("a lease return from a session with a fixed lease")
+            mine = set(session.device.chunks)
+            if len(set(chunks)) != len(chunks) or not mine.issuperset(chunks):
+                raise InvalidArgument(
+                    f"lease return names chunks {list(chunks)[:16]}, not all distinct and the"
+                    f" session's {sorted(mine)[:16]}"
+                )
+            if len(chunks) >= len(mine):
+                raise InvalidArgument("lease return would leave the session no device chunk")
+            session.device = Lease(
+                tuple(c for c in session.device.chunks if c not in set(chunks)),
+                self.device.chunk_bytes,
+            )
+        clean, dirty = self._scrubbed("device", chunks)
+        with self._lock:
+            self.device.release(Lease(clean, self.device.chunk_bytes))
+            self._quarantined["device"].extend(dirty)
+            self.given_back_chunks += len(chunks)
+            e = session.elastic
+            asked_at = e.asked_at
+            if e.deadline and len(session.device.chunks) <= e.quota:
+                e.deadline = e.asked_at = 0.0
+            self._freed.notify_all()
+            self._rebalance()
+        seconds = self.clock() - asked_at if asked_at else None
+        log.info(
+            "quota.given_back",
+            extra={
+                "session": session.id,
+                "chunks": list(chunks),
+                "held": len(session.device.chunks),
+                "seconds": None if seconds is None else round(seconds, 4),
+                "shortfall": clip(returned.shortfall),
+            },
+        )
+        if seconds is not None and self.on_give_back is not None:
+            self.on_give_back(seconds)
 
     # -- death ------------------------------------------------------------------
     def end(
@@ -453,6 +850,8 @@ class Registry:
             self.host.release(Lease(host, session.host.chunk_bytes))
             self._quarantined["device"].extend(device_dirty)
             self._quarantined["host"].extend(host_dirty)
+            self._freed.notify_all()
+            self._rebalance()
         session.outbox.put(
             pool_pb2.ServerMessage(goodbye=pool_pb2.Goodbye(reason=reason, message=message))
         )
@@ -511,6 +910,9 @@ class Registry:
                     for index in clean:
                         self._quarantined[name].remove(index)
                     account.release(Lease(clean, account.chunk_bytes))
+                    if clean and name == "device":
+                        self._freed.notify_all()
+                        self._rebalance()
                 for index in clean:
                     log.info("chunk.restored", extra={"pool": name, "chunk": index})
                 freed += len(clean)
@@ -542,6 +944,7 @@ class Registry:
                     session.state == "attached" and now - session.last_seen > s.heartbeat_timeout_s
                 ):
                     doomed.append((session.id, f"no heartbeat for {s.heartbeat_timeout_s:g} s"))
+            doomed += [d for d in self._overdue(now) if d[0] not in {x for x, _ in doomed}]
         for session_id, why in doomed:
             self.end_quietly(session_id, Reason.REASON_EVICTED, why)
         self.rescrub()
@@ -599,6 +1002,7 @@ class Registry:
                     events_received=s.trace.events_received,
                     counts=replace(s.counts),
                     plan=s.plan,
+                    elastic=None if s.elastic is None else replace(s.elastic),
                 )
                 for s in sessions
             )
@@ -629,6 +1033,7 @@ class SessionNumbers:
     events_received: int
     counts: Counts  # a copy
     plan: PlanFootprint | None
+    elastic: Elastic | None = None  # a copy; None: a fixed lease
 
 
 @dataclass(frozen=True)

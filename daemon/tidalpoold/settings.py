@@ -227,6 +227,22 @@ class Settings:
             " than the pool: refused)",
         ),
     )
+    default_device_floor: Bytes = field(
+        default=Bytes(0),
+        metadata=_about(
+            _SIZE,
+            "floor of an elastic lease that asks for none: device bytes guaranteed to it while"
+            " it lives (0: one chunk); its ceiling, when it asks for none, is the whole pool",
+        ),
+    )
+    quota_deadline_s: float = field(
+        default=5.0,
+        metadata=_about(
+            _SECONDS,
+            "an elastic session asked to hold fewer chunks (a QuotaChange) gives them back"
+            " within this, or is ended; a newcomer's floor waits as long for them",
+        ),
+    )
     socket_dir: Path = field(
         default=Path("/run/tidalpool"),
         metadata=_about(_PATH, "directory of tidalpool.sock (gRPC) and handles.sock"),
@@ -500,7 +516,20 @@ def _problems(s: Settings) -> Iterator[tuple[str, str, str | None]]:
         yield "handles_timeout_s", "must be a finite number of seconds greater than 0", None
     if s.max_trace_name_bytes < 0:
         yield "max_trace_name_bytes", "must not be negative", None
-    for name in ("attach_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s"):
+    if s.default_device_floor < 0:
+        yield "default_device_floor", "must not be negative", None
+    elif s.default_device_floor > s.device_pool:
+        yield (
+            "default_device_floor",
+            "default_device_floor must not exceed device_pool",
+            "device_pool",
+        )
+    for name in (
+        "attach_timeout_s",
+        "heartbeat_interval_s",
+        "heartbeat_timeout_s",
+        "quota_deadline_s",
+    ):
         if not (math.isfinite(getattr(s, name)) and getattr(s, name) > 0):
             yield name, "must be a finite number of seconds greater than 0", None
     if s.heartbeat_timeout_s <= s.heartbeat_interval_s:

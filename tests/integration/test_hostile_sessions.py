@@ -36,6 +36,8 @@ U64_MAX = 2**64 - 1
 WORKER = Path(__file__).with_name("worker.py")
 DEADLINE_S = 30.0  # generous: the machine may be busy
 
+NO_BODY = "client message has no body (heartbeat, trace, step or lease_return)"
+
 
 def admin_channel(d: LocalDaemon) -> grpc.Channel:
     """A channel to the daemon's Admin service: its own socket where the daemon serves one,
@@ -342,10 +344,7 @@ def test_bad_messages_are_each_answered_but_logged_sparingly(
             s.send(b"")  # a ClientMessage with no body
         s.wait_errors(sent)
     errors = s.wait_errors(2000)
-    assert (
-        errors
-        == [("INVALID_ARGUMENT", "client message has no body (heartbeat, trace or step)")] * 2000
-    )
+    assert errors == [("INVALID_ARGUMENT", NO_BODY)] * 2000
     s.send(beat(device_used_bytes=1))  # the stream is still served after them
     wait_for("the heartbeat taken", lambda: s.stats().device_used_bytes == 1)
     logged = log_events(d, "session.bad_message")

@@ -48,8 +48,10 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Iterator[set[str]]:
     m.rpc.seconds.labels("m", "OK").observe(0.1)
     session = registry.open(C, C, "job", 1, 0)
     session.plan = PlanFootprint(C, C)
+    elastic = registry.open(0, C, "elastic", 2, 0, elastic=True, device_min=C)
     yield {s.name for family in m.registry.collect() for s in family.samples} | {"up"}
     registry.end(session.id, Reason.REASON_DETACHED, "test")
+    registry.end(elastic.id, Reason.REASON_DETACHED, "test")
     planner.close()
     backend.close()
 

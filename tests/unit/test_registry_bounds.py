@@ -331,7 +331,7 @@ def test_a_client_that_never_reads_its_stream_gets_a_bounded_queue_of_refusals(
     assert s.outbox.empty()
     assert len(replies) == MAX_QUEUED_ERRORS + 1  # then the goodbye (the stream ended), None
     assert {r.error.message for r in replies[:MAX_QUEUED_ERRORS]} == {
-        "client message has no body (heartbeat, trace or step)"
+        "client message has no body (heartbeat, trace, step or lease_return)"
     }
     assert replies[-1].goodbye.message == "client closed its session stream"
     records = [r for r in caplog.records if r.getMessage() == "session.bad_message"]

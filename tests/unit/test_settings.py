@@ -78,6 +78,8 @@ def test_describe_is_json_friendly() -> None:
         "host_pool": 8 * GiB,
         "default_device_lease": 1 * GiB,
         "default_host_lease": 2 * GiB,
+        "default_device_floor": 0,
+        "quota_deadline_s": 5.0,
         "socket_dir": "/tmp/tp",
         "socket_mode": "0660",
         "admin_socket_mode": "0600",

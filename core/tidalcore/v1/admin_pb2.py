@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tidalcore.v1 import common_pb2 as tidalpool_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tidalpool/v1/admin.proto\x12\x0ctidalpool.v1\x1a\x19tidalpool/v1/common.proto\"\x15\n\x13ListSessionsRequest\"C\n\x14ListSessionsResponse\x12+\n\x08sessions\x18\x01 \x03(\x0b\x32\x19.tidalpool.v1.SessionInfo\"9\n\x13\x45victSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"B\n\x14\x45victSessionResponse\x12*\n\x07session\x18\x01 \x01(\x0b\x32\x19.tidalpool.v1.SessionInfo\"\x13\n\x11PoolStatusRequest\"\xbe\x02\n\x12PoolStatusResponse\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\'\n\x06\x64\x65vice\x18\x02 \x01(\x0b\x32\x17.tidalpool.v1.PoolUsage\x12%\n\x04host\x18\x03 \x01(\x0b\x32\x17.tidalpool.v1.PoolUsage\x12\x10\n\x08sessions\x18\x04 \x01(\r\x12\x0f\n\x07version\x18\x05 \x01(\t\x12\x17\n\x0fstarted_unix_ns\x18\x06 \x01(\x03\x12\x0c\n\x04mode\x18\x07 \x01(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x08 \x01(\x04\x12:\n\x05\x66\x61\x63ts\x18\t \x03(\x0b\x32+.tidalpool.v1.PoolStatusResponse.FactsEntry\x1a,\n\nFactsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x32\x86\x02\n\x05\x41\x64min\x12U\n\x0cListSessions\x12!.tidalpool.v1.ListSessionsRequest\x1a\".tidalpool.v1.ListSessionsResponse\x12U\n\x0c\x45victSession\x12!.tidalpool.v1.EvictSessionRequest\x1a\".tidalpool.v1.EvictSessionResponse\x12O\n\nPoolStatus\x12\x1f.tidalpool.v1.PoolStatusRequest\x1a .tidalpool.v1.PoolStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tidalpool/v1/admin.proto\x12\x0ctidalpool.v1\x1a\x19tidalpool/v1/common.proto\"Y\n\x0fSetQuotaRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10\x64\x65vice_min_bytes\x18\x02 \x01(\x04\x12\x18\n\x10\x64\x65vice_max_bytes\x18\x03 \x01(\x04\">\n\x10SetQuotaResponse\x12*\n\x07session\x18\x01 \x01(\x0b\x32\x19.tidalpool.v1.SessionInfo\"\x15\n\x13ListSessionsRequest\"C\n\x14ListSessionsResponse\x12+\n\x08sessions\x18\x01 \x03(\x0b\x32\x19.tidalpool.v1.SessionInfo\"9\n\x13\x45victSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"B\n\x14\x45victSessionResponse\x12*\n\x07session\x18\x01 \x01(\x0b\x32\x19.tidalpool.v1.SessionInfo\"\x13\n\x11PoolStatusRequest\"\xbe\x02\n\x12PoolStatusResponse\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\'\n\x06\x64\x65vice\x18\x02 \x01(\x0b\x32\x17.tidalpool.v1.PoolUsage\x12%\n\x04host\x18\x03 \x01(\x0b\x32\x17.tidalpool.v1.PoolUsage\x12\x10\n\x08sessions\x18\x04 \x01(\r\x12\x0f\n\x07version\x18\x05 \x01(\t\x12\x17\n\x0fstarted_unix_ns\x18\x06 \x01(\x03\x12\x0c\n\x04mode\x18\x07 \x01(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x08 \x01(\x04\x12:\n\x05\x66\x61\x63ts\x18\t \x03(\x0b\x32+.tidalpool.v1.PoolStatusResponse.FactsEntry\x1a,\n\nFactsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x32\xd1\x02\n\x05\x41\x64min\x12U\n\x0cListSessions\x12!.tidalpool.v1.ListSessionsRequest\x1a\".tidalpool.v1.ListSessionsResponse\x12U\n\x0c\x45victSession\x12!.tidalpool.v1.EvictSessionRequest\x1a\".tidalpool.v1.EvictSessionResponse\x12O\n\nPoolStatus\x12\x1f.tidalpool.v1.PoolStatusRequest\x1a .tidalpool.v1.PoolStatusResponse\x12I\n\x08SetQuota\x12\x1d.tidalpool.v1.SetQuotaRequest\x1a\x1e.tidalpool.v1.SetQuotaResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,20 +34,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_POOLSTATUSRESPONSE_FACTSENTRY']._loaded_options = None
   _globals['_POOLSTATUSRESPONSE_FACTSENTRY']._serialized_options = b'8\001'
-  _globals['_LISTSESSIONSREQUEST']._serialized_start=69
-  _globals['_LISTSESSIONSREQUEST']._serialized_end=90
-  _globals['_LISTSESSIONSRESPONSE']._serialized_start=92
-  _globals['_LISTSESSIONSRESPONSE']._serialized_end=159
-  _globals['_EVICTSESSIONREQUEST']._serialized_start=161
-  _globals['_EVICTSESSIONREQUEST']._serialized_end=218
-  _globals['_EVICTSESSIONRESPONSE']._serialized_start=220
-  _globals['_EVICTSESSIONRESPONSE']._serialized_end=286
-  _globals['_POOLSTATUSREQUEST']._serialized_start=288
-  _globals['_POOLSTATUSREQUEST']._serialized_end=307
-  _globals['_POOLSTATUSRESPONSE']._serialized_start=310
-  _globals['_POOLSTATUSRESPONSE']._serialized_end=628
-  _globals['_POOLSTATUSRESPONSE_FACTSENTRY']._serialized_start=584
-  _globals['_POOLSTATUSRESPONSE_FACTSENTRY']._serialized_end=628
-  _globals['_ADMIN']._serialized_start=631
-  _globals['_ADMIN']._serialized_end=893
+  _globals['_SETQUOTAREQUEST']._serialized_start=69
+  _globals['_SETQUOTAREQUEST']._serialized_end=158
+  _globals['_SETQUOTARESPONSE']._serialized_start=160
+  _globals['_SETQUOTARESPONSE']._serialized_end=222
+  _globals['_LISTSESSIONSREQUEST']._serialized_start=224
+  _globals['_LISTSESSIONSREQUEST']._serialized_end=245
+  _globals['_LISTSESSIONSRESPONSE']._serialized_start=247
+  _globals['_LISTSESSIONSRESPONSE']._serialized_end=314
+  _globals['_EVICTSESSIONREQUEST']._serialized_start=316
+  _globals['_EVICTSESSIONREQUEST']._serialized_end=373
+  _globals['_EVICTSESSIONRESPONSE']._serialized_start=375
+  _globals['_EVICTSESSIONRESPONSE']._serialized_end=441
+  _globals['_POOLSTATUSREQUEST']._serialized_start=443
+  _globals['_POOLSTATUSREQUEST']._serialized_end=462
+  _globals['_POOLSTATUSRESPONSE']._serialized_start=465
+  _globals['_POOLSTATUSRESPONSE']._serialized_end=783
+  _globals['_POOLSTATUSRESPONSE_FACTSENTRY']._serialized_start=739
+  _globals['_POOLSTATUSRESPONSE_FACTSENTRY']._serialized_end=783
+  _globals['_ADMIN']._serialized_start=786
+  _globals['_ADMIN']._serialized_end=1123
 # @@protoc_insertion_point(module_scope)

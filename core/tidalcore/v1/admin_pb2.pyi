@@ -7,6 +7,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class SetQuotaRequest(_message.Message):
+    __slots__ = ("session_id", "device_min_bytes", "device_max_bytes")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MIN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    device_min_bytes: int
+    device_max_bytes: int
+    def __init__(self, session_id: _Optional[str] = ..., device_min_bytes: _Optional[int] = ..., device_max_bytes: _Optional[int] = ...) -> None: ...
+
+class SetQuotaResponse(_message.Message):
+    __slots__ = ("session",)
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    session: _common_pb2.SessionInfo
+    def __init__(self, session: _Optional[_Union[_common_pb2.SessionInfo, _Mapping]] = ...) -> None: ...
+
 class ListSessionsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

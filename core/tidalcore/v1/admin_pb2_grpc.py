@@ -49,6 +49,11 @@ class AdminStub:
                 request_serializer=tidalpool_dot_v1_dot_admin__pb2.PoolStatusRequest.SerializeToString,
                 response_deserializer=tidalpool_dot_v1_dot_admin__pb2.PoolStatusResponse.FromString,
                 _registered_method=True)
+        self.SetQuota = channel.unary_unary(
+                '/tidalpool.v1.Admin/SetQuota',
+                request_serializer=tidalpool_dot_v1_dot_admin__pb2.SetQuotaRequest.SerializeToString,
+                response_deserializer=tidalpool_dot_v1_dot_admin__pb2.SetQuotaResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -72,6 +77,13 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetQuota(self, request, context):
+        """Change an elastic session's floor and ceiling; the daemon shares the pool again at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +101,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.PoolStatus,
                     request_deserializer=tidalpool_dot_v1_dot_admin__pb2.PoolStatusRequest.FromString,
                     response_serializer=tidalpool_dot_v1_dot_admin__pb2.PoolStatusResponse.SerializeToString,
+            ),
+            'SetQuota': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetQuota,
+                    request_deserializer=tidalpool_dot_v1_dot_admin__pb2.SetQuotaRequest.FromString,
+                    response_serializer=tidalpool_dot_v1_dot_admin__pb2.SetQuotaResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -172,6 +189,33 @@ class Admin:
             '/tidalpool.v1.Admin/PoolStatus',
             tidalpool_dot_v1_dot_admin__pb2.PoolStatusRequest.SerializeToString,
             tidalpool_dot_v1_dot_admin__pb2.PoolStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetQuota(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tidalpool.v1.Admin/SetQuota',
+            tidalpool_dot_v1_dot_admin__pb2.SetQuotaRequest.SerializeToString,
+            tidalpool_dot_v1_dot_admin__pb2.SetQuotaResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -45,7 +45,7 @@ class PoolUsage(_message.Message):
     def __init__(self, total_bytes: _Optional[int] = ..., leased_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., quarantined_bytes: _Optional[int] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session_id", "job_name", "pid", "uid", "lease", "device_used_bytes", "device_peak_bytes", "host_used_bytes", "events_received", "iterations_seen", "attached_unix_ns", "state", "swap_limit_bytes", "swapped_out_bytes", "swapped_in_bytes", "swap_stall_ns", "plan_misses", "live_peak_bytes")
+    __slots__ = ("session_id", "job_name", "pid", "uid", "lease", "device_used_bytes", "device_peak_bytes", "host_used_bytes", "events_received", "iterations_seen", "attached_unix_ns", "state", "swap_limit_bytes", "swapped_out_bytes", "swapped_in_bytes", "swap_stall_ns", "plan_misses", "live_peak_bytes", "device_floor_bytes", "device_quota_bytes", "device_max_bytes")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_NAME_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,9 @@ class SessionInfo(_message.Message):
     SWAP_STALL_NS_FIELD_NUMBER: _ClassVar[int]
     PLAN_MISSES_FIELD_NUMBER: _ClassVar[int]
     LIVE_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FLOOR_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     job_name: str
     pid: int
@@ -82,4 +85,7 @@ class SessionInfo(_message.Message):
     swap_stall_ns: int
     plan_misses: int
     live_peak_bytes: int
-    def __init__(self, session_id: _Optional[str] = ..., job_name: _Optional[str] = ..., pid: _Optional[int] = ..., uid: _Optional[int] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., device_used_bytes: _Optional[int] = ..., device_peak_bytes: _Optional[int] = ..., host_used_bytes: _Optional[int] = ..., events_received: _Optional[int] = ..., iterations_seen: _Optional[int] = ..., attached_unix_ns: _Optional[int] = ..., state: _Optional[str] = ..., swap_limit_bytes: _Optional[int] = ..., swapped_out_bytes: _Optional[int] = ..., swapped_in_bytes: _Optional[int] = ..., swap_stall_ns: _Optional[int] = ..., plan_misses: _Optional[int] = ..., live_peak_bytes: _Optional[int] = ...) -> None: ...
+    device_floor_bytes: int
+    device_quota_bytes: int
+    device_max_bytes: int
+    def __init__(self, session_id: _Optional[str] = ..., job_name: _Optional[str] = ..., pid: _Optional[int] = ..., uid: _Optional[int] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., device_used_bytes: _Optional[int] = ..., device_peak_bytes: _Optional[int] = ..., host_used_bytes: _Optional[int] = ..., events_received: _Optional[int] = ..., iterations_seen: _Optional[int] = ..., attached_unix_ns: _Optional[int] = ..., state: _Optional[str] = ..., swap_limit_bytes: _Optional[int] = ..., swapped_out_bytes: _Optional[int] = ..., swapped_in_bytes: _Optional[int] = ..., swap_stall_ns: _Optional[int] = ..., plan_misses: _Optional[int] = ..., live_peak_bytes: _Optional[int] = ..., device_floor_bytes: _Optional[int] = ..., device_quota_bytes: _Optional[int] = ..., device_max_bytes: _Optional[int] = ...) -> None: ...

@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 from tidalcore.v1 import common_pb2 as tidalpool_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atidalpool/v1/handles.proto\x12\x0ctidalpool.v1\x1a\x19tidalpool/v1/common.proto\"v\n\x0eHandlesRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x14\n\x0c\x64\x65vice_bytes\x18\x02 \x01(\x04\x12\x12\n\nhost_bytes\x18\x03 \x01(\x04\x12\x10\n\x08job_name\x18\x04 \x01(\t\x12\x17\n\x0fgive_back_token\x18\x05 \x01(\t\"\xdf\x01\n\x0fHandlesResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\x12\"\n\x05lease\x18\x03 \x01(\x0b\x32\x13.tidalpool.v1.Lease\x12\x10\n\x08\x66\x64_count\x18\x08 \x01(\r\x12\x12\n\nipc_handle\x18\t \x01(\x0c\x12\x12\n\nerror_code\x18\x06 \x01(\t\x12\x15\n\rerror_message\x18\x07 \x01(\tJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06R\x14\x64\x65vice_segment_bytesR\x12host_segment_bytes\"\'\n\x07\x46\x64\x42\x61tch\x12\r\n\x05\x66irst\x18\x01 \x01(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\rb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atidalpool/v1/handles.proto\x12\x0ctidalpool.v1\x1a\x19tidalpool/v1/common.proto\"\xb5\x01\n\x0eHandlesRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x14\n\x0c\x64\x65vice_bytes\x18\x02 \x01(\x04\x12\x12\n\nhost_bytes\x18\x03 \x01(\x04\x12\x10\n\x08job_name\x18\x04 \x01(\t\x12\x17\n\x0fgive_back_token\x18\x05 \x01(\t\x12\x0f\n\x07\x65lastic\x18\t \x01(\x08\x12\x18\n\x10\x64\x65vice_min_bytes\x18\n \x01(\x04\x12\x12\n\ngrow_token\x18\x0b \x01(\t\"\x9b\x02\n\x0fHandlesResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\x12\"\n\x05lease\x18\x03 \x01(\x0b\x32\x13.tidalpool.v1.Lease\x12\x10\n\x08\x66\x64_count\x18\x08 \x01(\r\x12\x12\n\nipc_handle\x18\t \x01(\x0c\x12\x1b\n\x13\x64\x65vice_floor_chunks\x18\n \x01(\r\x12\x1d\n\x15\x64\x65vice_ceiling_chunks\x18\x0b \x01(\r\x12\x12\n\nerror_code\x18\x06 \x01(\t\x12\x15\n\rerror_message\x18\x07 \x01(\tJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06R\x14\x64\x65vice_segment_bytesR\x12host_segment_bytes\"\'\n\x07\x46\x64\x42\x61tch\x12\r\n\x05\x66irst\x18\x01 \x01(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\rb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tidalpool.v1.handles_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_HANDLESREQUEST']._serialized_start=71
-  _globals['_HANDLESREQUEST']._serialized_end=189
-  _globals['_HANDLESRESPONSE']._serialized_start=192
-  _globals['_HANDLESRESPONSE']._serialized_end=415
-  _globals['_FDBATCH']._serialized_start=417
-  _globals['_FDBATCH']._serialized_end=456
+  _globals['_HANDLESREQUEST']._serialized_start=72
+  _globals['_HANDLESREQUEST']._serialized_end=253
+  _globals['_HANDLESRESPONSE']._serialized_start=256
+  _globals['_HANDLESRESPONSE']._serialized_end=539
+  _globals['_FDBATCH']._serialized_start=541
+  _globals['_FDBATCH']._serialized_end=580
 # @@protoc_insertion_point(module_scope)

@@ -54,14 +54,26 @@ class AttachResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., lease: _Optional[_Union[_common_pb2.Lease, _Mapping]] = ..., heartbeat_interval_ms: _Optional[int] = ..., trace_chunk_events: _Optional[int] = ..., plan_shapes: _Optional[int] = ...) -> None: ...
 
 class ClientMessage(_message.Message):
-    __slots__ = ("heartbeat", "trace", "step")
+    __slots__ = ("heartbeat", "trace", "step", "lease_return")
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     TRACE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    LEASE_RETURN_FIELD_NUMBER: _ClassVar[int]
     heartbeat: Heartbeat
     trace: TraceChunk
     step: StepMark
-    def __init__(self, heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., trace: _Optional[_Union[TraceChunk, _Mapping]] = ..., step: _Optional[_Union[StepMark, _Mapping]] = ...) -> None: ...
+    lease_return: LeaseReturn
+    def __init__(self, heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., trace: _Optional[_Union[TraceChunk, _Mapping]] = ..., step: _Optional[_Union[StepMark, _Mapping]] = ..., lease_return: _Optional[_Union[LeaseReturn, _Mapping]] = ...) -> None: ...
+
+class LeaseReturn(_message.Message):
+    __slots__ = ("device_chunks", "quota_id", "shortfall")
+    DEVICE_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_ID_FIELD_NUMBER: _ClassVar[int]
+    SHORTFALL_FIELD_NUMBER: _ClassVar[int]
+    device_chunks: _containers.RepeatedScalarFieldContainer[int]
+    quota_id: int
+    shortfall: str
+    def __init__(self, device_chunks: _Optional[_Iterable[int]] = ..., quota_id: _Optional[int] = ..., shortfall: _Optional[str] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("device_used_bytes", "device_peak_bytes", "host_used_bytes", "plan_misses", "swapped_out_bytes", "swapped_in_bytes", "swap_stall_ns", "on_demand_out_bytes", "on_demand_in_bytes", "live_peak_bytes")
@@ -231,14 +243,20 @@ class PlanUnavailable(_message.Message):
     def __init__(self, limit_bytes: _Optional[int] = ..., kind: _Optional[str] = ..., reason: _Optional[str] = ..., lowest_limit_bytes: _Optional[int] = ..., shape: _Optional[str] = ...) -> None: ...
 
 class QuotaChange(_message.Message):
-    __slots__ = ("device_limit_bytes", "host_limit_bytes", "reason")
+    __slots__ = ("device_limit_bytes", "host_limit_bytes", "reason", "quota_id", "deadline_ms", "device_chunks")
     DEVICE_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
     HOST_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_ID_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     device_limit_bytes: int
     host_limit_bytes: int
     reason: str
-    def __init__(self, device_limit_bytes: _Optional[int] = ..., host_limit_bytes: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    quota_id: int
+    deadline_ms: int
+    device_chunks: int
+    def __init__(self, device_limit_bytes: _Optional[int] = ..., host_limit_bytes: _Optional[int] = ..., reason: _Optional[str] = ..., quota_id: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., device_chunks: _Optional[int] = ...) -> None: ...
 
 class SessionError(_message.Message):
     __slots__ = ("code", "message")
