@@ -17,6 +17,13 @@ whole `map` calls only, run by run, because CUDA cannot unmap part of one cuMemM
 chunks with mmap(MAP_FIXED) into a PROT_NONE reservation; `CudaPageSpace` maps VMM handles, a
 whole chunk a page (CUDA maps a handle only from its start), with cuMemMap into a
 cuMemAddressReserve range. Both follow `PageSpace`.
+
+An elastic lease (`ElasticPages`, sim only) grows by chunks appended as new slots and gives
+whole chunks back while the session runs; a slot given back stays empty for good, so the
+formula above holds for every frame ever handed out:
+
+    slots      | chunk 0 | chunk 1 (given back) | chunk 2 | chunk 3 (added) |
+    frames       p0..p3    p4..p7: withdrawn       p8..p11   p12..p15
 """
 
 from __future__ import annotations
@@ -27,9 +34,9 @@ import mmap
 import os
 import re
 from abc import abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, runtime_checkable
 
 from tidalcore.chunks import map_none, map_shared, map_zero, reserve, unmap
 from tidalcore.cuda_driver import DevicePtr, Driver, MemHandle
@@ -45,18 +52,71 @@ class Frames:
     of consecutive free pages long enough (one mapping call maps it), and only when there is
     none, the fewest runs, longest first: every run costs a system or driver call to map and
     another to unmap. Pages given back `parked` (still mapped at their old addresses, which a
-    block placed there again could take as they are) are handed out last."""
+    block placed there again could take as they are) are handed out last. An elastic lease
+    `add`s pages at the end and `withdraw`s free ones for good (their indexes stay taken)."""
 
     def __init__(self, count: int) -> None:
         if count < 0:
             raise ValueError(f"a lease of {count} pages")
-        self.count = count
-        self._free = bytearray(b"\x01") * count  # 0: taken, 1: free, 2: free and parked
+        self.count = count  # the indexes 0..count-1, withdrawn ones included
+        self._free = bytearray(b"\x01") * count  # 0: taken (or withdrawn), 1: free, 2: parked
+        self._gone = bytearray(count)  # 1: withdrawn, for good (it reads as taken in `_free`)
         self._left = count
+        self._withdrawn = 0
 
     @property
     def free(self) -> int:
+        """Free pages (parked ones too); never a withdrawn one."""
         return self._left
+
+    @property
+    def usable(self) -> int:
+        """The pages of the lease still: `count` less the withdrawn ones."""
+        return self.count - self._withdrawn
+
+    def add(self, n: int) -> range:
+        """`n` new free pages, at the end of the indexes (a chunk the lease grew by)."""
+        if n < 0:
+            raise ValueError(f"cannot add {n} pages")
+        first = self.count
+        self._free += b"\x01" * n
+        self._gone += bytes(n)
+        self.count += n
+        self._left += n
+        return range(first, self.count)
+
+    def withdraw(self, frames: Sequence[int]) -> None:
+        """Free `frames` leave the lease for good (a chunk given back): never handed out,
+        given or counted again. A parked page is refused: the stale page that shows it must be
+        unmapped first (`unpark`). All of them or none."""
+        seen: set[int] = set()
+        for p in frames:
+            if not 0 <= p < self.count:
+                raise ValueError(f"page {p} is not a page of this lease (0..{self.count - 1})")
+            if self._gone[p] or p in seen:
+                raise ValueError(f"page {p} is withdrawn already")
+            if self._free[p] == 0:
+                raise ValueError(f"page {p} is taken")
+            if self._free[p] == 2:
+                raise ValueError(f"page {p} is parked: unmap the stale page that shows it first")
+            seen.add(p)
+        for p in frames:
+            self._free[p] = 0
+            self._gone[p] = 1
+        self._left -= len(frames)
+        self._withdrawn += len(frames)
+
+    def taken(self, frames: Iterable[int]) -> int:
+        """How many of `frames` are taken (ValueError for a page withdrawn or not of the
+        lease)."""
+        n = 0
+        for p in frames:
+            if not 0 <= p < self.count:
+                raise ValueError(f"page {p} is not a page of this lease (0..{self.count - 1})")
+            if self._gone[p]:
+                raise ValueError(f"page {p} is withdrawn")
+            n += self._free[p] == 0
+        return n
 
     def take(self, n: int, parked: bool = True) -> list[int] | None:
         """`n` free pages, or None when fewer than `n` are free (nothing is taken then);
@@ -119,11 +179,15 @@ class Frames:
 
     def give(self, frames: Sequence[int], parked: bool = False) -> None:
         """Return `frames` to the free pages (`parked`: handed out last); a page already free
-        (or given twice) is refused before anything changes."""
+        (or given twice), or withdrawn, is refused before anything changes."""
         value = 2 if parked else 1
         if not frames:
             return
         lo, hi, n = min(frames), max(frames), len(frames)
+        if self._withdrawn and self._gone.find(1, max(lo, 0), hi + 1) >= 0:
+            for p in frames:
+                if 0 <= p < self.count and self._gone[p]:
+                    raise ValueError(f"page {p} is withdrawn")
         run = hi - lo + 1 == n and len(set(frames)) == n  # one run: checked and set bytewise
         if run and lo >= 0 and hi < self.count and self._free.count(0, lo, hi + 1) == n:
             self._free[lo : hi + 1] = bytes((value,)) * n
@@ -184,6 +248,36 @@ class PageSpace(Protocol):
         ...
 
 
+@runtime_checkable
+class ElasticPages(PageSpace, Protocol):
+    """A `PageSpace` whose lease grows and shrinks by whole chunks while it runs; only
+    `SimPageSpace` is one (on CUDA, moving a page onto another handle would need a copy on
+    the device). Chunk slot k holds frames k*per_chunk .. (k+1)*per_chunk-1; a slot is never
+    reused."""
+
+    per_chunk: int
+
+    @property
+    def slots(self) -> list[int]:
+        """The chunk slots of the lease now, ascending (those given back are not)."""
+        ...
+
+    def add_chunk(self, fd: int) -> int:
+        """Add a chunk (the space keeps a duplicate of `fd`; the caller closes its own):
+        its slot, and `frames` grows by `per_chunk`."""
+        ...
+
+    def drop_chunk(self, slot: int) -> None:
+        """Give chunk `slot` back for good: ValueError naming a page that still maps one of
+        its frames; once dropped, `map` and `remap` refuse its frames."""
+        ...
+
+    def remap(self, offset: int, frame: int) -> None:
+        """The page at `offset` (mapped by one `map` call of that page alone) shows physical
+        page `frame` instead, with the bytes it shows now (copied into `frame` first)."""
+        ...
+
+
 class _Run(NamedTuple):
     """`pages` pages mapped with one call: virtual page `page` onwards shows pages `first`
     onwards of chunk `chunk`."""
@@ -231,6 +325,8 @@ class _PageTable(PageSpace):
         self._frame = [-1] * (length // page)  # the physical page at each virtual page, or -1
         self._calls: dict[int, int] = {}  # first virtual page of each map call -> its pages
         self._mapped = 0
+        self._slot_pages = [0] * chunks  # virtual pages mapped on each chunk's frames
+        self._dropped: set[int] = set()  # chunks given back: their frames are never mapped
 
     @property
     def mapped_pages(self) -> int:
@@ -279,6 +375,8 @@ class _PageTable(PageSpace):
                 raise ValueError(f"page {v} (offset {v * self.page}) is already mapped")
             if not 0 <= p < self.frames:
                 raise ValueError(f"frame {p} is outside the lease of {self.frames} pages")
+            if self._dropped and p // self.per_chunk in self._dropped:
+                raise ValueError(f"frame {p} is of chunk {p // self.per_chunk}, given back")
             if p in seen:
                 raise ValueError(f"frame {p} appears twice")
             seen.add(p)
@@ -292,6 +390,8 @@ class _PageTable(PageSpace):
             for run in reversed(done):
                 self._unmap_run(run)
             raise
+        for run in done:
+            self._slot_pages[run.chunk] += run.pages
         for k, p in enumerate(frames):
             self._frame[first + k] = p
         self._calls[first] = len(frames)
@@ -320,6 +420,7 @@ class _PageTable(PageSpace):
         frames = self._frame[v : v + n]
         for run in _runs(v, frames, self.per_chunk):
             self._unmap_run(run)
+            self._slot_pages[run.chunk] -= run.pages
         for k in range(len(frames)):
             self._frame[v + k] = -1
         del self._calls[v]
@@ -337,6 +438,7 @@ class _PageTable(PageSpace):
         self._frame = [-1] * len(self._frame)
         self._calls.clear()
         self._mapped = 0
+        self._slot_pages = [0] * len(self._slot_pages)
 
     def close(self) -> None:
         if self._closed:
@@ -363,10 +465,14 @@ def _too_many_maps(error: OSError, page: int) -> OSError:
     )
 
 
-class SimPageSpace(_PageTable):
+class SimPageSpace(_PageTable, ElasticPages):
     """`PageSpace` over memfd chunks: a PROT_NONE reservation aligned to `page`, and pages of the
     chunk fds mapped shared into it with MAP_FIXED. `chunk_fds` stay the caller's (it keeps
     duplicates). `page` is a multiple of the OS page and divides `chunk_bytes`.
+
+    It is `ElasticPages`: a chunk added takes the next slot, a chunk dropped closes its
+    duplicate (its slot stays empty), and `remap` copies a page's bytes with pread/pwrite on
+    the fds, then maps the new frame over the old one with one mmap(MAP_FIXED).
 
     An unmapped page is PROT_NONE again, so a stale access faults (SIGSEGV) rather than reading
     old bytes. `retire()` puts private zero pages over the whole range and closes the fds, as
@@ -389,6 +495,69 @@ class SimPageSpace(_PageTable):
             self._close_fds()
             raise
         super().__init__(address, length, page, len(chunk_fds), chunk_bytes)
+        self._chunk_bytes = chunk_bytes
+
+    @property
+    def slots(self) -> list[int]:
+        return [k for k, fd in enumerate(self._fds) if fd >= 0]
+
+    def add_chunk(self, fd: int) -> int:
+        if self.retired:
+            raise RuntimeError("the page space is retired")
+        size = os.fstat(fd).st_size
+        slot = len(self._fds)
+        if size < self._chunk_bytes:
+            raise ValueError(f"chunk {slot} holds {size} bytes, fewer than {self._chunk_bytes}")
+        self._fds.append(os.dup(fd))
+        self._slot_pages.append(0)
+        self.frames += self.per_chunk
+        return slot
+
+    def drop_chunk(self, slot: int) -> None:
+        if self.retired:
+            raise RuntimeError("the page space is retired")
+        if not 0 <= slot < len(self._fds) or self._fds[slot] < 0:
+            raise ValueError(f"chunk {slot} is not a chunk of this lease (slots {self.slots})")
+        if self._slot_pages[slot]:
+            lo, hi = slot * self.per_chunk, (slot + 1) * self.per_chunk
+            v = next(v for v, f in enumerate(self._frame) if lo <= f < hi)
+            raise ValueError(
+                f"page {v} (offset {v * self.page}) maps frame {self._frame[v]} of chunk {slot}:"
+                " unmap or remap it first"
+            )
+        fd, self._fds[slot] = self._fds[slot], -1
+        self._dropped.add(slot)
+        os.close(fd)
+
+    def remap(self, offset: int, frame: int) -> None:
+        v = self._pages(offset, 1)
+        old = self._frame[v]
+        if old < 0:
+            raise ValueError(f"page {v} (offset {offset}) is not mapped")
+        if self._calls.get(v) != 1:
+            raise ValueError(f"page {v} is not mapped by a map call of its own: cannot remap it")
+        if not 0 <= frame < self.frames:
+            raise ValueError(f"frame {frame} is outside the lease of {self.frames} pages")
+        chunk, first = divmod(frame, self.per_chunk)
+        if chunk in self._dropped:
+            raise ValueError(f"frame {frame} is of chunk {chunk}, given back")
+        if frame == old:
+            return
+        src, at = self._fds[old // self.per_chunk], (old % self.per_chunk) * self.page
+        dst, to = self._fds[chunk], first * self.page
+        done = 0
+        while done < self.page:  # the bytes the page shows: its frame's, in the page cache
+            data = os.pread(src, self.page - done, at + done)
+            if not data:
+                raise OSError(errno.EIO, f"frame {old} ends before its page is read")
+            written = 0
+            while written < len(data):
+                written += os.pwrite(dst, data[written:], to + done + written)
+            done += len(data)
+        self._map_run(_Run(v, chunk, first, 1))  # MAP_FIXED: over the old frame at once
+        self._slot_pages[old // self.per_chunk] -= 1
+        self._slot_pages[chunk] += 1
+        self._frame[v] = frame
 
     def buffer(self, offset: int, nbytes: int) -> memoryview:
         """The bytes [offset, offset+nbytes) of the range (their pages must be mapped to be
@@ -418,7 +587,9 @@ class SimPageSpace(_PageTable):
 
     def _close_fds(self) -> None:
         while self._fds:
-            os.close(self._fds.pop())
+            fd = self._fds.pop()
+            if fd >= 0:
+                os.close(fd)
 
     def _release(self) -> None:
         unmap(self.address, self.length)

@@ -34,13 +34,19 @@ Swapped-out blocks keep their addresses, and their bytes are there only inside a
 one, an access reads the block's last bytes while its old mapping lasts (`Residency`: until
 another block takes its frame, or, when ops queued on the compute stream may still read that
 mapping, until they have run), and faults after (sim).
+
+An elastic lease (`ElasticPages`, sim): `add_chunks` grows the lease by chunks, `give_back`
+returns whole chunks while the job runs (blocks leave, LRU first, until the rest fits; pages
+beneath the blocks left move off the chunks; no block moves its address), and `set_limit`
+moves the limit alone. Another thread asks for these with `defer`: they run on the session's
+thread at the start of its next `step`, `begin_op` or `try_malloc`.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -49,7 +55,7 @@ from tidalcore.events import ALLOC, FREE
 from tidalcore.pages import MAX_WASTE, owns_pages
 from tidalcore.units import ALIGNMENT, BlockId, Bytes, Offset, align_up
 
-from tidalclient.devices.pages import Frames, PageSpace
+from tidalclient.devices.pages import ElasticPages, Frames, PageSpace
 from tidalclient.devices.streams import Completion, CopyStream, Stream
 from tidalclient.errors import InvalidBlock, LeaseExceeded
 from tidalclient.executors.base import (
@@ -119,7 +125,7 @@ class Paged:
         page = space.page
         if page & (page - 1) or page % ALIGNMENT:
             raise ValueError(f"a page of {page} bytes: not a power of two multiple of {ALIGNMENT}")
-        self._limit_pages = min(limit, frames.count * page) // page
+        self._limit_pages = min(limit, frames.usable * page) // page
         if self._limit_pages < 1:
             raise ValueError(f"a limit of {limit} bytes is under one page of {page} bytes")
         if space.length % (4 * page):
@@ -139,6 +145,7 @@ class Paged:
         else:
             self._out, self._in = streams(gbps)
         self._compute = compute
+        self._frames = frames
         self.residency = Residency(space, frames, host_address, host_capacity, self._out, self._in)
         self._trace = trace
         self._live: dict[int, _Live] = {}
@@ -155,7 +162,11 @@ class Paged:
         self._plan: Plan | None = None
         self._schedule: OpSchedule | None = None
         self._waiting_ins: list[int] = []  # swaps issued whose pages did not fit yet
-        self._limit = min(limit, frames.count * page)  # as asked: whole pages count under it
+        self._limit = min(limit, frames.usable * page)  # as asked: whole pages count under it
+        self._deferred: deque[Callable[[Paged], None]] = deque()  # from other threads
+        # The lease grows and shrinks while the session runs (set by its elastic lease): a plan
+        # for more than the limit now waits for chunks instead of being refused.
+        self.elastic = False
         self.live_bytes = self.peak_live_bytes = 0
         self.mallocs = self.frees = 0
         self.plan_hits = self.plan_misses = 0
@@ -184,7 +195,7 @@ class Paged:
     @property
     def largest_free(self) -> int:
         """Any free pages serve any block: the bytes that may still be mapped."""
-        return self._limit_pages * self.page - self.residency.mapped_bytes
+        return max(0, self._limit_pages * self.page - self.residency.mapped_bytes)
 
     @property
     def timeline(self) -> Timeline | None:
@@ -210,6 +221,8 @@ class Paged:
         return block
 
     def try_malloc(self, nbytes: int) -> Block | None:
+        if self._deferred:
+            self._run_deferred()
         nbytes = check_size(nbytes)
         self.residency.poll()
         index = len(self._iter_ids)
@@ -450,6 +463,8 @@ class Paged:
     def begin_op(self, blocks: Sequence[Block]) -> list[int]:
         """Hold `blocks` on the device for one op, bringing in and waiting for those away;
         issue the schedule's swap-ins of this op and wait for those it needs."""
+        if self._deferred:
+            self._run_deferred()
         lives = [self._entry(b) for b in blocks]
         self.residency.poll()
         self._tick += 1
@@ -543,13 +558,20 @@ class Paged:
         return base
 
     def step(self) -> int:
+        if self._deferred:
+            self._run_deferred()
         plan, self._pending_plan = self._pending_plan, None
         if self._online:
             self._online = False
             self._plan = self._schedule = None
         elif plan is not None and plan is not self._plan:  # the plan in use stays where it is
             base = self._region_for(plan)
-            if isinstance(base, str):
+            if self._growing(plan):
+                # Made for the quota an elastic lease is growing to: it waits for the chunks,
+                # unless a newer plan comes first.
+                if self._pending_plan is None:
+                    self._pending_plan = plan
+            elif isinstance(base, str):
                 self.plans_refused += 1
                 log.warning("tidalpool: plan %d is not run: %s", plan.plan_id, base)
             else:
@@ -566,6 +588,144 @@ class Paged:
         if self._trace is not None:  # where the live blocks are: a next plan keeps them there
             self._trace.step(self._iteration, self.placed())
         return self._iteration
+
+    # -- an elastic lease ----------------------------------------------------------------------
+    def defer(self, fn: Callable[[Paged], None]) -> None:
+        """Run `fn(self)` on the session's thread at the start of its next `step`, `begin_op`
+        or `try_malloc`, before anything else there, in the order deferred, once. Thread-safe
+        (one append); an exception from `fn` is raised to that call, and the functions
+        deferred after it run at the next one."""
+        self._deferred.append(fn)
+
+    def _run_deferred(self) -> None:
+        while self._deferred:
+            self._deferred.popleft()(self)
+
+    def _elastic(self) -> ElasticPages:
+        space = self.space
+        if not isinstance(space, ElasticPages):
+            raise TypeError(
+                f"this session's {type(space).__name__} has a fixed lease: it cannot grow or"
+                " give chunks back"
+            )
+        return space
+
+    @property
+    def slots(self) -> list[int]:
+        """The chunk slots of the lease now, ascending (TypeError: not an elastic lease)."""
+        return self._elastic().slots
+
+    def set_limit(self, limit: int) -> None:
+        """Run under `limit` bytes from now on (whole pages count; at most the lease's). A lower
+        limit makes room at once, as an allocation would (copies waited for, least recently
+        used blocks out); what cannot leave now (held by an op, pinned, no host room) stays
+        mapped over it until it can, and the next allocation makes room again. A plan made
+        for more than the limit stops at once: blocks are placed online until one fits."""
+        page = self.page
+        capped = min(limit, self._frames.usable * page)
+        if capped < page:
+            raise ValueError(f"a limit of {limit} bytes is under one page of {page} bytes")
+        self._limit, self._limit_pages = capped, capped // page
+        if self._plan is not None and self._plan.limit > capped:
+            log.info(
+                "tidalpool: plan %d was made for %d bytes, over the new limit %d: placing online",
+                self._plan.plan_id,
+                self._plan.limit,
+                capped,
+            )
+            self._plan = self._schedule = None
+            self._waiting_ins.clear()
+        self._room(0)
+
+    def add_chunks(self, fds: Sequence[int], limit: int) -> list[int]:
+        """Grow the lease by a chunk for each of `fds` (the space keeps duplicates: the caller
+        closes its own), then run under `limit` bytes (`set_limit`): the new chunks' slots.
+        All of them or none."""
+        space = self._elastic()
+        added: list[int] = []
+        try:
+            for fd in fds:
+                added.append(space.add_chunk(fd))
+                frames = self._frames.add(space.per_chunk)
+                assert frames.stop == space.frames, "the frames and the space disagree"
+                self.residency.grow(space.per_chunk)
+        except BaseException:
+            for slot in added:  # unused: their frames leave again
+                space.drop_chunk(slot)
+                first = slot * space.per_chunk
+                self._frames.withdraw(range(first, first + space.per_chunk))
+            raise
+        self.set_limit(limit)
+        return added
+
+    def give_back(self, count: int, limit: int) -> list[int]:
+        """Give `count` whole chunks of the lease back while the session runs, then run under
+        `limit` bytes (at most what is left): the slots given back, those with the fewest
+        frames beneath blocks. The copies in flight finish and the compute work is waited for;
+        least recently used page-owning blocks (not held by an op, not pinned) leave until the
+        pages held fit the new limit; the pages beneath the blocks left move off the chunks
+        (same addresses, same bytes). LeaseExceeded, before anything moves, when the blocks
+        that cannot leave (held, pinned, packed) hold more than fits; a full host lease is
+        found only while blocks leave (those that left stay away). Every chunk (`count` the
+        number of slots) is LeaseExceeded too: a session keeps one at least."""
+        space = self._elastic()
+        slots = space.slots
+        if not 0 <= count <= len(slots):
+            raise ValueError(f"cannot give back {count} of the lease's {len(slots)} chunks")
+        if count == len(slots):
+            raise LeaseExceeded(
+                f"cannot give back all {count} chunks of the lease: a session keeps one at least"
+            )
+        page, per_chunk, res = self.page, space.per_chunk, self.residency
+        left = self._frames.usable - count * per_chunk
+        target = min(limit, left * page) // page  # the pages the blocks may hold after
+        if target < 1:
+            raise ValueError(f"a limit of {limit} bytes is under one page of {page} bytes")
+        self._settle()
+        victims: list[_Live] = []
+        freed = 0
+        over = res.held_pages - target
+        for k, live in self._lru.items():
+            if freed >= over:
+                break
+            if not live.locks and not live.pinned and res.where(k) == DEVICE:
+                victims.append(live)
+                freed += res.new_pages(live.block.offset, live.block.size, owning=True)
+        if freed < over:
+            raise LeaseExceeded(
+                f"cannot give back {count} of the {len(slots)} chunks of"
+                f" {size_text(per_chunk * page)}: {size_text((res.held_pages - freed) * page)}"
+                " stay mapped (blocks held by an op or pinned, packed pages), over the"
+                f" {size_text(target * page)} left"
+            )
+        for live in victims:
+            if not self._evict(live):
+                raise LeaseExceeded(
+                    f"cannot give back {count} of the {len(slots)} chunks: the host lease has no"
+                    f" room for {describe(live.block)}"
+                )
+        self._settle()
+        taken = {k: self._frames.taken(range(k * per_chunk, (k + 1) * per_chunk)) for k in slots}
+        chosen = sorted(sorted(slots, key=lambda k: (taken[k], -k))[:count])
+        res.vacate([f for k in chosen for f in range(k * per_chunk, (k + 1) * per_chunk)])
+        for k in chosen:
+            space.drop_chunk(k)
+        self.set_limit(limit)
+        return chosen
+
+    def _settle(self) -> None:
+        """Wait for the compute work enqueued so far and for every copy in flight."""
+        after = self._after()
+        if after is not None:
+            self.residency.wait(after, "compute, to give chunks back")
+        while self.residency.reclaim():
+            pass
+        self.residency.poll()
+
+    def _growing(self, plan: Plan) -> bool:
+        """Whether `plan` is for more than the limit now of an elastic lease, which may grow
+        to it (the daemon plans for the quota it sent; its chunks may come later)."""
+        return self._limit < plan.limit and self.elastic
 
     def placed(self) -> tuple[tuple[int, int, bool], ...]:
         """Every live block: (id, address in the range, whether it owns whole pages)."""

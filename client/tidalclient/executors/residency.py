@@ -31,19 +31,25 @@ an access outside an op to a block that is away reads its own last bytes, or fau
 
 "Does not fit" is a return value: `place` and `restore` return False, changing nothing, when
 the lease has too few free frames; `reclaim` waits for the oldest copy to free its frames.
+
+An elastic lease (`ElasticPages`) changes under a running session: `grow` takes in frames a
+chunk added, and `vacate` empties the frames of chunks to give back, every block keeping its
+address and bytes: a page beneath a block moves to a free frame elsewhere (`remap`), a stale
+page showing one is unmapped, and the frames leave the lease (`Frames.withdraw`).
 """
 
 from __future__ import annotations
 
 from array import array
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from itertools import repeat
 from typing import TYPE_CHECKING
 
-from tidalclient.devices.pages import Frames, PageSpace
+from tidalclient.devices.pages import ElasticPages, Frames, PageSpace
 from tidalclient.devices.streams import Completion, CopyStream, Waits
+from tidalclient.errors import LeaseExceeded
 from tidalclient.executors.base import ARRIVING, DEVICE, HOST, LEAVING
 from tidalclient.executors.bestfit import BestFit
 
@@ -135,11 +141,11 @@ class Residency:
     @property
     def mapped_bytes(self) -> int:
         """The frames held: beneath live blocks, and by copies out still running."""
-        return (self._frames.count - self._frames.free) * self.page
+        return (self._frames.usable - self._frames.free) * self.page
 
     @property
     def held_pages(self) -> int:
-        return self._frames.count - self._frames.free
+        return self._frames.usable - self._frames.free
 
     def _mapped(self) -> None:
         self.peak_mapped_bytes = max(self.peak_mapped_bytes, self.mapped_bytes)
@@ -232,23 +238,31 @@ class Residency:
                 continue
             fresh = self._frames.take(1, parked=False)
             if fresh is None:  # every free frame is a stale page's: the longest stale goes
-                frame, shown = self._longest_stale()
-                taken = self._frames.take_these([frame])
-                assert taken
-                fresh = [frame]
-                self._parked_for[frame] = -1
-                after = self._stale_after[shown]
-                if after is None or after.query():  # nothing uses it: it goes now
-                    self._forget(shown)
-                    self.space.unmap(shown * self.page, 1)
-                else:  # it goes once the work that used it is done (`poll`)
-                    self._doomed.add(shown)
+                fresh = [self._take_longest_stale(now=False)]
             if stale >= 0:
                 self._unmap_stale(p)
             self.space.map(p * self.page, fresh)
             got.append(fresh[0])
         self._taken(got, _run(got), copied)
         return got
+
+    def _take_longest_stale(self, now: bool) -> int:
+        """Take the free frame parked for a stale page longest. That page is unmapped now
+        when no work uses it any more (`now`: once that work is done, waited for), else
+        once it is done (`poll`)."""
+        frame, shown = self._longest_stale()
+        taken = self._frames.take_these([frame])
+        assert taken
+        self._parked_for[frame] = -1
+        after = self._stale_after[shown]
+        if after is None or after.query() or now:
+            if after is not None:
+                self.wait(after, "compute on a page to unmap")
+            self._forget(shown)
+            self.space.unmap(shown * self.page, 1)
+        else:
+            self._doomed.add(shown)
+        return frame
 
     def _longest_stale(self) -> tuple[int, int]:
         """The free frame parked for a stale page longest, and that page."""
@@ -477,6 +491,83 @@ class Residency:
         else:  # in, or out but kept: the host copy goes
             self._host.release(h.host)
             h.host, h.where = -1, DEVICE
+
+    # -- an elastic lease ------------------------------------------------------------------
+    def grow(self, n: int) -> None:
+        """The lease grew by `n` frames, already added to the free ones (`Frames.add`)."""
+        if n < 0 or len(self._fences) + n != self._frames.count:
+            raise ValueError(
+                f"{n} frames more than {len(self._fences)} is not the lease's {self._frames.count}:"
+                " add them to the frames first"
+            )
+        self._parked_for.extend(array("i", _NONE) * n)
+        self._fences.extend(repeat(None, n))
+
+    def vacate(self, frames: Collection[int], after: Completion | None = None) -> None:
+        """`frames` leave the lease for good (chunks given back); every block keeps its address
+        and its bytes. Each page mapped on one of them beneath a live block (page-owning,
+        pinned or not, or a packed page) moves to a free frame outside them (`remap`), each
+        stale page showing one is unmapped (once its work is done), then all are withdrawn.
+        `after`: the compute work that may still use the blocks, waited for before a byte
+        moves. No copy may be in flight (`reclaim` them first). LeaseExceeded, with nothing
+        changed, when too few free frames lie outside `frames` for the moves."""
+        space = self.space
+        if not isinstance(space, ElasticPages):
+            raise TypeError(f"a {type(space).__name__} cannot move a page onto another frame")
+        if self._flights:
+            raise ValueError(f"copies are in flight ({len(self._flights)}): reclaim them first")
+        gone = set(frames)
+        taken = self._frames.taken(gone)  # ValueError for a frame withdrawn or not the lease's
+        moves: list[tuple[int, _Held | None, int, int]] = []  # page, block (None: packed), i, frame
+        for h in self._held.values():
+            if h.frames and not gone.isdisjoint(h.frames):
+                first = h.offset // self.page
+                moves.extend((first + i, h, i, f) for i, f in enumerate(h.frames) if f in gone)
+        moves.extend((p, None, 0, f) for p, (_, f) in self._packed.items() if f in gone)
+        if len(moves) != taken:
+            raise AssertionError(f"{taken} of the frames are taken, {len(moves)} beneath blocks")
+        spare = self._frames.free - (len(gone) - taken)
+        if spare < taken:
+            raise LeaseExceeded(
+                f"cannot give back {len(gone)} pages: {taken} of them are beneath blocks, and"
+                f" {spare} free pages lie outside them to move those to"
+            )
+        if after is not None:
+            self.wait(after, "compute on the pages to move")
+        # Every other mapping of them goes: stale pages (which unparks the free frames they
+        # showed), and those a block took while work still used them (doomed).
+        stale = {self._parked_for[f] for f in gone} | {
+            p for p in self._doomed if self._shows[p] in gone
+        }
+        stale.discard(-1)
+        for p in sorted(stale):
+            self._unmap_stale(p)
+        for event in dict.fromkeys(self._fences[f] for f in gone):  # work on the free ones
+            if event is not None:
+                self.wait(event, "compute on the pages to give back")
+        for f in gone:
+            self._fences[f] = None
+        olds = sorted(f for _, _, _, f in moves)
+        self._frames.withdraw(sorted(gone.difference(olds)))  # no move takes them now
+        for page, held, i, _ in moves:
+            frame = self._spare_frame()
+            space.remap(page * self.page, frame)
+            if held is not None:
+                held.frames[i] = frame
+            else:
+                count, _ = self._packed[page]
+                self._packed[page] = (count, frame)
+        self._frames.give(olds)
+        self._frames.withdraw(olds)
+
+    def _spare_frame(self) -> int:
+        """A free frame to move a page onto, taken, with no work using it any more."""
+        got = self._frames.take(1, parked=False)
+        frame = got[0] if got is not None else self._take_longest_stale(now=True)
+        event, self._fences[frame] = self._fences[frame], None
+        if event is not None:
+            self.wait(event, "compute on a frame to move a page onto")
+        return frame
 
     def close(self) -> None:
         """Wait for every copy in flight and finish it, then unmap every stale mapping."""
