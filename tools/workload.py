@@ -45,6 +45,7 @@ class Job:
     pause_s: float = 0.0  # between iterations
     start_s: float = 0.0  # after the workload starts
     stay: bool = True  # once trained, stay attached until the workload stops; False: detach
+    elastic: bool = False  # an elastic lease (with page_bytes): floor half the lease, ceiling it
 
 
 def evict(socket_dir: Path, session_id: str, reason: str = "evicted by the workload") -> None:
@@ -116,7 +117,9 @@ class Workload:
         swap_limit = None if job.swap_fraction is None else int(job.swap_fraction * self._peak)
         with tidalpool.attach(
             self.socket_dir,
-            device_limit=lease,
+            device_limit=None if job.elastic else lease,
+            device_min=lease // 2 if job.elastic else None,
+            device_max=lease if job.elastic else None,
             host_limit=lease if swap_limit is not None else None,
             job_name=job.name,
             swap_limit=swap_limit,

@@ -2,7 +2,7 @@
 
     Attach (gRPC) ──▶ Session stream ──▶ out: heartbeats, trace chunks, step marks (send)
                                      ◀── in:  plans (on_plan), why none (on_unplanned),
-                                              refusals (errors), goodbye
+                                              quota changes (on_quota), refusals, goodbye
                   ──▶ flush: the outbox handed to the stream, then Stats until the daemon has
                              the whole trace ──▶ Detach
 
@@ -104,14 +104,15 @@ class Connection:
         on_end: Callable[[], None],
         heartbeat: Callable[[], pool_pb2.Heartbeat],
         interval_s: float,
+        on_quota: Callable[[pool_pb2.QuotaChange], None] | None = None,
     ) -> None:
         """Start the listener (plans to `on_plan`, the daemon's word that it cannot make one
-        to `on_unplanned`, `on_end()` once the session is over) and the heartbeats
-        (`heartbeat()` every `interval_s`)."""
+        to `on_unplanned`, an elastic lease's quota changes to `on_quota`, `on_end()` once the
+        session is over) and the heartbeats (`heartbeat()` every `interval_s`)."""
         self._threads = [
             threading.Thread(
                 target=self._listen,
-                args=(on_plan, on_unplanned, on_end),
+                args=(on_plan, on_unplanned, on_end, on_quota),
                 name="tidalpool-listen",
                 daemon=True,
             ),
@@ -235,6 +236,7 @@ class Connection:
         on_plan: Callable[[pool_pb2.PlanUpdate], None],
         on_unplanned: Callable[[pool_pb2.PlanUnavailable], None],
         on_end: Callable[[], None],
+        on_quota: Callable[[pool_pb2.QuotaChange], None] | None,
     ) -> None:
         assert self._responses is not None
         try:
@@ -247,6 +249,13 @@ class Connection:
                     on_plan(msg.plan)
                 elif body == "unplanned":
                     on_unplanned(msg.unplanned)
+                elif body == "quota":
+                    if on_quota is None:
+                        log.warning(
+                            "tidalpool: the daemon changed the quota of a fixed lease: ignored"
+                        )
+                    else:
+                        on_quota(msg.quota)
                 elif body == "error":
                     self.errors.append(msg.error)
                     log.warning(

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from tidalcore import framing
 from tidalcore.v1 import handles_pb2
-from tidalcore.wire import HANDLES_GIVE_BACK_VERSION, HANDLES_VERSION
+from tidalcore.wire import HANDLES_ELASTIC_VERSION, HANDLES_GIVE_BACK_VERSION, HANDLES_VERSION
 
 from tidalclient.errors import AttachError
 
@@ -53,8 +53,11 @@ def request_lease(
     job_name: str,
     timeout: float = 10.0,
     daemon_users: str | None = None,
+    device_min: int | None = None,
 ) -> Grant:
-    """One exchange on the handles socket; AttachError names why it failed.
+    """One exchange on the handles socket; AttachError names why it failed. `device_min`
+    (0: the daemon's default) asks for an elastic lease: that floor, `device_bytes` its
+    ceiling (0: the whole pool); the grant holds the floor's chunks.
 
     The daemon must run as a user this client accepts, checked before anything is sent:
     `daemon_users`, comma-separated user names or uids ("root" or "0" for a daemon run as
@@ -67,6 +70,24 @@ def request_lease(
         host_bytes=host_bytes,
         job_name=job_name,
     )
+    if device_min is not None:
+        request.version, request.elastic = HANDLES_ELASTIC_VERSION, True
+        request.device_min_bytes = device_min
+    return _granted(path, request, timeout, daemon_users)
+
+
+def grow(path: Path, token: str, timeout: float = 10.0, daemon_users: str | None = None) -> Grant:
+    """Take device chunks up to an elastic session's quota (version 4 of the handles
+    protocol): the grant names only the chunks added (none when none is free), with their
+    fds. AttachError names why it failed."""
+    request = handles_pb2.HandlesRequest(version=HANDLES_ELASTIC_VERSION, grow_token=token)
+    return _granted(path, request, timeout, daemon_users)
+
+
+def _granted(
+    path: Path, request: handles_pb2.HandlesRequest, timeout: float, daemon_users: str | None
+) -> Grant:
+    """The lease `request` is answered with, and its fds."""
     with _connected(path, timeout, daemon_users) as (sock, daemon_uid):
         try:
             response = _exchange(sock, request)

@@ -45,6 +45,7 @@ from tidalclient.connection import Connection
 from tidalclient.devices.lease import CudaLease, DeviceLease, HostLease, MappedLease, map_grant
 from tidalclient.devices.pages import CudaPageSpace, Frames, PageSpace, SimPageSpace
 from tidalclient.devices.streams import Elapsed, Stream, TimedStream
+from tidalclient.elastic import ElasticLease
 from tidalclient.errors import AttachError, InvalidBlock, SessionClosed
 from tidalclient.executors.base import Block, Executor, Residency, SwapStats
 from tidalclient.executors.native import NativeExecutor
@@ -120,6 +121,8 @@ def attach(
     async_compute: bool = False,
     daemon_users: str | None = None,
     page_bytes: int | str | None = None,
+    device_min: int | str | None = None,
+    device_max: int | str | None = None,
 ) -> Session:
     """Open a session with the daemon of `socket_dir` and map its lease.
 
@@ -147,6 +150,12 @@ def attach(
     daemon's plans for it are paged (executors/paged.py). A multiple of the OS page that divides
     the lease's chunks (sim); on cuda, the daemon's chunk size itself (CUDA maps a VMM handle
     only whole: a daemon with 2 MiB chunks gives 2 MiB pages).
+    `device_min`/`device_max` (with `page_bytes`, instead of `device_limit`): an elastic
+    lease. The floor `device_min` is guaranteed while the session lives (the attach waits, up
+    to the daemon's quota_deadline_s, for chunks other jobs borrowed to come back; 0: the
+    daemon's default_device_floor); above it the session borrows, up to `device_max` (0: the
+    whole pool), what the daemon lends it by need, and gives chunks back when asked
+    (`tidalclient.elastic`). Its swap limit holds within the chunks it has.
     Raises AttachError when there is no daemon, it runs as a user not accepted, or it
     refuses (wrong uid, pool exhausted, its GPU not visible here).
     """
@@ -172,9 +181,27 @@ def attach(
         raise ValueError("page_bytes pages a session under a limit: give swap_limit too")
     if page and allocator == "native":
         raise ValueError("the native allocator does not page: drop page_bytes")
+    elastic = device_min is not None or device_max is not None
+    if elastic and not page:
+        raise ValueError(
+            "device_min and device_max make an elastic lease, which gives chunks back while the"
+            " job runs: only a paged session can (give page_bytes and swap_limit)"
+        )
+    if elastic and device_limit is not None:
+        raise ValueError(
+            "device_limit is a fixed lease; device_min and device_max an elastic one: give one"
+        )
+    floor = parse_size(device_min) if device_min is not None else 0
+    if elastic:
+        device_bytes = parse_size(device_max) if device_max is not None else 0
     name = job_name or os.environ.get("TIDALPOOL_JOB_NAME") or Path(sys.argv[0] or "python").name
     grant = request_lease(
-        directory / HANDLES_SOCKET, device_bytes, host_bytes, name, daemon_users=daemon_users
+        directory / HANDLES_SOCKET,
+        device_bytes,
+        host_bytes,
+        name,
+        daemon_users=daemon_users,
+        device_min=floor if elastic else None,
     )
     attached = False
 
@@ -186,7 +213,9 @@ def attach(
     try:
         mapped = map_lease(grant, driver)
         try:
-            space = _page_space(grant, mapped, page) if page else None
+            space = _page_space(grant, mapped, page, elastic) if page else None
+            if elastic:  # its chunks are reached only through the pages, which can let go
+                mapped.device.retire()
         except BaseException:
             mapped.device.retire()
             mapped.host.retire()
@@ -253,12 +282,25 @@ def attach(
         space,
         plan_shapes=reply.plan_shapes or 1,
     )
+    if elastic:
+        assert isinstance(executor, Paged) and swap_bytes is not None
+        session.elastic = ElasticLease(
+            executor,
+            list(grant.response.lease.device.chunks),
+            grant.response.lease.device.chunk_bytes,
+            swap_bytes,
+            connection.send,
+            directory / HANDLES_SOCKET,
+            grant.response.token,
+            daemon_users,
+        )
     connection.start(
         on_plan=session._receive_plan,
         on_unplanned=session._receive_unplanned,
         on_end=session._ended,
         heartbeat=session._heartbeat,
         interval_s=(reply.heartbeat_interval_ms or 1000) / 1000,
+        on_quota=session.elastic.on_quota if session.elastic is not None else None,
     )
     return session
 
@@ -281,18 +323,26 @@ def map_lease(grant: Grant, driver: Driver | None = None) -> MappedLease:
     return map_grant(grant, driver)
 
 
-def _page_space(grant: Grant, mapped: MappedLease, page: int) -> PageSpace:
+def _page_space(grant: Grant, mapped: MappedLease, page: int, elastic: bool) -> PageSpace:
     """The virtual range of a paged session over its device lease's chunks (ValueError names
-    a page the lease cannot be cut into)."""
+    a page the lease cannot be cut into); an `elastic` one's is as long as its ceiling asks."""
     chunk = grant.response.lease.device.chunk_bytes
     if chunk % page:
         raise AttachError(
             f"pages of {page} bytes do not divide the daemon's chunks of {chunk} bytes:"
             " give page_bytes a divisor of them"
         )
-    length = range_bytes(mapped.device.length, page)
+    lease = mapped.device.length
+    if elastic:
+        lease = max(lease, grant.response.device_ceiling_chunks * chunk)
+    length = range_bytes(lease, page)
     if mapped.cuda is None:
         return SimPageSpace(grant.device_fds, chunk, page, length)
+    if elastic:
+        raise AttachError(
+            "an elastic lease on cuda is not built yet: its pages would have to take and drop"
+            " VMM handles while the job runs; attach with device_limit (a fixed lease)"
+        )
     from tidalclient.devices.cuda import CudaDeviceMapping
 
     if not isinstance(mapped.device, CudaDeviceMapping):
@@ -466,6 +516,8 @@ class Session:
         self._released = False  # threads joined, channel closed, mappings retired
         self._dead: deque[Block] = deque()  # blocks of garbage tensors, freed at the next op
         self._arrays: weakref.WeakSet[Any] = weakref.WeakSet()  # owners of `array`s (sim)
+        # An elastic lease's chunks and quota (attach's device_min/device_max); None: fixed.
+        self.elastic: ElasticLease | None = None
 
     @property
     def errors(self) -> list[pool_pb2.SessionError]:

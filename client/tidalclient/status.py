@@ -26,19 +26,25 @@ class Unreachable(Exception):
     """The daemon's Admin service could not be asked; the message says why, in a few words."""
 
 
-def fetch(
-    socket_dir: Path, timeout: float = 5.0
-) -> tuple[admin_pb2.PoolStatusResponse, admin_pb2.ListSessionsResponse]:
-    """Pool usage and sessions from the Admin service on the daemon's admin socket, which by
-    default only the daemon's uid and root may use; Unreachable says why it cannot be asked."""
+def _admin_socket(socket_dir: Path) -> Path:
+    """The daemon's admin socket, or Unreachable saying why this process cannot use it."""
     path = socket_dir / ADMIN_SOCKET
     if not path.exists():
         raise Unreachable(f"{path} does not exist")
     if not os.access(path, os.W_OK):
         raise Unreachable(
-            f"permission denied on {path}: the Admin service (status, top) answers the"
+            f"permission denied on {path}: the Admin service (status, top, quota) answers the"
             " daemon's uid and root only, unless the daemon's admin_socket_mode lets others in"
         )
+    return path
+
+
+def fetch(
+    socket_dir: Path, timeout: float = 5.0
+) -> tuple[admin_pb2.PoolStatusResponse, admin_pb2.ListSessionsResponse]:
+    """Pool usage and sessions from the Admin service on the daemon's admin socket, which by
+    default only the daemon's uid and root may use; Unreachable says why it cannot be asked."""
+    path = _admin_socket(socket_dir)
     try:
         with grpc.insecure_channel(f"unix:{path}") as channel:
             admin = admin_pb2_grpc.AdminStub(channel)
@@ -49,6 +55,37 @@ def fetch(
             raise Unreachable(f"no answer from {path} within {timeout:g} s") from e
         raise Unreachable(e.details() or e.code().name) from e
     return pool, sessions
+
+
+def set_quota(
+    socket_dir: Path, session_id: str, device_min: int, device_max: int, timeout: float = 5.0
+) -> common_pb2.SessionInfo:
+    """Give an elastic session a new floor and ceiling (bytes; 0: unchanged) through the
+    Admin service; the session as it is then. Unreachable says why it could not be asked,
+    grpc.RpcError why the daemon refused."""
+    path = _admin_socket(socket_dir)
+    try:
+        with grpc.insecure_channel(f"unix:{path}") as channel:
+            reply: admin_pb2.SetQuotaResponse = admin_pb2_grpc.AdminStub(channel).SetQuota(
+                admin_pb2.SetQuotaRequest(
+                    session_id=session_id, device_min_bytes=device_min, device_max_bytes=device_max
+                ),
+                timeout=timeout,
+            )
+    except grpc.RpcError as e:
+        if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            raise Unreachable(e.details() or e.code().name) from e
+        raise
+    return reply.session
+
+
+def lease_text(s: common_pb2.SessionInfo) -> str:
+    """A session's device lease; an elastic one's floor, quota and ceiling beside it."""
+    held = f"{format_size(s.lease.device.length)} ({len(s.lease.device.chunks)} chunks)"
+    if not s.device_max_bytes:
+        return held
+    bounds = (s.device_floor_bytes, s.device_quota_bytes, s.device_max_bytes)
+    return f"{held} of {' / '.join(format_size(x) for x in bounds)}"
 
 
 def peak_text(s: common_pb2.SessionInfo) -> str:
@@ -106,7 +143,7 @@ def render(
                 s.job_name,
                 str(s.pid),
                 s.state,
-                f"{format_size(s.lease.device.length)} ({len(s.lease.device.chunks)} chunks)",
+                lease_text(s),
                 format_size(s.device_used_bytes),
                 peak_text(s),
                 format_size(s.lease.host.length),

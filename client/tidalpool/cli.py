@@ -27,6 +27,7 @@ from tidalclient.health import check
 from tidalclient.session import socket_dir_from_env
 from tidalcore import __version__
 from tidalcore.cli import DEBUG_ENV, Parser, debug_from_env
+from tidalcore.units import parse_size
 from tidaloffline import plan_command, replay, simulate_command
 
 GLOBAL_OPTIONS = ("--socket-dir",)  # options of `tidalpool` itself, given before the command
@@ -147,6 +148,13 @@ def _parser() -> tuple[Parser, dict[str, Parser]]:
     frames.add_argument(
         "--once", action="store_const", const=1, dest="iterations", help="one refresh, then stop"
     )
+    quota = commands.add_parser(
+        "quota",
+        help="change an elastic session's floor and ceiling (the pool is shared again at once)",
+    )
+    quota.add_argument("session", help="the session's id (tidalpool status lists them)")
+    quota.add_argument("--min", dest="device_min", metavar="SIZE", help="new floor, e.g. 1GiB")
+    quota.add_argument("--max", dest="device_max", metavar="SIZE", help="new ceiling, e.g. 8GiB")
     health = commands.add_parser(
         "health",
         help="exit 0 if the daemon serves, 1 if not (the gRPC health check, for probes)",
@@ -221,6 +229,9 @@ def _run(args: argparse.Namespace, command: Parser) -> int:
         )
         return 0 if answer.serving else 1
 
+    if args.command == "quota":
+        return _quota(socket_dir, args, command)
+
     try:
         pool, sessions = status_view.fetch(socket_dir)
     except status_view.Unreachable as e:
@@ -230,6 +241,31 @@ def _run(args: argparse.Namespace, command: Parser) -> int:
         print(status_view.as_json(pool, sessions))
     else:
         status_view.render(pool, sessions, console)
+    return 0
+
+
+def _quota(socket_dir: Path, args: argparse.Namespace, command: Parser) -> int:
+    """`tidalpool quota SESSION --min --max`: the session's new bounds, or why not."""
+    if args.device_min is None and args.device_max is None:
+        command.error("give --min, --max or both")
+    try:
+        floor = parse_size(args.device_min) if args.device_min is not None else 0
+        ceiling = parse_size(args.device_max) if args.device_max is not None else 0
+    except ValueError as e:
+        command.error(str(e))
+    if (args.device_min is not None and floor <= 0) or (
+        args.device_max is not None and ceiling <= 0
+    ):
+        command.error("--min and --max must be positive sizes")
+    try:
+        s = status_view.set_quota(socket_dir, args.session, floor, ceiling)
+    except status_view.Unreachable as e:
+        print(f"tidalpool: no daemon answers at {socket_dir}: {e}", file=sys.stderr)
+        return 1
+    except grpc.RpcError as e:
+        print(f"tidalpool: quota refused ({e.code().name}): {e.details()}", file=sys.stderr)
+        return 1
+    print(f"{s.session_id}: device {status_view.lease_text(s)} (held of floor / quota / ceiling)")
     return 0
 
 

@@ -137,6 +137,10 @@ BAD_INPUT = [
     ("tidalpool", ["top", "--interval", "0"], 2, "--interval must be a positive number"),
     ("tidalpool", ["--socket-dir", "NO_DAEMON", "health"], 1, "tidalpool: no daemon at NO_DAEMON"),
     ("tidalpool", ["health", "--timeout", "0"], 2, "--timeout must be a positive number"),
+    ("tidalpool", ["quota", "s-0"], 2, "give --min, --max or both"),
+    ("tidalpool", ["quota", "s-0", "--min", "lots"], 2, "tidalpool quota: error: "),
+    ("tidalpool", ["quota", "s-0", "--max", "0"], 2, "--min and --max must be positive sizes"),
+    ("tidalpool", ["--socket-dir", "NO_DAEMON", "quota", "s-0", "--max", "1GiB"], 1, "no daemon"),
     # tidalpoold
     ("tidalpoold", [], 2, "tidalpoold: error: the following arguments are required: command"),
     ("tidalpoold", ["serve", "--device-pool"], 2, "argument --device-pool: expected one argument"),
@@ -179,9 +183,14 @@ def _commands(program: str) -> list[str]:
 
 
 # What each command needs before an option can be unknown rather than a required one missing.
-REQUIRED = {"plan": ["TRACE"], "simulate": ["TRACE"], "replay": ["TRACE", "--limit", "0.9"]}
+REQUIRED = {
+    "plan": ["TRACE"],
+    "simulate": ["TRACE"],
+    "replay": ["TRACE", "--limit", "0.9"],
+    "quota": ["s-0"],
+}
 DOCUMENTED = {
-    "tidalpool": {"plan", "simulate", "replay", "demo", "status", "top", "health"},
+    "tidalpool": {"plan", "simulate", "replay", "demo", "status", "top", "health", "quota"},
     "tidalpoold": {"serve"},
 }
 

@@ -94,6 +94,7 @@ def test_every_dashboard_query_and_alert_has_series_from_a_real_daemon(
         Job("mlp", iterations=8, miss=True),
         Job("mlp-swap", iterations=8, swap_fraction=0.5, copy_gbps=1.0),
         Job("evicted", iterations=2, evict=True),
+        Job("mlp-elastic", iterations=8, swap_fraction=0.9, page_bytes=64 * 1024, elastic=True),
     ]
     with Prometheus.start(
         tmp_path / "prometheus", [address], [RULES / "tidalpool-alerts.yml"]
@@ -122,7 +123,8 @@ def check_series(p: Prometheus, address: str, work: Workload) -> None:
         'tidalpool_session_plan_misses_total{job_name="mlp"} == 1',
         'tidalpool_session_plan_fragmentation_ratio{job_name="mlp"} >= 1',
         'tidalpool_sessions_ended_total{reason="evicted"} == 1',
-        'tidalpool_grpc_requests_total{method="tidalpool.v1.Pool/Attach",code="OK"} == 3',
+        'tidalpool_grpc_requests_total{method="tidalpool.v1.Pool/Attach",code="OK"} == 4',
+        'tidalpool_session_device_quota_bytes{job_name="mlp-elastic",bound="floor"} > 0',
         'tidalpool_plans_total{outcome="solved"} >= 1',
         "tidalpool_trace_events_received_total > 0",
         f"count_over_time(tidalpool_session_peak_bytes{swap_job}[5s]) >= 4",  # rates have data

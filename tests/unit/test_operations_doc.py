@@ -32,7 +32,7 @@ def test_every_option_in_the_doc_exists(capsys: pytest.CaptureFixture[str]) -> N
     known = options(client_cli.main, capsys=capsys) | options(
         daemon_cli.main, "serve", capsys=capsys
     )
-    for command in ("status", "top", "health"):
+    for command in ("status", "top", "health", "quota"):
         known |= options(client_cli.main, command, capsys=capsys)
     named = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", DOC))
     assert named - known - OTHER_TOOLS == set()

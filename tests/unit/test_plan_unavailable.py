@@ -102,7 +102,7 @@ def test_the_stream_reader_hands_plans_and_refusals_to_their_callbacks(
         ]
     )
     seen: list[Any] = []
-    connection._listen(seen.append, seen.append, lambda: seen.append("end"))
+    connection._listen(seen.append, seen.append, lambda: seen.append("end"), None)
     assert seen == [UNDER.message(), plan, "end"]
 
 
