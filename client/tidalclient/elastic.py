@@ -5,15 +5,16 @@ quota the daemon sends (`QuotaChange`), while its job runs.
                                       │ quota above the chunks held: grow on the handles
                                       │ socket now (the daemon counts them held from here)
                                       ▼
-                                   executor.defer(_apply) ──▶ the job's thread, at its next
-                                      op, allocation or step: map the new chunks, or give
+                                   executor.defer(_apply) ──▶ the job's thread at its next
+                                      op, allocation or step, or a helper thread as soon as
+                                      the job is between ops: map the new chunks, or give
                                       chunks back (blocks on them swapped out or moved to
                                       other pages, the chunks closed) ──▶ LeaseReturn
 
 Every block keeps its address: giving chunks back is swapping some blocks out and moving
 pages beneath others (`Paged.give_back`). The executor runs under its swap limit within the
-chunks it holds. A job that makes no op, allocation or step for `quota_deadline_s` after being
-asked cannot give back, and the daemon ends its session, as it says in its goodbye.
+chunks it holds. Only a job inside one op for longer than `quota_deadline_s` after being asked
+cannot give back in time: the daemon ends its session, as it says in its goodbye.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ from tidalclient.executors.paged import Paged
 from tidalclient.handles import grow
 
 log = logging.getLogger("tidalpool")
+
+_IDLE_WAIT_S = 0.05
+"""How long one try to run deferred work waits for the job's thread to leave the executor."""
 
 
 class ElasticLease:
@@ -56,6 +60,8 @@ class ElasticLease:
         self._handles, self._token, self._users = handles, token, daemon_users
         self._chunk_of = dict(enumerate(chunks))  # executor slot -> the pool's chunk index
         self._lock = threading.Lock()
+        self._kicking = False
+        self.closed: Callable[[], bool] = lambda: False  # the session says when it is over
         self._held = len(chunks)  # chunks the daemon counts as this session's (granted)
         self._quota = len(chunks)
         self._quota_id = 0
@@ -94,6 +100,31 @@ class ElasticLease:
             self.executor.defer(lambda ex: self._add(ex, chunks, fds))
         else:
             self.executor.defer(self._give_back)
+        self._kick()
+
+    def _kick(self) -> None:
+        """Have the deferred work run soon even if the job makes no op for a while: a thread
+        runs it once the job's thread is between ops (`Paged.run_if_idle`). One at a time."""
+        with self._lock:
+            if self._kicking:
+                return
+            self._kicking = True
+        threading.Thread(target=self._run_when_idle, name="tidalpool-quota", daemon=True).start()
+
+    def _run_when_idle(self) -> None:
+        try:
+            while self.executor.deferred and not self.closed():
+                try:
+                    if self.executor.run_if_idle(_IDLE_WAIT_S):
+                        break
+                except Exception:  # the job's thread would have raised it; here, it is said
+                    log.exception("tidalpool: giving chunks back or taking them failed")
+                    break
+        finally:
+            with self._lock:
+                self._kicking = False
+            if self.executor.deferred and not self.closed():
+                self._kick()  # deferred while it was ending: not left waiting for an op
 
     def _limit(self, chunks: int) -> int:
         return min(self.swap_limit, chunks * self.chunk_bytes)

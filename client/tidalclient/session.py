@@ -294,6 +294,7 @@ def attach(
             grant.response.token,
             daemon_users,
         )
+        session.elastic.closed = lambda: session.closed
     connection.start(
         on_plan=session._receive_plan,
         on_unplanned=session._receive_unplanned,

@@ -54,7 +54,7 @@ JOB = textwrap.dedent(
     """
 )
 
-# A job that borrows and then stops making ops: it cannot give anything back.
+# A job that borrows, then hangs inside an op (a kernel that never ends): it cannot give back.
 STUCK = textwrap.dedent(
     """
     import sys, time
@@ -64,10 +64,40 @@ STUCK = textwrap.dedent(
         sys.argv[1], host_limit="8MiB", swap_limit="64MiB", page_bytes="64KiB",
         device_min="2MiB",
     )
+    block = session.tensor((1024,), "float32")
     print(session.id, flush=True)
-    while not session.closed:
-        time.sleep(0.05)
+    try:
+        with session.op(writes=[block], name="hang"):
+            while not session.closed:
+                time.sleep(0.05)
+    except tidalpool.SessionClosed:
+        pass
     print("ended", session.connection.goodbye.message, flush=True)
+    """
+)
+
+
+# A job that stamps its blocks, then waits outside any op (as a job between steps: loading data,
+# writing a checkpoint) until told to go on, then checks them.
+IDLE = textwrap.dedent(
+    """
+    import sys
+    import tidalpool
+
+    session = tidalpool.attach(
+        sys.argv[1], host_limit="64MiB", swap_limit="64MiB", page_bytes="64KiB",
+        device_min="2MiB",
+    )
+    arrays = [session.tensor((256 * 1024,), "float32") for _ in range(12)]
+    for k, a in enumerate(arrays):
+        with session.op(writes=[a], name="fill") as (x,):
+            x[:] = k
+    print(session.id, flush=True)
+    sys.stdin.readline()  # idle: no op, no allocation, no step
+    for k, a in enumerate(arrays):
+        with session.op(writes=[a], name="check") as (x,):
+            assert (x == k).all(), k
+    print("ok", session.elastic.held_chunks, flush=True)
     """
 )
 
@@ -75,7 +105,10 @@ STUCK = textwrap.dedent(
 class Job:
     def __init__(self, script: Path, *args: str) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, str(script), *args], stdout=subprocess.PIPE, text=True
+            [sys.executable, str(script), *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
         )
         assert self.process.stdout is not None
         self.id = self.process.stdout.readline().strip()
@@ -98,16 +131,18 @@ class Job:
     def stop(self) -> None:
         self.process.kill()
         self.process.wait(timeout=30)
-        assert self.process.stdout is not None
+        assert self.process.stdout is not None and self.process.stdin is not None
         self.process.stdout.close()
+        self.process.stdin.close()
 
 
 @pytest.fixture
-def scripts(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
-    job, stuck = tmp_path / "job.py", tmp_path / "stuck.py"
+def scripts(tmp_path: Path) -> Iterator[tuple[Path, Path, Path]]:
+    job, stuck, idle = tmp_path / "job.py", tmp_path / "stuck.py", tmp_path / "idle.py"
     job.write_text(JOB)
     stuck.write_text(STUCK)
-    yield job, stuck
+    idle.write_text(IDLE)
+    yield job, stuck, idle
 
 
 def held(socket_dir: Path, session_id: str) -> int:
@@ -116,7 +151,7 @@ def held(socket_dir: Path, session_id: str) -> int:
 
 
 def test_a_newcomer_gets_its_floor_from_a_job_that_borrowed_the_whole_pool(
-    start_daemon: StartDaemon, scripts: tuple[Path, Path]
+    start_daemon: StartDaemon, scripts: tuple[Path, Path, Path]
 ) -> None:
     daemon = start_daemon(*SMALL, device_pool="32MiB", chunk_size="2MiB")  # 16 chunks
     job = Job(scripts[0], str(daemon.socket_dir), "4MiB", "0", "40")  # needs 48 MiB: all 16
@@ -147,7 +182,7 @@ def test_a_newcomer_gets_its_floor_from_a_job_that_borrowed_the_whole_pool(
 
 
 def test_a_job_that_does_not_give_back_is_ended_and_nobody_else_notices(
-    start_daemon: StartDaemon, scripts: tuple[Path, Path]
+    start_daemon: StartDaemon, scripts: tuple[Path, Path, Path]
 ) -> None:
     daemon = start_daemon(
         *SMALL, "--quota-deadline-s", "1", device_pool="32MiB", chunk_size="2MiB"
@@ -176,3 +211,30 @@ def test_a_job_that_does_not_give_back_is_ended_and_nobody_else_notices(
     finally:
         bystander.stop()
         stuck.stop()
+
+
+def test_a_job_between_steps_gives_back_in_time_and_finds_its_data(
+    start_daemon: StartDaemon, scripts: tuple[Path, Path, Path]
+) -> None:
+    daemon = start_daemon(
+        *SMALL, "--quota-deadline-s", "1", device_pool="32MiB", chunk_size="2MiB"
+    )  # 16 chunks
+    idle = Job(scripts[2], str(daemon.socket_dir))
+    try:
+        wait_for(lambda: held(daemon.socket_dir, idle.id) == 16, "the idle job to borrow the pool")
+        with tidalpool.attach(
+            daemon.socket_dir,
+            host_limit="8MiB",
+            swap_limit="16MiB",
+            page_bytes="64KiB",
+            device_min="20MiB",
+            device_max="20MiB",
+        ) as newcomer:
+            assert newcomer.elastic is not None and newcomer.elastic.held_chunks == 10
+            assert held(daemon.socket_dir, idle.id) == 6  # given back while it made no op
+            assert idle.process.stdin is not None
+            idle.process.stdin.write("go on\n")
+            idle.process.stdin.flush()
+            assert idle.line() == "ok 6"  # its 12 MiB of blocks intact, on 12 MiB of chunks
+    finally:
+        idle.stop()

@@ -640,3 +640,23 @@ def test_add_chunks_is_all_or_nothing(sessions: Callable[..., Session]) -> None:
     assert s.ex.capacity == 8 * PAGE
     blk = s.ex.malloc(8 * PAGE)
     assert read(s.space, blk.offset + 4 * PAGE, PAGE) == stamp(50)
+
+
+def test_run_if_idle_runs_deferred_work_between_ops_never_inside_one(
+    sessions: Callable[..., Session],
+) -> None:
+    ex = sessions(2, limit_pages=8).ex
+    a = ex.malloc(PAGE)
+    ran: list[int] = []
+    ex.begin_op([a])
+    ex.defer(lambda got: ran.append(threading.get_ident()))
+    outcome: list[bool] = []
+    other = threading.Thread(target=lambda: outcome.append(ex.run_if_idle(0.05)))
+    other.start()
+    other.join()
+    assert outcome == [False] and ran == [] and ex.deferred == 1  # the op holds the executor
+    ex.end_op([a])
+    other = threading.Thread(target=lambda: outcome.append(ex.run_if_idle(5.0)))
+    other.start()
+    other.join()
+    assert outcome == [False, True] and ran == [other.ident] and ex.deferred == 0

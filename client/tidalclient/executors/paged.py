@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -84,6 +85,10 @@ log = logging.getLogger("tidalpool")
 RANGE_PER_LEASE = 16
 """The range a session reserves, in device leases: a quarter of it for each online part and
 half for a plan's region (addresses cost nothing until pages are mapped beneath them)."""
+
+
+_CLOSE_WAIT_S = 5.0
+"""How long `close` waits for work another thread runs on the executor (a give-back)."""
 
 
 def range_bytes(lease: int, page: int) -> int:
@@ -164,6 +169,10 @@ class Paged:
         self._waiting_ins: list[int] = []  # swaps issued whose pages did not fit yet
         self._limit = min(limit, frames.usable * page)  # as asked: whole pages count under it
         self._deferred: deque[Callable[[Paged], None]] = deque()  # from other threads
+        # Held by the session's thread inside every call and from an op's begin to its end:
+        # deferred work runs on another thread only while it is free (`run_if_idle`).
+        self._busy = threading.RLock()
+        self._ops_open = 0
         # The lease grows and shrinks while the session runs (set by its elastic lease): a plan
         # for more than the limit now waits for chunks instead of being refused.
         self.elastic = False
@@ -221,6 +230,10 @@ class Paged:
         return block
 
     def try_malloc(self, nbytes: int) -> Block | None:
+        with self._busy:
+            return self._try_malloc(nbytes)
+
+    def _try_malloc(self, nbytes: int) -> Block | None:
         if self._deferred:
             self._run_deferred()
         nbytes = check_size(nbytes)
@@ -288,6 +301,10 @@ class Paged:
         self._ends[offset] = offset + nbytes
 
     def free(self, block: Block) -> None:
+        with self._busy:
+            return self._free(block)
+
+    def _free(self, block: Block) -> None:
         live = self._entry(block)
         if live.locks:
             raise InvalidBlock(f"{describe(block)} is in use by an op")
@@ -315,6 +332,10 @@ class Paged:
         return live
 
     def pin(self, block: Block) -> None:
+        with self._busy:
+            return self._pin(block)
+
+    def _pin(self, block: Block) -> None:
         """Keep the block on the device for good (an array holds its address)."""
         live = self._entry(block)
         self._bring([live], on_demand=True)
@@ -331,6 +352,10 @@ class Paged:
         return self.residency.where(self._entry(block).block.id)
 
     def swap_out(self, block: Block) -> bool:
+        with self._busy:
+            return self._swap_out(block)
+
+    def _swap_out(self, block: Block) -> bool:
         """Start copying the block out now; False when it does not own pages, is held by an op
         or pinned, is not on the device, or the host lease has no room."""
         live = self._entry(block)
@@ -341,6 +366,10 @@ class Paged:
         return self._evict(live)
 
     def prefetch(self, block: Block) -> None:
+        with self._busy:
+            return self._prefetch(block)
+
+    def _prefetch(self, block: Block) -> None:
         """Start bringing the block back now when its pages fit under the limit."""
         live = self._entry(block)
         if self.residency.where(block.id) in (HOST, LEAVING):
@@ -461,6 +490,26 @@ class Paged:
 
     # -- ops ---------------------------------------------------------------------------------
     def begin_op(self, blocks: Sequence[Block]) -> list[int]:
+        """`_begin_op`, holding the executor until the op's `end_op`: work another thread
+        runs when the session is idle (`run_if_idle`) never runs inside an op."""
+        self._busy.acquire()
+        try:
+            offsets = self._begin_op(blocks)
+        except BaseException:
+            self._busy.release()
+            raise
+        self._ops_open += 1
+        return offsets
+
+    def end_op(self, blocks: Sequence[Block]) -> None:
+        try:
+            self._end_op(blocks)
+        finally:
+            if self._ops_open:
+                self._ops_open -= 1
+                self._busy.release()
+
+    def _begin_op(self, blocks: Sequence[Block]) -> list[int]:
         """Hold `blocks` on the device for one op, bringing in and waiting for those away;
         issue the schedule's swap-ins of this op and wait for those it needs."""
         if self._deferred:
@@ -499,7 +548,7 @@ class Paged:
                 self._lru.move_to_end(live.block.id)
         return [live.block.offset for live in lives]
 
-    def end_op(self, blocks: Sequence[Block]) -> None:
+    def _end_op(self, blocks: Sequence[Block]) -> None:
         """Release the op's blocks and run the swap-outs after it."""
         for b in blocks:
             live = self._live.get(b.id)
@@ -558,6 +607,10 @@ class Paged:
         return base
 
     def step(self) -> int:
+        with self._busy:
+            return self._step()
+
+    def _step(self) -> int:
         if self._deferred:
             self._run_deferred()
         plan, self._pending_plan = self._pending_plan, None
@@ -596,6 +649,23 @@ class Paged:
         (one append); an exception from `fn` is raised to that call, and the functions
         deferred after it run at the next one."""
         self._deferred.append(fn)
+
+    def run_if_idle(self, timeout: float) -> bool:
+        """Run the deferred work on the calling thread as soon as the session's thread is
+        outside the executor (between its calls and ops), waiting up to `timeout` seconds for
+        that; False when it was busy throughout. An exception from the work is raised here."""
+        if not self._busy.acquire(timeout=timeout):
+            return False
+        try:
+            self._run_deferred()
+        finally:
+            self._busy.release()
+        return True
+
+    @property
+    def deferred(self) -> int:
+        """Deferred work not run yet."""
+        return len(self._deferred)
 
     def _run_deferred(self) -> None:
         while self._deferred:
@@ -767,12 +837,19 @@ class Paged:
 
     def synchronize(self) -> None:
         """Wait for every copy in flight and settle it."""
-        self.residency.close()
+        with self._busy:
+            self.residency.close()
 
     def close(self) -> None:
         """Finish the copies in flight, stop the streams and retire the range: no page of
-        the lease stays reachable through it. Idempotent."""
-        self.residency.close()
-        self._out.close()
-        self._in.close()
-        self.space.retire()
+        the lease stays reachable through it. Idempotent. Work another thread runs on it
+        (`run_if_idle`) finishes first (waited for a few seconds at most)."""
+        held = self._busy.acquire(timeout=_CLOSE_WAIT_S)
+        try:
+            self.residency.close()
+            self._out.close()
+            self._in.close()
+            self.space.retire()
+        finally:
+            if held:
+                self._busy.release()
