@@ -188,6 +188,13 @@ def test_the_lease_holds_the_peak_and_a_quarter_in_whole_chunks() -> None:
         (["--limit", "0.9", "--copy-gbps", "-1"], "--copy-gbps must be positive"),
         (["--limit", "0.9", "--plan-timeout", "inf"], "--plan-timeout must be a positive"),
         (["--limit", "0.9", "--backend", "cuda", "--page", "64KiB"], "use --page 2MiB"),
+        (["--limit", "0.9", "--device-min", "8MiB"], "--device-min makes an elastic lease"),
+        (["--limit", "0.9", "--device-lease", "0"], "--device-lease must be a positive size"),
+        (["--limit", "0.9", "--device-min", "lots", "--page", "64KiB"], "--device-min: "),
+        (
+            ["--limit", "0.9", "--page", "64KiB", "--device-min", "8MiB", "--device-lease", "8MiB"],
+            "give one",
+        ),
     ],
 )
 def test_bad_options_are_named(

@@ -114,6 +114,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         " the limit counts mapped pages (default: a contiguous lease)",
     )
     parser.add_argument(
+        "--device-min",
+        default=None,
+        metavar="SIZE",
+        help="with --page: an elastic lease with this floor, its ceiling the lease the replay"
+        " would ask for (the peak and a quarter): the daemon lends and takes back chunks above"
+        " the floor as other jobs need them (default: a fixed lease)",
+    )
+    parser.add_argument(
+        "--device-lease",
+        default=None,
+        metavar="SIZE",
+        help="a fixed device lease of this size instead of the peak and a quarter",
+    )
+    parser.add_argument(
         "--plan-timeout",
         type=float,
         default=DEFAULT_PLAN_TIMEOUT_S,

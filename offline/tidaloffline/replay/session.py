@@ -68,6 +68,22 @@ def check_options(args: argparse.Namespace) -> None:
             raise InputError(f"--timeline {args.timeline}: no directory {folder} to write it in")
         if args.timeline.is_dir():
             raise InputError(f"--timeline {args.timeline}: a directory, not a file")
+    for name in ("device_min", "device_lease"):
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        option = "--" + name.replace("_", "-")
+        try:
+            setattr(args, name, parse_size(value))
+        except ValueError as e:
+            raise InputError(f"{option}: {e}") from None
+        if getattr(args, name) <= 0:
+            raise InputError(f"{option} must be a positive size")
+    if getattr(args, "device_min", None) is not None:
+        if args.page is None:
+            raise InputError("--device-min makes an elastic lease, which needs --page")
+        if getattr(args, "device_lease", None) is not None:
+            raise InputError("--device-min (elastic) and --device-lease (fixed): give one")
     if args.page is not None:
         try:
             args.page = parse_size(args.page)
@@ -141,10 +157,13 @@ def open_session(
     if not is_serving(directory):
         raise ReplayError(f"no daemon answers at {directory}")
     lease = lease_bytes(peak)
+    floor, fixed = getattr(args, "device_min", None), getattr(args, "device_lease", None)
     try:
         session = attach(
             directory,
-            device_limit=lease,
+            device_limit=None if floor is not None else fixed or lease,
+            device_min=floor,
+            device_max=max(lease, floor) if floor is not None else None,
             host_limit=lease,
             job_name="tidalpool-replay",
             swap_limit=limit,
@@ -154,9 +173,14 @@ def open_session(
         )
     except AttachError as e:
         raise ReplayError(f"the daemon at {directory} refused the session: {e}") from None
-    say(f"session {session.id}: leases of {format_size(lease)}, swap limit {format_size(limit)}")
+    lease_text = (
+        f"an elastic lease of {format_size(floor)} to {format_size(max(lease, floor))}"
+        if floor is not None
+        else f"leases of {format_size(fixed or lease)} and {format_size(lease)}"
+    )
+    say(f"session {session.id}: {lease_text}, swap limit {format_size(limit)}")
     swap = session.stats().swap
-    if args.page and swap is not None and swap.limit < limit:  # mapped pages of the lease
+    if args.page and floor is None and swap is not None and swap.limit < limit:  # the lease's
         say(f"the limit is the lease's {format_size(swap.limit)}: no more pages can be mapped")
         limit = swap.limit
     return session, limit
