@@ -11,6 +11,7 @@ import mmap
 import os
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import pytest
 from tidalclient.devices.pages import CudaPageSpace, ElasticPages, Frames, SimPageSpace
@@ -660,3 +661,18 @@ def test_run_if_idle_runs_deferred_work_between_ops_never_inside_one(
     other.start()
     other.join()
     assert outcome == [False, True] and ran == [other.ident] and ex.deferred == 0
+
+
+def test_a_plan_whose_mapped_peak_fits_a_lower_limit_runs_on(
+    sessions: Callable[..., Session],
+) -> None:
+    ex = sessions(2, limit_pages=8).ex
+    plan = paged_plan(ex, [PAGE], [0], [True], (), 8 * PAGE)
+    assert plan.paging is not None
+    ex.install_plan(replace(plan, paging=replace(plan.paging, mapped_peak=4 * PAGE)))
+    ex.step()
+    ex.malloc(PAGE)
+    ex.set_limit(5 * PAGE)  # under the 8 pages it was made for, over the 4 it maps
+    assert ex.stats().mode == "planned"
+    ex.set_limit(3 * PAGE)
+    assert ex.stats().mode == "learning"

@@ -87,6 +87,12 @@ RANGE_PER_LEASE = 16
 half for a plan's region (addresses cost nothing until pages are mapped beneath them)."""
 
 
+def _mapped_peak(plan: Plan) -> int:
+    """The most bytes `plan` maps at once (a paged plan says; else its limit): under a limit
+    at least that, it runs as made, whatever limit it was made for."""
+    return plan.paging.mapped_peak if plan.paging is not None else plan.limit
+
+
 _CLOSE_WAIT_S = 5.0
 """How long `close` waits for work another thread runs on the executor (a give-back)."""
 
@@ -689,14 +695,15 @@ class Paged:
         """Run under `limit` bytes from now on (whole pages count; at most the lease's). A lower
         limit makes room at once, as an allocation would (copies waited for, least recently
         used blocks out); what cannot leave now (held by an op, pinned, no host room) stays
-        mapped over it until it can, and the next allocation makes room again. A plan made
-        for more than the limit stops at once: blocks are placed online until one fits."""
+        mapped over it until it can, and the next allocation makes room again. A plan that
+        maps more than the limit at its peak stops at once: blocks are placed online until one
+        fits; one that maps less runs on, whatever limit it was made for."""
         page = self.page
         capped = min(limit, self._frames.usable * page)
         if capped < page:
             raise ValueError(f"a limit of {limit} bytes is under one page of {page} bytes")
         self._limit, self._limit_pages = capped, capped // page
-        if self._plan is not None and self._plan.limit > capped:
+        if self._plan is not None and _mapped_peak(self._plan) > capped:
             log.info(
                 "tidalpool: plan %d was made for %d bytes, over the new limit %d: placing online",
                 self._plan.plan_id,
