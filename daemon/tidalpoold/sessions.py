@@ -404,6 +404,7 @@ class Registry:
                     self.device.release(device)
                 self._waiting.pop(waiter, None)
                 self._freed.notify_all()
+                self._rebalance()  # what borrowers gave back for it is theirs to take again
                 if isinstance(e, ResourceExhausted):
                     raise
                 raise ResourceExhausted(self._exhausted(str(e))) from e

@@ -157,10 +157,11 @@ class SimBackend:
                 self.device = renewed
             else:
                 self.host = renewed
-        close_chunks([old])
+            close_chunks([old])  # under the lock: `facts` never reads a closed (or reused) fd
 
     def facts(self) -> dict[str, str | int | float]:
-        resident = sum(resident_bytes(c) for c in self.device.chunks)
+        with self._lock:  # a scrub closes the fd of the chunk it replaces
+            resident = sum(resident_bytes(c) for c in self.device.chunks)
         return {
             "device": "sim (memfd chunks)",
             "total_bytes": self.device.total,
