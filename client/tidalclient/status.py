@@ -79,9 +79,12 @@ def set_quota(
     return reply.session
 
 
-def lease_text(s: common_pb2.SessionInfo) -> str:
-    """A session's device lease; an elastic one's floor, quota and ceiling beside it."""
-    held = f"{format_size(s.lease.device.length)} ({len(s.lease.device.chunks)} chunks)"
+def lease_text(s: common_pb2.SessionInfo, chunks: bool = True) -> str:
+    """A session's device lease (with its chunks); an elastic one's floor, quota and ceiling
+    beside it."""
+    held = format_size(s.lease.device.length)
+    if chunks:
+        held += f" ({len(s.lease.device.chunks)} chunks)"
     if not s.device_max_bytes:
         return held
     bounds = (s.device_floor_bytes, s.device_quota_bytes, s.device_max_bytes)

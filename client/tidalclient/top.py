@@ -25,7 +25,7 @@ from tidalcore.signals import Flag
 from tidalcore.units import format_size
 from tidalcore.v1 import admin_pb2, common_pb2
 
-from tidalclient.status import Unreachable, fetch, peak_text
+from tidalclient.status import Unreachable, fetch, lease_text, peak_text
 from tidalclient.tables import Fitted
 
 Fetch = Callable[[Path], tuple[admin_pb2.PoolStatusResponse, admin_pb2.ListSessionsResponse]]
@@ -125,7 +125,7 @@ def view(now: Sample, before: Sample | None, interval: float) -> RenderableType:
                 str(s.pid),
                 s.state,
                 format_size(s.device_used_bytes),
-                format_size(s.lease.device.length),
+                lease_text(s, chunks=False),
                 peak_text(s),
                 format_size(s.host_used_bytes),
                 format_size(s.swap_limit_bytes) if s.swap_limit_bytes else "–",

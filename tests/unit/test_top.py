@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from rich.console import Console
+from tidalclient import status as status_view
 from tidalclient import top
 from tidalclient.status import Unreachable
 from tidalclient.top import Rates, Sample, rates, view
@@ -167,3 +168,17 @@ def test_no_daemon_at_all() -> None:
 def test_ctrl_c_ends_it_with_status_0() -> None:
     status, out, err = run("a", KeyboardInterrupt())
     assert (status, out.count("tidalpoold 9.9"), err) == (0, 1, "")
+
+
+def test_an_elastic_lease_shows_its_floor_quota_and_ceiling() -> None:
+    fixed = session("s-1")
+    elastic = session(
+        "s-2",
+        device_floor_bytes=8 * MiB,
+        device_quota_bytes=48 * MiB,
+        device_max_bytes=128 * MiB,
+    )
+    lines = draw(Sample(0.0, pool(), (fixed, elastic)), None)
+    assert "64 MiB" in cells(lines, "s-1")
+    assert "64 MiB of 8 MiB / 48 MiB / 128 MiB" in cells(lines, "s-2")
+    assert status_view.lease_text(elastic) == "64 MiB (0 chunks) of 8 MiB / 48 MiB / 128 MiB"
