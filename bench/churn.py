@@ -39,8 +39,8 @@ MiB = 1 << 20
 @dataclass(frozen=True)
 class JobSpec:
     name: str
-    trace: Path
-    floor: str  # an elastic lease's floor
+    trace: Path | None  # None: the demo (`tidalpool demo --limit 0.7`, its own fixed lease)
+    floor: str  # an elastic lease's floor (the demo's: its fixed lease, in both modes)
 
 
 # Floors at least each job's op-wise bound (the most one op touches: no limit under it runs;
@@ -50,6 +50,7 @@ JOBS = (
     JobSpec("resnet18-a", REPO / "traces/resnet18.b8.trace.csv", "64MiB"),
     JobSpec("resnet18-b", REPO / "traces/resnet18.b8.trace.csv", "64MiB"),
     JobSpec("resnet18-c", REPO / "traces/resnet18.b8.trace.csv", "64MiB"),
+    JobSpec("demo", None, "4MiB"),  # it asks for twice its 1.1 MiB peak: 2 chunks
 )
 
 
@@ -72,12 +73,15 @@ def fixed_leases(pool: int) -> dict[str, int]:
     """The baseline's leases: the best even split a user could guess up front. Each job gets
     its floor, and the jobs bigger than that share what is left evenly, in whole chunks."""
     floors = {j.name: parse_size(j.floor) for j in JOBS}
-    small = {"mlp"}
+    small = {"mlp", "demo"}
     rest = (pool - sum(floors[n] for n in small)) // (len(JOBS) - len(small))
     return {n: floors[n] if n in small else rest // (2 * MiB) * (2 * MiB) for n in floors}
 
 
 def replay_args(spec: JobSpec, socket_dir: Path, mode: str, fixed: int) -> list[str]:
+    if spec.trace is None:  # the demo: bit-identical losses or exit status 1
+        demo = ["demo", "--iterations", "40", "--limit", "0.7"]
+        return [sys.executable, "-m", "tidalpool", "--socket-dir", str(socket_dir), *demo]
     lease = ["--device-min", spec.floor] if mode == "elastic" else ["--device-lease", str(fixed)]
     return [
         sys.executable,
@@ -123,10 +127,20 @@ def run_job(
         if "does not fit under the limit" in stderr or "failed under plan" in stderr:
             out.out_of_memory += 1
             continue
+        if spec.trace is None:  # the demo says whether its losses were bit-identical
+            if child.returncode == 0:
+                out.completed += 1
+            elif "LeaseExceeded" in stderr or "cannot place" in stderr:
+                out.out_of_memory += 1
+            elif child.returncode == 1 and "losses differ" in stdout:
+                out.mismatches += 1
+            else:
+                out.other_failures.append(_last_line(stderr or stdout))
+            continue
         try:
             report: dict[str, Any] = json.loads(stdout.splitlines()[-1])
         except (IndexError, json.JSONDecodeError):
-            out.other_failures.append(stderr.strip().splitlines()[-1] if stderr.strip() else "?")
+            out.other_failures.append(_last_line(stderr))
             continue
         out.completed += 1
         checks = report["checks"]
@@ -136,6 +150,10 @@ def run_job(
         out.steps_ms += [
             r["step_ns"] / 1e6 for r in report["per_iteration"] if r["phase"] == "steady"
         ]
+
+
+def _last_line(text: str) -> str:
+    return text.strip().splitlines()[-1] if text.strip() else "?"
 
 
 def sample(socket_dir: Path, pool: int, stop: threading.Event, into: list[float]) -> None:
@@ -253,7 +271,10 @@ def main() -> None:
     results = {
         "date": time.strftime("%Y-%m-%d"),
         "pool_bytes": pool,
-        "jobs": [{"name": j.name, "trace": j.trace.name, "floor": j.floor} for j in JOBS],
+        "jobs": [
+            {"name": j.name, "trace": j.trace.name if j.trace else "demo", "floor": j.floor}
+            for j in JOBS
+        ],
         "modes": [run_mode(mode, pool, args.seconds, args.logs) for mode in args.modes],
     }
     for m in results["modes"]:
