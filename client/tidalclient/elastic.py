@@ -80,8 +80,9 @@ class ElasticLease:
             return self._quota
 
     def on_quota(self, change: pool_pb2.QuotaChange) -> None:
-        """A QuotaChange (the listener's thread): take chunks up to a higher quota now, and
-        have the job's thread map them, or give chunks back, at its next op."""
+        """A QuotaChange (the listener's thread): take chunks up to a higher quota now; map
+        them, or give chunks back, as soon as the job is between ops (`_kick`) or at its next
+        op, allocation or step, whichever comes first."""
         with self._lock:
             if change.quota_id <= self._quota_id:
                 return  # an older change, overtaken
@@ -144,7 +145,7 @@ class ElasticLease:
                 os.close(fd)
 
     def _give_back(self, executor: Paged) -> None:
-        """Give back the chunks over the latest quota (the job's thread, between ops)."""
+        """Give back the chunks over the latest quota (between the job's ops)."""
         with self._lock:
             over, quota, quota_id = self._held - self._quota, self._quota, self._quota_id
         if over <= 0:

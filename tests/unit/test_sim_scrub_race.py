@@ -8,30 +8,35 @@ import threading
 from tidalpoold.backends import SimBackend
 
 C = 2 * 1024 * 1024
+READS = 300
 
 
 def test_facts_read_while_chunks_are_scrubbed_never_fail() -> None:
     backend = SimBackend(8 * C, 2 * C, C, probe_bytes=0)
     errors: list[BaseException] = []
-    done = threading.Event()
+    scrubbing, stop = threading.Event(), threading.Event()
+    scrubs = 0
 
     def scrub() -> None:
+        nonlocal scrubs
         try:
-            for k in range(400):
-                backend.scrub(backend.device, backend.device.chunks[k % 8])
+            while not stop.is_set():
+                backend.scrub(backend.device, backend.device.chunks[scrubs % 8])
+                scrubs += 1
+                scrubbing.set()
         except BaseException as e:
             errors.append(e)
         finally:
-            done.set()
+            scrubbing.set()
 
     scrubber = threading.Thread(target=scrub)
     scrubber.start()
-    reads = 0
     try:
-        while not done.is_set():
+        scrubbing.wait()  # reads start once scrubs have: the two run together from here
+        for _ in range(READS):
             assert backend.facts()["total_bytes"] == 8 * C
-            reads += 1
     finally:
+        stop.set()
         scrubber.join()
         backend.close()
-    assert errors == [] and reads > 0
+    assert errors == [] and scrubs > 0
