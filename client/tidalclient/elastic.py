@@ -51,6 +51,7 @@ class ElasticLease:
         handles: Path,
         token: str,
         daemon_users: str | None,
+        closed: Callable[[], bool],
     ) -> None:
         self.executor = executor
         executor.elastic = True
@@ -61,23 +62,15 @@ class ElasticLease:
         self._chunk_of = dict(enumerate(chunks))  # executor slot -> the pool's chunk index
         self._lock = threading.Lock()
         self._kicking = False
-        self.closed: Callable[[], bool] = lambda: False  # the session says when it is over
+        self.closed = closed
         self._held = len(chunks)  # chunks the daemon counts as this session's (granted)
         self._quota = len(chunks)
         self._quota_id = 0
-        self.grown_chunks = 0
-        self.returned_chunks = 0
-        self.shortfalls = 0
 
     @property
     def held_chunks(self) -> int:
         with self._lock:
             return self._held
-
-    @property
-    def quota_chunks(self) -> int:
-        with self._lock:
-            return self._quota
 
     def on_quota(self, change: pool_pb2.QuotaChange) -> None:
         """A QuotaChange (the listener's thread): take chunks up to a higher quota now; map
@@ -139,7 +132,6 @@ class ElasticLease:
                 held = self._held
             slots = executor.add_chunks(fds, self._limit(min(held, self._quota)))
             self._chunk_of.update(zip(slots, chunks, strict=True))
-            self.grown_chunks += len(chunks)
         finally:
             for fd in fds:
                 os.close(fd)
@@ -155,13 +147,11 @@ class ElasticLease:
         try:
             slots = executor.give_back(over, self._limit(quota))
         except LeaseExceeded as e:
-            self.shortfalls += 1
             slots, shortfall = [], str(e)
             log.warning("tidalpool: cannot give %d chunks back to the daemon: %s", over, e)
         chunks = [self._chunk_of.pop(slot) for slot in slots]
         with self._lock:
             self._held -= len(chunks)
-        self.returned_chunks += len(chunks)
         self._send(
             pool_pb2.ClientMessage(
                 lease_return=pool_pb2.LeaseReturn(

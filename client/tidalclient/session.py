@@ -293,8 +293,8 @@ def attach(
             directory / HANDLES_SOCKET,
             grant.response.token,
             daemon_users,
+            closed=lambda: session.closed,
         )
-        session.elastic.closed = lambda: session.closed
     connection.start(
         on_plan=session._receive_plan,
         on_unplanned=session._receive_unplanned,

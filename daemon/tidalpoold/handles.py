@@ -53,7 +53,7 @@ from tidalcore.v1 import common_pb2, handles_pb2
 from tidalcore.wire import HANDLES_ELASTIC_VERSION, HANDLES_GIVE_BACK_VERSION, HANDLES_VERSION
 
 from tidalpoold.backends.base import Backend
-from tidalpoold.sessions import Reason, Registry, lease_message
+from tidalpoold.sessions import Reason, Registry, lease_message, pool_lease
 
 log = logging.getLogger("tidalpoold.handles")
 
@@ -578,13 +578,7 @@ class HandlesServer:
         reply = handles_pb2.HandlesResponse(
             session_id=session.id,
             lease=common_pb2.Lease(
-                device=common_pb2.PoolLease(
-                    length=len(added.chunks) * added.chunk_bytes,
-                    chunks=added.chunks,
-                    chunk_bytes=added.chunk_bytes,
-                ),
-                backend=backend.name,
-                mode=backend.mode,
+                device=pool_lease(added), backend=backend.name, mode=backend.mode
             ),
             fd_count=len(fds),
         )

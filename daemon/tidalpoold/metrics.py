@@ -60,7 +60,7 @@ REASONS = ("detached", "evicted", "shutdown")
 PLAN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 """Seconds: a cached plan takes milliseconds, a solve up to plan_time_limit_s (5 s) and more."""
 GIVE_BACK_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-"""Seconds: a session gives chunks back at its next op or step, within quota_deadline_s (5 s)."""
+"""Seconds: a session gives chunks back once its job is between ops, within quota_deadline_s."""
 
 
 def job_label(job_name: str) -> str:

@@ -137,7 +137,6 @@ class Elastic:
     quota: int  # what it may hold now (floor <= quota <= most)
     quota_id: int = 0  # of the last QuotaChange sent
     deadline: float = 0.0  # monotonic: chunks over its quota are due back by then; 0: none due
-    asked_at: float = 0.0  # monotonic: when the give-back now due was asked for
     told_to_grow: bool = False  # a QuotaChange over what it holds went, and it has not grown
 
 
@@ -307,15 +306,15 @@ def live_blocks(session: Session, mark: pool_pb2.StepMark) -> dict[int, tuple[in
 
 def lease_message(session: Session, backend: Backend) -> common_pb2.Lease:
     return common_pb2.Lease(
-        device=_pool_lease(session.device),
-        host=_pool_lease(session.host),
+        device=pool_lease(session.device),
+        host=pool_lease(session.host),
         backend=backend.name,
         mode=backend.mode,
         pci_bus_id=backend.pci_bus_id,
     )
 
 
-def _pool_lease(lease: Lease) -> common_pb2.PoolLease:
+def pool_lease(lease: Lease) -> common_pb2.PoolLease:
     return common_pb2.PoolLease(
         length=lease.length, chunks=lease.chunks, chunk_bytes=lease.chunk_bytes
     )
@@ -403,8 +402,7 @@ class Registry:
                 if device is not None:
                     self.device.release(device)
                 self._waiting.pop(waiter, None)
-                self._freed.notify_all()
-                self._rebalance()  # what borrowers gave back for it is theirs to take again
+                self._device_freed()  # what borrowers gave back for it is theirs to take again
                 if isinstance(e, ResourceExhausted):
                     raise
                 raise ResourceExhausted(self._exhausted(str(e))) from e
@@ -505,7 +503,8 @@ class Registry:
         )
 
     def _take_floor(self, floor: int) -> tuple[int, Lease]:
-        """Lease `floor` chunks for an elastic session, asking borrowers to give chunks back
+        """Lease `floor` chunks (an elastic session's floor, or a fixed lease while elastic
+        sessions borrow), asking borrowers to give chunks back
         while too few are free, and waiting for them until `quota_deadline_s` past the ask (a
         borrower overdue is ended). Returns the waiter's number, still counted among the floors
         (`open` drops it as the session takes the floor), and the lease. ResourceExhausted
@@ -667,7 +666,7 @@ class Registry:
             e.quota_id += 1
             held = len(x.device.chunks)
             if held > quota and not e.deadline:
-                e.deadline, e.asked_at = now + self.settings.quota_deadline_s, now
+                e.deadline = now + self.settings.quota_deadline_s
             elif held <= quota:
                 e.deadline = 0.0
             if x.page_bytes:
@@ -676,6 +675,12 @@ class Registry:
             self._tell_quota(x, "the pool was shared again")
             if self.on_quota is not None:
                 self.on_quota(x)
+
+    def _device_freed(self) -> None:
+        """Device chunks came back to the pool, or a floor waiting left (under the lock): wake
+        the opens waiting for a floor and share the pool again."""
+        self._freed.notify_all()
+        self._rebalance()
 
     def _tell_quota(self, session: Session, why: str) -> None:
         e = session.elastic
@@ -765,14 +770,15 @@ class Registry:
             free = self.device.free_chunks - sum(self._waiting.values())
             n = max(0, min(e.quota - held, free))
             e.told_to_grow = False
-            added = self.device.lease(n * self.device.chunk_bytes) if n else Lease((), 0)
-            session.device = Lease(session.device.chunks + added.chunks, self.device.chunk_bytes)
+            chunk = self.device.chunk_bytes
+            added = self.device.lease(n * chunk) if n else Lease((), chunk)
+            session.device = Lease(session.device.chunks + added.chunks, chunk)
         if n:
             log.info(
                 "quota.grown",
                 extra={"session": session.id, "chunks": list(added.chunks), "held": held + n},
             )
-        return session, Lease(added.chunks, self.device.chunk_bytes)
+        return session, added
 
     def take_back(self, session: Session, returned: pool_pb2.LeaseReturn) -> None:
         """Device chunks an elastic session gave back: scrubbed, then free for others.
@@ -783,8 +789,8 @@ class Registry:
                 return
             if session.elastic is None:
                 raise InvalidArgument("a lease return from a session with a fixed lease")
-            mine = set(session.device.chunks)
-            if len(set(chunks)) != len(chunks) or not mine.issuperset(chunks):
+            mine, given = set(session.device.chunks), set(chunks)
+            if len(given) != len(chunks) or not mine.issuperset(given):
                 raise InvalidArgument(
                     f"lease return names chunks {list(chunks)[:16]}, not all distinct and the"
                     f" session's {sorted(mine)[:16]}"
@@ -792,7 +798,7 @@ class Registry:
             if len(chunks) >= len(mine):
                 raise InvalidArgument("lease return would leave the session no device chunk")
             session.device = Lease(
-                tuple(c for c in session.device.chunks if c not in set(chunks)),
+                tuple(c for c in session.device.chunks if c not in given),
                 self.device.chunk_bytes,
             )
         clean, dirty = self._scrubbed("device", chunks)
@@ -801,12 +807,12 @@ class Registry:
             self._quarantined["device"].extend(dirty)
             self.given_back_chunks += len(chunks)
             e = session.elastic
-            asked_at = e.asked_at
-            if e.deadline and len(session.device.chunks) <= e.quota:
-                e.deadline = e.asked_at = 0.0
-            self._freed.notify_all()
-            self._rebalance()
-        seconds = self.clock() - asked_at if asked_at else None
+            deadline = e.deadline
+            if deadline and len(session.device.chunks) <= e.quota:
+                e.deadline = 0.0
+            self._device_freed()
+        asked_at = deadline - self.settings.quota_deadline_s
+        seconds = self.clock() - asked_at if deadline else None
         log.info(
             "quota.given_back",
             extra={
@@ -851,8 +857,7 @@ class Registry:
             self.host.release(Lease(host, session.host.chunk_bytes))
             self._quarantined["device"].extend(device_dirty)
             self._quarantined["host"].extend(host_dirty)
-            self._freed.notify_all()
-            self._rebalance()
+            self._device_freed()
         session.outbox.put(
             pool_pb2.ServerMessage(goodbye=pool_pb2.Goodbye(reason=reason, message=message))
         )
@@ -912,8 +917,7 @@ class Registry:
                         self._quarantined[name].remove(index)
                     account.release(Lease(clean, account.chunk_bytes))
                     if clean and name == "device":
-                        self._freed.notify_all()
-                        self._rebalance()
+                        self._device_freed()
                 for index in clean:
                     log.info("chunk.restored", extra={"pool": name, "chunk": index})
                 freed += len(clean)

@@ -38,8 +38,9 @@ mapping, until they have run), and faults after (sim).
 An elastic lease (`ElasticPages`, sim): `add_chunks` grows the lease by chunks, `give_back`
 returns whole chunks while the job runs (blocks leave, LRU first, until the rest fits; pages
 beneath the blocks left move off the chunks; no block moves its address), and `set_limit`
-moves the limit alone. Another thread asks for these with `defer`: they run on the session's
-thread at the start of its next `step`, `begin_op` or `try_malloc`.
+moves the limit alone. Another thread asks for these with `defer`: they run at the start of the
+session's next `step`, `begin_op` or `try_malloc`, or on a thread of its own (`run_if_idle`) as
+soon as the session's thread is between its calls and ops.
 """
 
 from __future__ import annotations
@@ -624,13 +625,12 @@ class Paged:
             self._online = False
             self._plan = self._schedule = None
         elif plan is not None and plan is not self._plan:  # the plan in use stays where it is
-            base = self._region_for(plan)
             if self._growing(plan):
                 # Made for the quota an elastic lease is growing to: it waits for the chunks,
                 # unless a newer plan comes first.
                 if self._pending_plan is None:
                     self._pending_plan = plan
-            elif isinstance(base, str):
+            elif isinstance(base := self._region_for(plan), str):
                 self.plans_refused += 1
                 log.warning("tidalpool: plan %d is not run: %s", plan.plan_id, base)
             else:
