@@ -58,6 +58,14 @@ def start_daemon() -> Iterator[StartDaemon]:
 
 
 @pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A temporary directory under /tmp, removed at the end of the test."""
+    # Unix socket paths are limited to 107 bytes: keep the directory short.
+    with tempfile.TemporaryDirectory(prefix="tp-", dir="/tmp") as directory:
+        yield Path(directory)
+
+
+@pytest.fixture
 def daemon(start_daemon: StartDaemon) -> LocalDaemon:
     """One sim daemon with the defaults of `start_daemon`."""
     return start_daemon()

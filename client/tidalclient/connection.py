@@ -35,6 +35,12 @@ from tidalclient.errors import AttachError
 log = logging.getLogger("tidalpool")
 
 
+RECONNECT = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.max_reconnect_backoff_ms", 1000)]
+"""The session channel's reconnection: a connection refused while the daemon's socket is
+crowded (its backlog full under a flood of connections) is tried again within 50 ms, backing
+off to a second, until the call's deadline."""
+
+
 class Connection:
     """The gRPC side of one session (its token in every call's metadata)."""
 
@@ -56,7 +62,7 @@ class Connection:
                 )
         self.session_id = session_id
         self._metadata = ((TOKEN_KEY, token),)
-        self._channel = grpc.insecure_channel(f"unix:{path}")
+        self._channel = grpc.insecure_channel(f"unix:{path}", options=RECONNECT)
         self._stub = pool_pb2_grpc.PoolStub(self._channel)
         self._outbox: queue.SimpleQueue[pool_pb2.ClientMessage | None] = queue.SimpleQueue()
         self._flow = threading.Condition()  # guards the two counts below and `goodbye` changes
@@ -85,6 +91,7 @@ class Connection:
                 ),
                 metadata=self._metadata,
                 timeout=10,
+                wait_for_ready=True,  # the daemon is there (it granted the lease): connect again
             )
         except grpc.RpcError as e:
             raise AttachError(f"Attach failed ({e.code().name}): {e.details()}") from e

@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from tidalpoold import directory
 from tidalpoold.backends import Backend, open_backend
+from tidalpoold.front import FDS_PER_PLACE, FrontDoor
 from tidalpoold.handles import HandlesServer
 from tidalpoold.metrics import DaemonCollector, Metrics
 from tidalpoold.plan_worker import PlanWorker, copy_gbps_of
@@ -42,7 +43,11 @@ REFLECTIONS = 4  # server reflection streams open at once on tidalpool.sock
 ADMIN_WORKERS = 4  # admin.sock's server: one Watch and one reflection stream at most
 CONNECTIONS_PER_SESSION = 2  # a session's channel, and one of its job's tools beside it
 SPARE_CONNECTIONS = 64  # probes, `tidalpool status`, `top`, attaches on their way
+RESERVED_CONNECTIONS = 32  # of tidalpool.sock's places, what one uid never takes from the others
+WAITING_CONNECTIONS = 64  # connections to tidalpool.sock without their HTTP/2 preface yet
 HANDSHAKE_S = 5.0  # a connection's HTTP/2 preface and settings come within this, or it goes
+IDLE_S = 60.0  # a connection to tidalpool.sock with no call for this long is closed
+INNER_SOCKET = ".grpc.sock"  # the gRPC server's own socket, beside tidalpool.sock: the daemon's
 STREAMS_PER_CONNECTION = 16  # a session's channel needs its stream and a few calls at once
 
 
@@ -51,7 +56,8 @@ class Daemon:
     settings: Settings
     backend: Backend
     registry: Registry
-    grpc_server: grpc.Server  # tidalpool.sock: Pool, health, reflection
+    grpc_server: grpc.Server  # Pool, health, reflection, reached through `front`
+    front: FrontDoor  # tidalpool.sock
     admin_server: grpc.Server  # admin.sock: Admin, health, reflection
     handles: HandlesServer
     health: health.HealthServicer  # of tidalpool.sock: the daemon and Pool
@@ -88,6 +94,8 @@ class Daemon:
         for session in self.registry.sessions():
             self.registry.end_quietly(session.id, Reason.REASON_SHUTDOWN, reason)
         self.grpc_server.stop(self.settings.shutdown_grace_s).wait()
+        self.front.close()
+        (self.settings.socket_dir / INNER_SOCKET).unlink(missing_ok=True)
         self.admin_server.stop(0).wait()
         self.planner.close()
         if self.metrics_server is not None:
@@ -177,12 +185,8 @@ def _build(
     # A stream holds a worker for its lifetime. A Session stream: room for every session.
     # Health/Watch and reflection streams: a few of each (`StreamSlots`), so that no peer can
     # hold the workers unary calls (Attach, Health/Check, Stats) need.
-    server = _grpc_server(
-        settings.max_sessions + SPARE_WORKERS,
-        "grpc",
-        interceptors,
-        CONNECTIONS_PER_SESSION * settings.max_sessions + SPARE_CONNECTIONS,
-    )
+    places = CONNECTIONS_PER_SESSION * settings.max_sessions + SPARE_CONNECTIONS
+    server = _grpc_server(settings.max_sessions + SPARE_WORKERS, "grpc", interceptors, places)
     server.add_generic_rpc_handlers(
         (pool.handler(), health_handler(health_servicer, StreamSlots(WATCHES, "Health/Watch")))
     )
@@ -200,13 +204,25 @@ def _build(
         StreamSlots(1, "ServerReflectionInfo"),
         admin_server,
     )
+    inner = settings.socket_dir / INNER_SOCKET
+    inner.unlink(missing_ok=True)  # a daemon that died left it; the claim says none serves
     for grpc_server, path, mode in (
-        (server, settings.grpc_socket, settings.socket_mode),
+        (server, inner, 0o600),
         (admin_server, settings.admin_socket, settings.admin_socket_mode),
     ):
         grpc_server.add_insecure_port(f"unix:{path}")
         grpc_server.start()
         os.chmod(path, mode)
+    front = FrontDoor(
+        settings.grpc_socket,
+        inner,
+        settings.socket_mode,
+        places=places,
+        waiting=WAITING_CONNECTIONS,
+        reserved=min(RESERVED_CONNECTIONS, places // 2),
+        handshake_s=HANDSHAKE_S,
+    )
+    front.start()
     handles = HandlesServer(
         settings.handles_socket,
         registry,
@@ -251,6 +267,7 @@ def _build(
         backend=backend,
         registry=registry,
         grpc_server=server,
+        front=front,
         admin_server=admin_server,
         handles=handles,
         health=health_servicer,
@@ -268,9 +285,10 @@ def _build(
 
 def _grpc_server(workers: int, name: str, interceptors: list[Any], connections: int) -> grpc.Server:
     """A gRPC server of `workers` threads taking at most `connections` connections at once,
-    each of which must finish its HTTP/2 handshake within HANDSHAKE_S and may carry at most
-    STREAMS_PER_CONNECTION streams at once: a peer that opens connections and says nothing
-    holds neither the daemon's file descriptors nor its memory for long."""
+    each of which must finish its HTTP/2 handshake within HANDSHAKE_S, may carry at most
+    STREAMS_PER_CONNECTION streams at once and is closed after IDLE_S without a call: a peer
+    that opens connections and says nothing holds neither the daemon's file descriptors nor
+    its memory for long."""
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name),
         options=[
@@ -278,6 +296,7 @@ def _grpc_server(workers: int, name: str, interceptors: list[Any], connections: 
             ("grpc.max_allowed_incoming_connections", connections),
             ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_S * 1000)),
             ("grpc.max_concurrent_streams", STREAMS_PER_CONNECTION),
+            ("grpc.max_connection_idle_ms", int(IDLE_S * 1000)),
         ],
         interceptors=interceptors,
     )
@@ -359,14 +378,15 @@ def tame_malloc() -> Callable[[], None]:
 
 
 FD_HEADROOM = 256  # fds beside the chunks': sockets, log files, gRPC, libraries
-FD_PER_SESSION = 4  # a session's connections and their wakeup fds
+FD_PER_SESSION = FDS_PER_PLACE * CONNECTIONS_PER_SESSION + 2  # its connections, wakeup fds
+FD_SPARE = FDS_PER_PLACE * SPARE_CONNECTIONS + WAITING_CONNECTIONS  # tidalpool.sock beside them
 
 
 def ensure_fd_room(chunks: int, settings: Settings) -> dict[str, int]:
     """Every chunk is an open fd: raise RLIMIT_NOFILE's soft limit up to the hard limit if the
     chunks and some headroom need it; refuse to start if even the hard limit is too low.
     Returns the open-files limit in effect and what is needed, for the start-up log."""
-    need = chunks + FD_HEADROOM + FD_PER_SESSION * settings.max_sessions
+    need = chunks + FD_HEADROOM + FD_SPARE + FD_PER_SESSION * settings.max_sessions
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or soft >= need:
         return {"limit": soft, "needed": need}

@@ -8,22 +8,12 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 from tidalclient.local import LocalDaemon, is_serving
 
 from ..conftest import StartDaemon
-
-
-@pytest.fixture
-def short_dir() -> Iterator[Path]:
-    # Unix socket paths are limited to 107 bytes: keep the directory short.
-    with tempfile.TemporaryDirectory(prefix="tp-", dir="/tmp") as directory:
-        yield Path(directory)
 
 
 def accepts(path: Path) -> bool:

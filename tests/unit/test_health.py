@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import socket
-import tempfile
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -14,13 +13,6 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tidalclient.health import Health, check
-
-
-@pytest.fixture
-def short_dir() -> Iterator[Path]:
-    # Unix socket paths are limited to 107 bytes: keep the directory short.
-    with tempfile.TemporaryDirectory(prefix="tp-", dir="/tmp") as directory:
-        yield Path(directory)
 
 
 @pytest.fixture
