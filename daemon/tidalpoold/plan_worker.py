@@ -393,6 +393,7 @@ class PlanWorker:
     ) -> Planned | Unfit:
         """`make`'s plan when no daemon has one cached: planned, encoded, checked, cached."""
         from tidalplan import placed, wire
+        from tidalplan.placement import time_left
 
         time_limit_s = self.settings.plan_time_limit_s
         if swap_limit:
@@ -408,7 +409,8 @@ class PlanWorker:
             if not plan.fits:
                 return Unfit(plan.footprint, swap_limit, int(plan.planned_for), plan.rounds)
         else:
-            plan = placed.unlimited(iteration, gbps, gbps, time_limit_s=time_limit_s)
+            seconds = time_left(time_limit_s, budget_s, time.monotonic())
+            plan = placed.unlimited(iteration, gbps, gbps, time_limit_s=seconds)
         assert plan.combined is not None  # it fits
         footprint = int(plan.combined.footprint)
         if lease is not None and footprint > lease:
@@ -565,27 +567,21 @@ class PlanWorker:
 
         started = time.perf_counter()
         trace = session.trace
+        several = len(trace.shapes.counts) > 1  # shapes: the next iteration may be another
+        # Counted first from the kinds alone: a session over the cap costs the planner no
+        # extraction, so the sessions behind it in line wait for none.
+        if not several and trace.allocations_ended() > self.settings.max_plan_allocations:
+            self._too_large(session, shape, trace.allocations_ended())
+            return None
         events = Events.concat(list(trace.chunks), dict(trace.names))
         iteration = extract_shape(events, shape)
-        if len(trace.shapes.counts) > 1:  # the next iteration may be of another shape
+        if several:
             iteration = dataclasses.replace(iteration, boundary_swaps=False)
         else:
             with self._lock:
                 self._open.add((session.id, shape))
-        cap = self.settings.max_plan_allocations
-        if len(iteration.blocks) > cap:
-            self.plans_too_large += 1
-            reason = (
-                f"its iteration makes {len(iteration.blocks):,} allocations, more than the"
-                f" {cap:,} this daemon plans (its setting max_plan_allocations): the session"
-                " runs without a plan"
-            )
-            log.warning(
-                "plan.too_large",
-                extra={"session": session.id, "allocations": len(iteration.blocks), "cap": cap},
-            )
-            told = PlanUnavailable(session.swap_limit, unplanned.TOO_LARGE, reason, shape=shape)
-            session.outbox.put(pool_pb2.ServerMessage(unplanned=told.message()))
+        if len(iteration.blocks) > self.settings.max_plan_allocations:
+            self._too_large(session, shape, len(iteration.blocks))
             return None
         if session.page_bytes:
             return self._plan_paged(session, shape, iteration, started)
@@ -617,6 +613,22 @@ class PlanWorker:
             session, plan, made.source, PlanFootprint(plan.height_bytes, bound), started, about
         )
         return plan
+
+    def _too_large(self, session: Session, shape: str, allocations: int) -> None:
+        """Count, log (`plan.too_large`) and tell `session` that its iteration of `shape`, of
+        `allocations` allocations, is more than the daemon plans."""
+        cap = self.settings.max_plan_allocations
+        self.plans_too_large += 1
+        reason = (
+            f"its iteration makes {allocations:,} allocations, more than the {cap:,} this"
+            " daemon plans (its setting max_plan_allocations): the session runs without a plan"
+        )
+        log.warning(
+            "plan.too_large",
+            extra={"session": session.id, "allocations": allocations, "cap": cap},
+        )
+        told = PlanUnavailable(session.swap_limit, unplanned.TOO_LARGE, reason, shape=shape)
+        session.outbox.put(pool_pb2.ServerMessage(unplanned=told.message()))
 
     def _send(
         self,

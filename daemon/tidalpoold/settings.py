@@ -377,8 +377,9 @@ class Settings:
         metadata=_about(
             _SECONDS,
             "time budget of a whole plan, from the trace to the stream: no new round of"
-            " refitting or paged layout starts past it, and the schedule search under way"
-            " stops there (a placement solve may take plan_time_limit_s more)",
+            " refitting or paged layout starts past it, and the schedule search and placement"
+            " solve under way stop there (the latter after its first greedy run); the trace's"
+            " extraction and the plan's check are bounded by max_plan_allocations instead",
         ),
     )
     max_plan_allocations: int = field(

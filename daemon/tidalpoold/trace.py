@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 import numpy.typing as npt
 from tidalcore.errors import InvalidArgument
+from tidalcore.events import ALLOC
 from tidalcore.v1 import pool_pb2
 from tidalcore.wire import MAX_SHAPE_BYTES
 
@@ -269,6 +270,22 @@ class TraceStore:
                 return True
             before, last = self._marks_at
             return self.events_received - last >= last - before
+
+    def allocations_ended(self) -> int:
+        """The allocations (ALLOC events) held of the iteration the last step mark ended, those
+        between the last two marks (0 before two): counted from the kinds column alone, without
+        the iteration's extraction, and never more than the iteration made."""
+        with self._lock:
+            if len(self._marks_at) < 2:
+                return 0
+            before, last = self._marks_at
+            count = 0
+            for chunk in self._chunks:
+                start = max(before - chunk.first_event, 0)
+                stop = min(last - chunk.first_event, len(chunk))
+                if start < stop:
+                    count += int(np.count_nonzero(chunk.kinds[start:stop] == ALLOC))
+            return count
 
     def shape_counts(self, shape: str) -> ShapeCount | None:
         """The counts of `shape` (a copy), None if it is not among those kept."""

@@ -42,7 +42,7 @@ from tidalcore.units import ALIGNMENT, Bytes, Tick, align_up
 
 from tidalplan.learn import to_problem
 from tidalplan.model import Iteration, IterBlock, SwapPlan
-from tidalplan.placement import solve
+from tidalplan.placement import solve, time_left
 from tidalplan.simulate import Result, simulate
 from tidalplan.validate import InvalidSwapPlan, validate, validate_swaps
 
@@ -416,7 +416,8 @@ def plan(
     simulated and validated on its paged iteration. When none is feasible, the first. One
     schedule a layout: whatever fits in mapped pages fits as it is placed, so nothing is made
     again for a lower limit. `budget_s`: no layout is started once that many seconds have
-    passed since the call (the first always is); the plans made so far decide.
+    passed since the call (the first always is), a layout's two placement solves get at most
+    what is left of them when it starts (`time_left`), and the plans made so far decide.
 
     Which blocks should own pages is a trade: rounding to whole pages costs bytes, while a
     packed block can never leave the device. Small wastes suit loose limits (few blocks need to
@@ -432,7 +433,7 @@ def plan(
             break
         if best is not None and budget_s is not None and time.monotonic() - started >= budget_s:
             break
-        lay = layout(it, page, waste, time_limit_s, persistent_at)
+        lay = layout(it, page, waste, time_left(time_limit_s, budget_s, started), persistent_at)
         if (lay.owning, lay.persistent_owning) in seen:
             continue
         seen.add((lay.owning, lay.persistent_owning))

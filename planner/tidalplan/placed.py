@@ -38,7 +38,7 @@ from tidalcore.units import ALIGNMENT, Bytes, Tick
 
 from tidalplan.learn import to_problem
 from tidalplan.model import Iteration, IterBlock, Placement, SwapPlan
-from tidalplan.placement import solve
+from tidalplan.placement import solve, time_left
 from tidalplan.simulate import Result, rebuilds, simulate
 from tidalplan.validate import validate, validate_swaps
 
@@ -211,7 +211,7 @@ def fit(
     """The policy's plan whose footprint (placement included) fits `limit`, or, when no
     schedule tried fits, the one made for `limit` itself (`fits` False). `budget_s`: no
     round is started once that many seconds have passed since the call (the first always
-    is), as if `rounds` had run out.
+    is), as if `rounds` had run out, and no placement solve runs past them (`time_left`).
 
     A schedule keeps the live bytes under its limit; the placement of what it leaves adds
     fragmentation, so the footprint can exceed that limit, and by an amount that moves
@@ -241,7 +241,8 @@ def fit(
         combined = None
         if result.feasible:
             validate_swaps(it, schedule, result, target, in_gbps, compute_scale)
-            combined = combine(it, schedule, result, alignment, time_limit_s)
+            seconds = time_left(time_limit_s, budget_s, started)
+            combined = combine(it, schedule, result, alignment, seconds)
         made = Plan(schedule, result, combined, Bytes(limit), Bytes(target), k)
         if made.fits:
             return made

@@ -418,6 +418,15 @@ def _import_search() -> ExactSearch | None:
     return search
 
 
+def time_left(time_limit_s: float, budget_s: float | None, started: float) -> float:
+    """A placement solve's time limit within a whole plan's budget: `time_limit_s`, or what is
+    left of `budget_s` seconds since `started` (time.monotonic) when that is less; at 0, `solve`
+    makes its first greedy run alone."""
+    if budget_s is None:
+        return time_limit_s
+    return max(0.0, min(time_limit_s, budget_s - (time.monotonic() - started)))
+
+
 def solve(
     problem: Problem,
     time_limit_s: float = 10.0,

@@ -461,6 +461,33 @@ def test_an_iteration_of_more_allocations_than_the_cap_is_not_planned_and_told_s
     end(registry, s)
 
 
+def test_a_session_over_the_cap_is_told_before_its_iteration_is_extracted(
+    registry: Registry, planner: PlanWorker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With its step marks, a session's allocations are counted from the kinds between the last
+    two: over the cap, it is told so and no extraction runs (the sessions behind it in line
+    wait for none)."""
+    import tidalplan.learn
+
+    planner.settings = dataclasses.replace(registry.settings, max_plan_allocations=1)
+    s = session(registry, swap_limit=1500)
+    for before in (10, 20):  # HIDE's iterations: a mark and nine events each
+        s.trace.step(pool_pb2.StepMark(events_before=before))
+    assert s.trace.allocations_ended() == 2
+
+    def extract_shape(*args: object) -> None:
+        raise AssertionError("extracted")
+
+    monkeypatch.setattr(tidalplan.learn, "extract_shape", extract_shape)
+    assert planner.plan(s) is None
+    reason = (
+        "its iteration makes 2 allocations, more than the 1 this daemon plans (its setting"
+        " max_plan_allocations): the session runs without a plan"
+    )
+    assert told(s) == [PlanUnavailable(1500, TOO_LARGE, reason)]
+    end(registry, s)
+
+
 class _Waiting:
     """What Turns looks at of a session: its uid (and its name, to tell them apart)."""
 

@@ -165,6 +165,10 @@ def test_fit_lowers_the_schedules_limit_until_its_placement_fits() -> None:
     # for the limit itself, which does not fit placed.
     hurried = fit(it, "autoswap-aoa", limit, 50.0, 50.0, time_limit_s=0, budget_s=0)
     assert (hurried.rounds, hurried.fits, hurried.planned_for) == (1, False, limit)
+    # Nor does its placement solve run past the budget: the first greedy run alone, whatever
+    # time_limit_s allows.
+    rushed = fit(it, "autoswap-aoa", limit, 50.0, 50.0, time_limit_s=60, budget_s=0)
+    assert rushed.combined is not None and rushed.combined.footprint == placed.footprint
     # A policy given as a function makes the same plan as its name.
     again = fit(it, BASELINE_POLICIES["autoswap-aoa"], limit, 50.0, 50.0, time_limit_s=0)
     assert again == got

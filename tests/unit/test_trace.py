@@ -307,3 +307,23 @@ def test_caught_up_once_the_next_iteration_is_as_long_as_the_one_before() -> Non
     assert not s.caught_up()  # 4 events of the next iteration, the one before had 6
     s.add(chunk(10, 2))
     assert s.caught_up()
+
+
+def test_allocations_ended_counts_the_allocs_between_the_last_two_marks() -> None:
+    """Across chunks stored apart, and only what the store still holds: never more than the
+    iteration made."""
+    s = TraceStore(max_events=10_000)
+    n = 3000  # two neighbours hold more than COALESCE_EVENTS: stored apart
+    frees = TraceChunk(first_event=n, kinds=[EVENT_KIND_FREE] * n, block_ids=range(n))
+    frees.sizes[:] = frees.durations_ns[:] = frees.name_ids[:] = [0] * n
+    s.add(chunk(0, n))
+    s.add(frees)
+    s.add(chunk(2 * n, n, base=n))
+    assert [(c.first_event, len(c)) for c in s.chunks] == [(0, n), (n, n), (2 * n, n)]
+    assert s.allocations_ended() == 0  # no mark yet
+    s.step(StepMark(iteration=0, events_before=2000))
+    assert s.allocations_ended() == 0  # one mark: no iteration ended
+    s.step(StepMark(iteration=1, events_before=7000))
+    assert s.allocations_ended() == 1000 + 1000  # events 2000..2999 and 6000..6999
+    s.add(chunk(3 * n, n, base=2 * n))  # the first chunk is dropped by the bound
+    assert s.allocations_ended() == 1000
