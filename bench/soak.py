@@ -25,7 +25,9 @@ Starts its own sim daemons (one per phase, in temporary socket directories) and 
               process that closed normally lost
   starve      peers that would starve the others, each for --attack-seconds: --streams
               Health/Watch streams, then as many reflection streams, --flood silent
-              connections to tidalpool.sock, as many idle ones to the metrics endpoint; a
+              connections to tidalpool.sock, as many idle ones to the metrics endpoint (both
+              from a process of their own), and as root as many to tidalpool.sock from uid
+              65534 that send the HTTP/2 preface and settings, then idle; a
               bystander checks health (admin.sock, as probes ask, and tidalpool.sock) every
               50 ms and attaches every 200 ms, and the daemon's threads, fds and RSS are
               sampled (goals: health p99 <= 1 s, attach p99 <= 100 ms); then a small
@@ -68,7 +70,9 @@ import tidalpool  # noqa: E402
 from tidalclient.local import LocalDaemon  # noqa: E402
 from tidalcore.v1 import pool_pb2  # noqa: E402
 from tidalcore.wire import HANDLES_SOCKET  # noqa: E402
+from tidalpoold.front import PREFACE  # noqa: E402
 
+from tests.flood import NOBODY, SETTINGS_FRAME, flood  # noqa: E402
 from tests.integration.test_fault_suite import Worker, events_received  # noqa: E402
 from tests.integration.test_fuzz import (  # noqa: E402
     UNARY,
@@ -728,61 +732,6 @@ def _reflection_streams(d: LocalDaemon, n: int) -> Iterator[dict[str, int]]:
         hold.set()
 
 
-@contextmanager
-def _silent_connections(connect: Callable[[], socket.socket], n: int) -> Iterator[dict[str, int]]:
-    """`n` connections that send nothing, each opened again when the daemon closes it."""
-    stop, counts = threading.Event(), {"kept": n, "opened": 0, "closed_by_daemon": 0}
-
-    def keep() -> None:
-        conns: list[socket.socket] = []
-        while not stop.is_set():
-            while len(conns) < n and not stop.is_set():
-                try:
-                    conns.append(connect())
-                    counts["opened"] += 1
-                except OSError:
-                    break
-            for c in list(conns):
-                with suppress(OSError):
-                    c.setblocking(False)
-                    try:
-                        gone = c.recv(1) == b""
-                    except BlockingIOError:
-                        gone = False
-                    except OSError:
-                        gone = True
-                    if gone:
-                        conns.remove(c)
-                        c.close()
-                        counts["closed_by_daemon"] += 1
-            stop.wait(0.1)
-        for c in conns:
-            c.close()
-
-    thread = threading.Thread(target=keep, daemon=True)
-    thread.start()
-    try:
-        yield counts
-    finally:
-        stop.set()
-        thread.join()
-
-
-def _unix(path: Path) -> Callable[[], socket.socket]:
-    def connect() -> socket.socket:
-        c = socket.socket(socket.AF_UNIX)
-        c.settimeout(5)
-        c.connect(str(path))
-        return c
-
-    return connect
-
-
-def _tcp(address: str) -> Callable[[], socket.socket]:
-    host, port = address.rsplit(":", 1)
-    return lambda: socket.create_connection((host, int(port)), timeout=5)
-
-
 def _settled(d: LocalDaemon, seconds: float = 60.0) -> None:
     """Wait until an attach succeeds (leases left pending by failed attaches are reclaimed
     after attach_timeout_s)."""
@@ -849,20 +798,31 @@ def starve(args: argparse.Namespace) -> dict[str, Any]:
     daemon's threads, fds and RSS at their most; then the bystander's plan latency alone and
     beside a session whose iteration makes --heavy-allocations allocations."""
     report: dict[str, Any] = {"goals": {"health_p99_ms": 1000, "attach_p99_ms": 100}}
-    with daemon("starve", "--metrics-address", "127.0.0.1:0", "--log-format", "json") as d:
+    with daemon(
+        "starve",
+        "--metrics-address",
+        "127.0.0.1:0",
+        "--log-format",
+        "json",
+        "--socket-mode",
+        "0666",
+    ) as d:
         from tools.prometheus import metrics_address
 
-        metrics = metrics_address(d.log_path)
+        metrics, jobs = metrics_address(d.log_path), d.socket_dir / "tidalpool.sock"
         attacks: list[tuple[str, Callable[[], Any]]] = [
             ("none", suppress),
             ("watch_streams", lambda: _watch_streams(d, args.streams)),
             ("reflection_streams", lambda: _reflection_streams(d, args.streams)),
-            (
-                "silent_connections",
-                lambda: _silent_connections(_unix(d.socket_dir / "tidalpool.sock"), args.flood),
-            ),
-            ("metrics_idle", lambda: _silent_connections(_tcp(metrics), args.flood)),
+            ("silent_connections", lambda: flood(str(jobs), args.flood)),
+            ("metrics_idle", lambda: flood(metrics, args.flood)),
         ]
+        if os.geteuid() == 0:  # another uid's connections that begin HTTP/2, then idle
+            os.chmod(d.socket_dir, 0o755)
+            hello = PREFACE + SETTINGS_FRAME
+            attacks.append(
+                ("another_uid_idle", lambda: flood(str(jobs), args.flood, hello, NOBODY))
+            )
         for name, attack in attacks:
             with attack() as about, Watcher(d) as w:
                 time.sleep(args.attack_seconds)  # the attack's length: what is measured
