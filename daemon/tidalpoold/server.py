@@ -10,6 +10,7 @@ import ctypes
 import logging
 import os
 import resource
+import sys
 import threading
 from collections.abc import Callable
 from concurrent import futures
@@ -47,6 +48,10 @@ RESERVED_CONNECTIONS = 32  # of tidalpool.sock's places, what one uid never take
 WAITING_CONNECTIONS = 64  # connections to tidalpool.sock without their HTTP/2 preface yet
 HANDSHAKE_S = 5.0  # a connection's HTTP/2 preface and settings come within this, or it goes
 IDLE_S = 60.0  # a connection to tidalpool.sock with no call for this long is closed
+SWITCH_INTERVAL_S = 0.0005
+"""How long a thread may hold the interpreter's lock while another waits for it (Python's
+default: 5 ms). The planner computes in Python for seconds; every byte the front door relays
+and every call a gRPC thread serves waits for that lock, each hop up to this long."""
 INNER_SOCKET = ".grpc.sock"  # the gRPC server's own socket, beside tidalpool.sock: the daemon's
 STREAMS_PER_CONNECTION = 16  # a session's channel needs its stream and a few calls at once
 
@@ -141,6 +146,7 @@ def _build(
     chunk = settings.chunk_size
     make_undumpable()
     trim = tame_malloc()
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     open_files = ensure_fd_room(settings.device_chunks + settings.host_chunks, settings)
     for setting, size in (
         ("device_pool", settings.device_pool),
