@@ -1,7 +1,9 @@
 """Elastic leases under churn, on sim: jobs replaying the sample traces attach, run, are killed
 (SIGKILL) and come back, on a device pool smaller than the sum of their peaks. The same jobs on
-the same schedule with fixed leases (the pool split evenly among them: what a job must guess up
-front without elastic leases) are the baseline, in the same run.
+the same schedule with fixed leases are the baselines, in the same run: the pool split evenly
+among them (`fixed`: what a job must guess up front without elastic leases), and each job's
+steady allowance (`allowance`: the median quota the elastic run gave it, as a fixed lease, so
+each job's step time is compared with what its share would give it for good).
 
     python bench/churn.py [--seconds 90] [--pool 512MiB] [--out bench/results/churn-DATE-sim.json]
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
 import signal
@@ -106,8 +109,9 @@ def run_job(
     spec: JobSpec, socket_dir: Path, mode: str, fixed: int, until: float, seed: int, out: Runs
 ) -> None:
     """Replay `spec` again and again until `until`; one run in three is killed at a random
-    moment of its first seconds."""
+    moment of its first seconds. Its sessions are named after it (TIDALPOOL_JOB_NAME)."""
     rng = random.Random(seed)
+    env = {**os.environ, "TIDALPOOL_JOB_NAME": spec.name}
     while time.monotonic() < until:
         kill_after = rng.uniform(1.0, 4.0) if rng.random() < 1 / 3 else None
         child = subprocess.Popen(
@@ -115,6 +119,7 @@ def run_job(
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            env=env,
         )
         out.runs += 1
         try:
@@ -156,13 +161,34 @@ def _last_line(text: str) -> str:
     return text.strip().splitlines()[-1] if text.strip() else "?"
 
 
-def sample(socket_dir: Path, pool: int, stop: threading.Event, into: list[float]) -> None:
+def sample(
+    socket_dir: Path,
+    pool: int,
+    stop: threading.Event,
+    into: list[float],
+    quotas: dict[str, list[int]],
+) -> None:
+    """Every 0.25 s: the pool's utilization into `into`, each elastic session's quota into
+    `quotas` by job name."""
     while not stop.wait(0.25):
         try:
             _, sessions = fetch(socket_dir)
         except Exception:  # the daemon is busy answering others: the next sample counts
             continue
         into.append(sum(s.device_used_bytes for s in sessions.sessions) / pool)
+        for s in sessions.sessions:
+            if s.device_quota_bytes:
+                quotas.setdefault(s.job_name, []).append(s.device_quota_bytes)
+
+
+def allowances(quotas: dict[str, list[int]], pool: int) -> dict[str, int]:
+    """Each job's steady allowance: the median quota it was sampled at, in whole chunks,
+    scaled down together if they sum to more than the pool (the demo keeps its own lease)."""
+    chunk = 2 * MiB
+    median = {n: int(quantile([float(q) for q in qs], 0.5) or 0) for n, qs in quotas.items()}
+    demo = parse_size(next(j.floor for j in JOBS if j.trace is None))
+    scale = min(1.0, (pool - demo) / max(1, sum(median.values())))
+    return {n: max(chunk, int(q * scale) // chunk * chunk) for n, q in median.items()}
 
 
 def give_backs(log: Path) -> list[float]:
@@ -184,9 +210,11 @@ def quantile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def run_mode(mode: str, pool: int, seconds: float, keep_log: Path | None) -> dict[str, Any]:
+def run_mode(
+    mode: str, pool: int, seconds: float, keep_log: Path | None, fixed: dict[str, int]
+) -> dict[str, Any]:
+    """One mode's churn: `elastic` (each job's floor), else fixed leases of `fixed` bytes."""
     directory = Path(tempfile.mkdtemp(prefix="tp-churn-", dir="/tmp"))
-    fixed = fixed_leases(pool)
     daemon = LocalDaemon.start(
         directory,
         device_pool=str(pool),
@@ -198,14 +226,15 @@ def run_mode(mode: str, pool: int, seconds: float, keep_log: Path | None) -> dic
     try:
         runs = {spec.name: Runs() for spec in JOBS}
         utilization: list[float] = []
+        quotas: dict[str, list[int]] = {}
         stop = threading.Event()
-        sampler = threading.Thread(target=sample, args=(directory, pool, stop, utilization))
+        sampler = threading.Thread(target=sample, args=(directory, pool, stop, utilization, quotas))
         sampler.start()
         until = time.monotonic() + seconds
         threads = [
             threading.Thread(
                 target=run_job,
-                args=(spec, directory, mode, fixed[spec.name], until, k, runs[spec.name]),
+                args=(spec, directory, mode, fixed.get(spec.name, 0), until, k, runs[spec.name]),
             )
             for k, spec in enumerate(JOBS)
         ]
@@ -229,7 +258,8 @@ def run_mode(mode: str, pool: int, seconds: float, keep_log: Path | None) -> dic
         shutil.rmtree(directory, ignore_errors=True)
     return {
         "mode": mode,
-        "fixed_lease_bytes": fixed if mode == "fixed" else None,
+        "fixed_lease_bytes": fixed if mode != "elastic" else None,
+        "allowance_bytes": allowances(quotas, pool) if mode == "elastic" else None,
         "other_failures": {n: r.other_failures for n, r in runs.items() if r.other_failures},
         "utilization_mean": sum(utilization) / len(utilization) if utilization else None,
         "utilization_p50": quantile(utilization, 0.5),
@@ -262,7 +292,11 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=90.0, help="each mode's churn (90)")
     parser.add_argument("--pool", default="512MiB", help="the device pool (512MiB)")
     parser.add_argument(
-        "--modes", nargs="+", default=["elastic", "fixed"], choices=["elastic", "fixed"]
+        "--modes",
+        nargs="+",
+        default=["elastic", "fixed", "allowance"],
+        choices=["elastic", "fixed", "allowance"],
+        help="allowance needs elastic before it",
     )
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     parser.add_argument("--logs", type=Path, default=None, help="keep the daemon's logs here")
@@ -275,8 +309,29 @@ def main() -> None:
             {"name": j.name, "trace": j.trace.name if j.trace else "demo", "floor": j.floor}
             for j in JOBS
         ],
-        "modes": [run_mode(mode, pool, args.seconds, args.logs) for mode in args.modes],
+        "modes": [],
     }
+    allowance: dict[str, int] | None = None
+    for mode in args.modes:
+        if mode == "allowance" and allowance is None:
+            parser.error("--modes: allowance needs elastic before it")
+        fixed = fixed_leases(pool) if mode == "fixed" else allowance or {}
+        if mode == "allowance":
+            fixed = {**fixed_leases(pool), **fixed}  # the demo keeps its own lease
+        result = run_mode(mode, pool, args.seconds, args.logs, fixed)
+        allowance = result["allowance_bytes"] or allowance
+        results["modes"].append(result)
+    steps = {
+        m["mode"]: {n: j["step_ms_median"] for n, j in m["jobs"].items()} for m in results["modes"]
+    }
+    if "elastic" in steps and "allowance" in steps:
+        results["elastic_over_allowance_step"] = {
+            n: round(e / a, 3) if e and a else None
+            for n, (e, a) in (
+                (n, (steps["elastic"][n], steps["allowance"][n])) for n in steps["elastic"]
+            )
+        }
+        print("elastic / allowance step:", results["elastic_over_allowance_step"])
     for m in results["modes"]:
         print(
             f"{m['mode']:8} utilization mean {m['utilization_mean']:.3f}"

@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import math
 import mmap
+import os
 import shutil
 import sys
 import tempfile
@@ -165,7 +166,7 @@ def open_session(
             device_min=floor,
             device_max=max(lease, floor) if floor is not None else None,
             host_limit=lease,
-            job_name="tidalpool-replay",
+            job_name=os.environ.get("TIDALPOOL_JOB_NAME") or "tidalpool-replay",
             swap_limit=limit,
             copy_gbps=args.copy_gbps,
             async_compute=True,
