@@ -567,15 +567,14 @@ class PlanWorker:
 
         started = time.perf_counter()
         trace = session.trace
-        several = len(trace.shapes.counts) > 1  # shapes: the next iteration may be another
         # Counted first from the kinds alone: a session over the cap costs the planner no
         # extraction, so the sessions behind it in line wait for none.
-        if not several and trace.allocations_ended() > self.settings.max_plan_allocations:
-            self._too_large(session, shape, trace.allocations_ended())
+        if (allocations := trace.allocations_of(shape)) > self.settings.max_plan_allocations:
+            self._too_large(session, shape, allocations)
             return None
         events = Events.concat(list(trace.chunks), dict(trace.names))
         iteration = extract_shape(events, shape)
-        if several:
+        if len(trace.shapes.counts) > 1:  # the next iteration may be of another shape
             iteration = dataclasses.replace(iteration, boundary_swaps=False)
         else:
             with self._lock:

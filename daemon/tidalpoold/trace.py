@@ -171,6 +171,7 @@ class TraceStore:
         self.iterations_seen = 0
         self._marks_at: deque[int] = deque(maxlen=2)  # events before the last two step marks
         self.shapes = Shapes(max_shapes)
+        self._allocations: dict[str, int] = {}  # of each shape's last ended iteration
         self._held = 0
         self._lock = threading.Lock()
 
@@ -258,7 +259,12 @@ class TraceStore:
         with self._lock:
             self.iterations_seen += 1
             self._marks_at.append(mark.events_before)
-            return self.shapes.step(mark.shape)
+            ended, forgotten = self.shapes.step(mark.shape)
+            if ended is not None and len(self._marks_at) == 2:
+                self._allocations[ended] = self._allocs_between(*self._marks_at)
+            for shape in forgotten:
+                self._allocations.pop(shape, None)
+            return ended, forgotten
 
     def caught_up(self) -> bool:
         """Whether the events after the last step mark are at least as many as those between
@@ -271,21 +277,22 @@ class TraceStore:
             before, last = self._marks_at
             return self.events_received - last >= last - before
 
-    def allocations_ended(self) -> int:
-        """The allocations (ALLOC events) held of the iteration the last step mark ended, those
-        between the last two marks (0 before two): counted from the kinds column alone, without
-        the iteration's extraction, and never more than the iteration made."""
+    def allocations_of(self, shape: str) -> int:
+        """The allocations (ALLOC events) of the last iteration of `shape` a step mark ended (0
+        before one), counted from the kinds column when it ended, without the iteration's
+        extraction: of the events still held then, so never more than the iteration made."""
         with self._lock:
-            if len(self._marks_at) < 2:
-                return 0
-            before, last = self._marks_at
-            count = 0
-            for chunk in self._chunks:
-                start = max(before - chunk.first_event, 0)
-                stop = min(last - chunk.first_event, len(chunk))
-                if start < stop:
-                    count += int(np.count_nonzero(chunk.kinds[start:stop] == ALLOC))
-            return count
+            return self._allocations.get(shape, 0)
+
+    def _allocs_between(self, before: int, last: int) -> int:
+        """ALLOC events held in [before, last) (under the lock)."""
+        count = 0
+        for chunk in self._chunks:
+            start = max(before - chunk.first_event, 0)
+            stop = min(last - chunk.first_event, len(chunk))
+            if start < stop:
+                count += int(np.count_nonzero(chunk.kinds[start:stop] == ALLOC))
+        return count
 
     def shape_counts(self, shape: str) -> ShapeCount | None:
         """The counts of `shape` (a copy), None if it is not among those kept."""

@@ -473,7 +473,7 @@ def test_a_session_over_the_cap_is_told_before_its_iteration_is_extracted(
     s = session(registry, swap_limit=1500)
     for before in (10, 20):  # HIDE's iterations: a mark and nine events each
         s.trace.step(pool_pb2.StepMark(events_before=before))
-    assert s.trace.allocations_ended() == 2
+    assert s.trace.allocations_of("") == 2
 
     def extract_shape(*args: object) -> None:
         raise AssertionError("extracted")

@@ -309,10 +309,10 @@ def test_caught_up_once_the_next_iteration_is_as_long_as_the_one_before() -> Non
     assert s.caught_up()
 
 
-def test_allocations_ended_counts_the_allocs_between_the_last_two_marks() -> None:
-    """Across chunks stored apart, and only what the store still holds: never more than the
-    iteration made."""
-    s = TraceStore(max_events=10_000)
+def test_allocations_of_a_shape_count_the_allocs_of_its_last_ended_iteration() -> None:
+    """Counted when a mark ends the iteration, across chunks stored apart, of what the store
+    still holds: never more than the iteration made; by shape, and forgotten with it."""
+    s = TraceStore(max_events=10_000, max_shapes=2)
     n = 3000  # two neighbours hold more than COALESCE_EVENTS: stored apart
     frees = TraceChunk(first_event=n, kinds=[EVENT_KIND_FREE] * n, block_ids=range(n))
     frees.sizes[:] = frees.durations_ns[:] = frees.name_ids[:] = [0] * n
@@ -320,10 +320,14 @@ def test_allocations_ended_counts_the_allocs_between_the_last_two_marks() -> Non
     s.add(frees)
     s.add(chunk(2 * n, n, base=n))
     assert [(c.first_event, len(c)) for c in s.chunks] == [(0, n), (n, n), (2 * n, n)]
-    assert s.allocations_ended() == 0  # no mark yet
-    s.step(StepMark(iteration=0, events_before=2000))
-    assert s.allocations_ended() == 0  # one mark: no iteration ended
-    s.step(StepMark(iteration=1, events_before=7000))
-    assert s.allocations_ended() == 1000 + 1000  # events 2000..2999 and 6000..6999
+    assert s.allocations_of("a") == 0  # no mark yet
+    s.step(StepMark(iteration=0, events_before=2000, shape="a"))
+    assert s.allocations_of("a") == 0  # one mark: no iteration ended
+    s.step(StepMark(iteration=1, events_before=7000, shape="b"))
+    assert s.allocations_of("a") == 1000 + 1000  # events 2000..2999 and 6000..6999
+    assert s.allocations_of("b") == 0
     s.add(chunk(3 * n, n, base=2 * n))  # the first chunk is dropped by the bound
-    assert s.allocations_ended() == 1000
+    assert s.allocations_of("a") == 2000  # counted when its iteration ended
+    s.step(StepMark(iteration=2, events_before=9500, shape="c"))  # "a" is forgotten
+    assert s.allocations_of("b") == 2000 + 500  # 7000..8999 of the third chunk, 9000..9499
+    assert s.allocations_of("a") == 0
