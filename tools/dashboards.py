@@ -245,6 +245,21 @@ def pool() -> dict[str, Any]:
                         " operator, or missed heartbeats), shutdown.",
                     ),
                     Panel(
+                        "tidalpool.sock connections",
+                        [
+                            (f"tidalpool_connections{{{S}}}", f"{WHERE} {{{{state}}}}"),
+                            (
+                                f"60 * rate(tidalpool_connections_refused_total{{{S}}}[{R}])",
+                                f"{WHERE} refused per minute",
+                            ),
+                        ],
+                        "short",
+                        "Connections waiting for their HTTP/2 preface and relayed to the gRPC"
+                        " server, and those the daemon closed (a uid past its share, the"
+                        " waiting room full, silent or not HTTP/2): a rise is a flood or a"
+                        " misbehaving client (front.refused in the log names its uid and pid).",
+                    ),
+                    Panel(
                         "Device lease by session",
                         [(f'tidalpool_session_lease_bytes{{{S},pool="device"}}', per_session)],
                         "bytes",

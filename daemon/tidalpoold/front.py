@@ -127,9 +127,9 @@ class FrontDoor:
         self._thread.start()
 
     def counts(self) -> dict[str, int]:
-        """Connections waiting for their preface and relayed, now (read from any thread: a
-        moment's figures)."""
-        return {"waiting": len(self._waiting), "relayed": self._relayed}
+        """Connections waiting for their preface and relayed now, and refused in all (read
+        from any thread: a moment's figures)."""
+        return {"waiting": len(self._waiting), "relayed": self._relayed, "refused": self.refused}
 
     def close(self) -> None:
         """Stop accepting, close every connection, remove the socket."""

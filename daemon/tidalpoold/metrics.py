@@ -81,12 +81,14 @@ class DaemonCollector(Collector):
         facts: Callable[[], Facts],
         started: float | None = None,
         per_session: bool = True,
+        connections: Callable[[], Mapping[str, int]] | None = None,
     ) -> None:
         self.registry = registry
         self.planner = planner
         self.facts = facts
         self.started = time.time() if started is None else started
         self.per_session = per_session  # series labelled with each session's id and job
+        self.connections = connections  # tidalpool.sock's: waiting, relayed, refused
 
     def describe(self) -> Iterable[Metric]:
         return ()  # registering must not scrape
@@ -98,7 +100,27 @@ class DaemonCollector(Collector):
         if self.per_session:
             yield from self._per_session(snap)
         yield from self._planner()
+        if self.connections is not None:
+            yield from self._connections(self.connections())
         yield from self._device(dict(self.facts()))
+
+    @staticmethod
+    def _connections(counts: Mapping[str, int]) -> Iterator[Metric]:
+        held = GaugeMetricFamily(
+            "tidalpool_connections",
+            "Connections to tidalpool.sock: waiting for their HTTP/2 preface, or relayed to the"
+            " gRPC server.",
+            labels=["state"],
+        )
+        for state in ("waiting", "relayed"):
+            held.add_metric([state], counts[state])
+        yield held
+        yield CounterMetricFamily(
+            "tidalpool_connections_refused",
+            "Connections to tidalpool.sock the daemon closed: no place for their uid or all held,"
+            " the waiting room full, no HTTP/2 preface in time, or not HTTP/2.",
+            value=counts["refused"],
+        )
 
     def _pools(self, snap: Snapshot) -> Iterator[Metric]:
         size = GaugeMetricFamily(

@@ -177,8 +177,6 @@ def _build(
     registry.on_quota = planner.replan
     if metrics is not None:
         registry.on_give_back = metrics.on_give_back
-        per_session = settings.metrics_sessions == "on"
-        metrics.add(DaemonCollector(registry, planner, backend.facts, per_session=per_session))
     pool, admin = PoolService(registry, planner), AdminService(registry)
 
     # Two gRPC servers, one per socket: who may connect to a Unix socket is its file mode, so
@@ -229,6 +227,13 @@ def _build(
         handshake_s=HANDSHAKE_S,
     )
     front.start()
+    if metrics is not None:
+        per_session = settings.metrics_sessions == "on"
+        metrics.add(
+            DaemonCollector(
+                registry, planner, backend.facts, per_session=per_session, connections=front.counts
+            )
+        )
     handles = HandlesServer(
         settings.handles_socket,
         registry,

@@ -43,7 +43,8 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Iterator[set[str]]:
     registry = Registry(settings, backend)
     planner = PlanWorker(settings)
     m = Metrics(gpu="0")
-    m.add(DaemonCollector(registry, planner, backend.facts))
+    counts = {"waiting": 0, "relayed": 0, "refused": 0}  # a front door's
+    m.add(DaemonCollector(registry, planner, backend.facts, connections=lambda: counts))
     m.rpc.requests.labels("m", "OK").inc()
     m.rpc.seconds.labels("m", "OK").observe(0.1)
     session = registry.open(C, C, "job", 1, 0)

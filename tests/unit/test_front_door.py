@@ -91,7 +91,7 @@ def test_bytes_go_both_ways_whole_and_an_end_is_passed_on(short_dir: Path, echo:
             got += conn.recv(1 << 20)
         sender.join()
         assert bytes(got) == PREFACE + payload
-        assert front.counts() == {"waiting": 0, "relayed": 1}
+        assert front.counts() == {"waiting": 0, "relayed": 1, "refused": 0}
         conn.shutdown(socket.SHUT_WR)  # the echo server ends its side in turn
         assert conn.recv(1) == b""
         conn.close()
@@ -112,7 +112,7 @@ def test_what_is_not_http2_is_closed_and_a_silent_peer_at_its_deadline(
         started = time.monotonic()
         assert closed(silent)
         assert time.monotonic() - started >= 0.2
-        assert front.refused == 2 and front.counts() == {"waiting": 0, "relayed": 0}
+        assert front.counts() == {"waiting": 0, "relayed": 0, "refused": 2}
     finally:
         front.close()
 
@@ -150,7 +150,7 @@ def test_the_process_holding_the_most_waiting_loses_its_oldest(short_dir: Path, 
         assert hold.stdout.readline() == "True\n"
         ours.sendall(PREFACE)
         assert ours.recv(len(PREFACE)) == PREFACE  # relayed
-        assert front.counts() == {"waiting": 2, "relayed": 4}
+        assert front.counts() == {"waiting": 2, "relayed": 4, "refused": 1}
         for conn in [ours, *relayed]:
             conn.close()
     finally:
@@ -171,7 +171,7 @@ def test_one_uid_keeps_all_places_but_the_reserved_ones(short_dir: Path, echo: P
         fourth = connect(front)
         fourth.sendall(PREFACE)
         assert closed(fourth)  # the last place is another uid's to take
-        assert front.counts() == {"waiting": 0, "relayed": 3}
+        assert front.counts() == {"waiting": 0, "relayed": 3, "refused": 1}
         held.pop().close()
         until(lambda: front.counts()["relayed"] == 2, "a place is free")
         fifth = connect(front)

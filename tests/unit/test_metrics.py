@@ -257,6 +257,20 @@ def test_cuda_facts_become_device_gauges_and_the_probe_replaces_the_assumption(
     assert value(reg, bandwidth, direction="h2d", source="assumed") is None
 
 
+def test_the_front_doors_connections_are_gauges_and_its_refusals_a_counter(
+    registry: Registry, planner: PlanWorker
+) -> None:
+    counts = {"waiting": 3, "relayed": 7, "refused": 11}
+    reg = scrape(DaemonCollector(registry, planner, dict, connections=lambda: counts))
+    assert value(reg, "tidalpool_connections", state="waiting") == 3
+    assert value(reg, "tidalpool_connections", state="relayed") == 7
+    assert value(reg, "tidalpool_connections_refused_total") == 11
+    counts["refused"] = 12
+    assert value(reg, "tidalpool_connections_refused_total") == 12  # now, at each scrape
+    reg = scrape(DaemonCollector(registry, planner, dict))  # no front door: no such series
+    assert value(reg, "tidalpool_connections", state="waiting") is None
+
+
 def test_job_names_become_bounded_plain_label_values() -> None:
     assert job_label("resnet50/bs-32@node:1") == "resnet50/bs-32@node:1"
     assert job_label('a b"c\n{}ü') == "a_b_c____"
@@ -401,6 +415,8 @@ def test_a_daemon_serves_its_metrics_over_http_until_it_stops(
         for s in family.samples
     }
     assert samples[("tidalpool_pool_size_bytes", (("gpu", "2"), ("pool", "device")))] == 4 * C
+    assert samples[("tidalpool_connections_refused_total", (("gpu", "2"),))] == 0
+    assert ("tidalpool_connections", (("gpu", "2"), ("state", "waiting"))) in samples
     check = (("code", "OK"), ("gpu", "2"), ("method", "grpc.health.v1.Health/Check"))
     assert samples[("tidalpool_grpc_requests_total", check)] == 1
     assert "_created" not in text
