@@ -73,6 +73,13 @@ class _Pair:
     to_outer: bytearray = field(default_factory=bytearray)
     ended: set[socket.socket] = field(default_factory=set)
 
+    def sides(self, sock: socket.socket) -> tuple[socket.socket, bytearray, bytearray]:
+        """Of one of the pair's sockets: the other socket, the bytes read from this one not
+        yet passed on, and the bytes waiting to be written to it."""
+        if sock is self.outer:
+            return self.inner, self.to_inner, self.to_outer
+        return self.outer, self.to_outer, self.to_inner
+
 
 class FrontDoor:
     """Serves the public socket at `path` (file mode `mode`) from a background thread, relaying
@@ -97,7 +104,7 @@ class FrontDoor:
         self.path, self.inner = path, inner
         self.places, self.waiting, self.reserved = places, waiting, reserved
         self.handshake_s = handshake_s
-        self.refused = 0  # connections closed for want of a place or a preface, in all
+        self._refused_total = 0  # connections closed for want of a place or a preface, in all
         self._log_at, self._logged = 0.0, 0  # when the next warning may be; refused by then
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.bind(str(path))
@@ -129,7 +136,11 @@ class FrontDoor:
     def counts(self) -> dict[str, int]:
         """Connections waiting for their preface and relayed now, and refused in all (read
         from any thread: a moment's figures)."""
-        return {"waiting": len(self._waiting), "relayed": self._relayed, "refused": self.refused}
+        return {
+            "waiting": len(self._waiting),
+            "relayed": self._relayed,
+            "refused": self._refused_total,
+        }
 
     def close(self) -> None:
         """Stop accepting, close every connection, remove the socket."""
@@ -242,12 +253,14 @@ class FrontDoor:
     def _refused(self, peer: Peer, why: str) -> None:
         """Count a connection refused; a warning says why, at most one every LOG_EVERY_S (with
         how many since the last): a flood writes a few lines, not one a connection."""
-        self.refused += 1
+        self._refused_total += 1
         now = time.monotonic()
         if now >= self._log_at:
             extra = {"uid": peer.uid, "pid": peer.pid, "why": why}
-            log.warning("front.refused", extra={**extra, "refused": self.refused - self._logged})
-            self._log_at, self._logged = now + LOG_EVERY_S, self.refused
+            log.warning(
+                "front.refused", extra={**extra, "refused": self._refused_total - self._logged}
+            )
+            self._log_at, self._logged = now + LOG_EVERY_S, self._refused_total
 
     def _greet(self, waiting: _Waiting) -> None:
         """Read the preface; once whole (and right), relay the connection if its uid has a place."""
@@ -288,10 +301,7 @@ class FrontDoor:
         self._watch(pair, inner)
 
     def _relay(self, pair: _Pair, sock: socket.socket, events: int) -> None:
-        other = pair.inner if sock is pair.outer else pair.outer
-        incoming, outgoing = (
-            (pair.to_inner, pair.to_outer) if sock is pair.outer else (pair.to_outer, pair.to_inner)
-        )
+        other, incoming, outgoing = pair.sides(sock)
         try:
             if events & selectors.EVENT_WRITE and outgoing:
                 del outgoing[: sock.send(outgoing)]
@@ -321,9 +331,7 @@ class FrontDoor:
     def _watch(self, pair: _Pair, sock: socket.socket) -> None:
         """Read from a side while what it sent last is passed on and it has not ended; write to
         it while bytes for it wait."""
-        from_it, to_it = (
-            (pair.to_inner, pair.to_outer) if sock is pair.outer else (pair.to_outer, pair.to_inner)
-        )
+        _, from_it, to_it = pair.sides(sock)
         events = (0 if from_it or sock in pair.ended else selectors.EVENT_READ) | (
             selectors.EVENT_WRITE if to_it else 0
         )

@@ -223,7 +223,7 @@ def _build(
         settings.socket_mode,
         places=places,
         waiting=WAITING_CONNECTIONS,
-        reserved=min(RESERVED_CONNECTIONS, places // 2),
+        reserved=RESERVED_CONNECTIONS,  # places >= 66: max_sessions is at least 1
         handshake_s=HANDSHAKE_S,
     )
     front.start()
