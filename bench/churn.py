@@ -313,11 +313,12 @@ def main() -> None:
     }
     allowance: dict[str, int] | None = None
     for mode in args.modes:
-        if mode == "allowance" and allowance is None:
-            parser.error("--modes: allowance needs elastic before it")
-        fixed = fixed_leases(pool) if mode == "fixed" else allowance or {}
         if mode == "allowance":
-            fixed = {**fixed_leases(pool), **fixed}  # the demo keeps its own lease
+            if allowance is None:
+                parser.error("--modes: allowance needs elastic before it")
+            fixed = {**fixed_leases(pool), **allowance}  # the demo keeps its own lease
+        else:
+            fixed = fixed_leases(pool) if mode == "fixed" else {}
         result = run_mode(mode, pool, args.seconds, args.logs, fixed)
         allowance = result["allowance_bytes"] or allowance
         results["modes"].append(result)
@@ -325,11 +326,10 @@ def main() -> None:
         m["mode"]: {n: j["step_ms_median"] for n, j in m["jobs"].items()} for m in results["modes"]
     }
     if "elastic" in steps and "allowance" in steps:
+        allowed = steps["allowance"]
         results["elastic_over_allowance_step"] = {
-            n: round(e / a, 3) if e and a else None
-            for n, (e, a) in (
-                (n, (steps["elastic"][n], steps["allowance"][n])) for n in steps["elastic"]
-            )
+            n: round(e / allowed[n], 3) if e and allowed[n] else None
+            for n, e in steps["elastic"].items()
         }
         print("elastic / allowance step:", results["elastic_over_allowance_step"])
     for m in results["modes"]:
