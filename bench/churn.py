@@ -302,7 +302,7 @@ def main() -> None:
     parser.add_argument("--logs", type=Path, default=None, help="keep the daemon's logs here")
     args = parser.parse_args()
     pool = parse_size(args.pool)
-    results = {
+    results: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"),
         "pool_bytes": pool,
         "jobs": [
