@@ -594,7 +594,8 @@ def accounting(args: argparse.Namespace) -> dict[str, Any]:
 class Watcher:
     """The bystander of the starve phase: every TICK_S a health check on admin.sock (as the
     daemon's probes ask) and one on tidalpool.sock, every ATTACH_EVERY-th tick an attach and a
-    detach; and the daemon's threads, open files and RSS, at their most."""
+    detach; and the daemon's threads, open files and RSS, and its children's RSS (its planner
+    process and multiprocessing's resource tracker), at their most."""
 
     TICK_S = 0.05
     ATTACH_EVERY = 4
@@ -603,7 +604,7 @@ class Watcher:
         self.d = d
         self.samples: dict[str, list[float]] = {"health": [], "jobs_health": [], "attach": []}
         self.failed: Counter[str] = Counter()
-        self.most = {"threads": 0, "fds": 0, "rss_mib": 0.0}
+        self.most = {"threads": 0, "fds": 0, "rss_mib": 0.0, "children_rss_mib": 0.0}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -653,6 +654,8 @@ class Watcher:
                 self.most["threads"] = max(self.most["threads"], threads)
                 self.most["fds"] = max(self.most["fds"], len(os.listdir(f"/proc/{pid}/fd")))
                 self.most["rss_mib"] = max(self.most["rss_mib"], mib(daemon_rss_bytes(pid)))
+                children = sum(daemon_rss_bytes(child) for child in _children(pid))
+                self.most["children_rss_mib"] = max(self.most["children_rss_mib"], mib(children))
 
     def report(self) -> dict[str, Any]:
         return {
@@ -660,6 +663,15 @@ class Watcher:
             "failed": dict(self.failed),
             "daemon_most": dict(self.most),
         }
+
+
+def _children(pid: int) -> list[int]:
+    """The pids of process `pid`'s children."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with suppress(OSError):
+            found += [int(c) for c in (task / "children").read_text().split()]
+    return found
 
 
 def _jobs_health(path: Path) -> bool:

@@ -29,6 +29,7 @@ from tidalpoold.front import FDS_PER_PLACE, FrontDoor
 from tidalpoold.handles import HandlesServer
 from tidalpoold.metrics import DaemonCollector, Metrics
 from tidalpoold.plan_worker import PlanWorker, copy_gbps_of
+from tidalpoold.planning import PlannerProcess
 from tidalpoold.rpc import StreamSlots, service, unary, unary_stream
 from tidalpoold.services import AdminService, PoolService
 from tidalpoold.sessions import Reason, Registry
@@ -173,6 +174,7 @@ def _build(
         settings,
         copy_gbps=copy_gbps_of(backend),
         on_planned=metrics.on_planned if metrics else None,
+        planner=PlannerProcess(settings),
     )
     registry.on_quota = planner.replan
     if metrics is not None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
+from pathlib import Path
 
 import tidalpool
 
@@ -95,3 +98,32 @@ def test_a_plan_without_a_swap_limit_is_cached_whatever_the_copy_bandwidth(
         assert p.prediction.footprint_bytes == p.prediction.peak_bytes == p.height_bytes
         assert p.height_bytes == 304 * KiB
         assert (p.prediction.step_ns, p.prediction.stall_ns) == (0, 0)
+
+
+def planner_of(pid: int) -> int:
+    """The pid of daemon `pid`'s planner process (a spawned child, beside multiprocessing's
+    resource tracker)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                return int(child)
+    raise AssertionError(f"daemon {pid} has no planner process")
+
+
+def test_plans_are_made_in_a_process_that_a_kill_does_not_end_planning_for(
+    start_daemon: StartDaemon,
+) -> None:
+    """The daemon's planner is a process of its own: killed (SIGKILL) between plans, the next
+    session's plan is made by a new one, and the daemon says so in its log."""
+    d = start_daemon()
+    first = planner_of(d.process.pid)
+    with tidalpool.attach(d.socket_dir, device_limit="8MiB") as s:
+        run_until_planned(s)
+    os.kill(first, signal.SIGKILL)
+    with tidalpool.attach(d.socket_dir, device_limit="8MiB", swap_limit="4MiB") as s:  # not cached
+        run_until_planned(s)
+    assert planner_of(d.process.pid) != first
+    log = d.log_path.read_text()
+    assert "plan.planner_stopped" in log and "killed by signal 9" in log
+    assert len([line for line in log.splitlines() if "plan.sent" in line]) == 2
+    assert "source=cache" not in log

@@ -19,7 +19,8 @@ from tidalplan import wire
 from tidalplan.learn import extract, signature
 from tidalpoold import plan_cache
 from tidalpoold.backends import SimBackend
-from tidalpoold.plan_worker import Planned, PlanWorker, Turns, Unfit
+from tidalpoold.plan_worker import PlanWorker, Turns
+from tidalpoold.planning import Planned, Planner, Unfit
 from tidalpoold.sessions import PlanFootprint, Reason, Registry, Session
 from tidalpoold.settings import Settings
 from tidalpoold.trace import decode_chunk
@@ -240,7 +241,7 @@ def test_a_failed_plan_is_told_in_one_line(
     def fail(*args: object, **kwargs: object) -> None:
         raise ValueError("the iteration\nhas no ops")
 
-    monkeypatch.setattr(planner, "make", fail)
+    monkeypatch.setattr(planner.planner, "make", fail)
     s = session(registry, swap_limit=1500)
     planner._plan_quietly(s)
     assert told(s) == [
@@ -321,7 +322,7 @@ def test_a_limit_swaps_alone_cannot_reach_is_told_where() -> None:
     # (op 24) what is live cannot be brought under the limit by swaps alone.
     from tidaloffline.simulate_command import load
     from tidalplan.autoswap import load as curve
-    from tidalpoold.plan_worker import Unfit, unavailable
+    from tidalpoold.planning import Unfit, unavailable
 
     it = load(Path(__file__).resolve().parents[2] / "traces" / "mlp.b64.trace.csv")
     limit = int(0.9 * int(curve(it).max()))
@@ -343,7 +344,7 @@ def test_a_limit_swaps_alone_cannot_reach_is_told_where() -> None:
 
 def test_a_plan_whose_swaps_need_more_than_the_host_lease_is_told_so() -> None:
     from tidalcore.unplanned import OVER_LEASE
-    from tidalpoold.plan_worker import Unfit, unavailable
+    from tidalpoold.planning import Unfit, unavailable
 
     events_chunk = chunk(HIDE, {})
     events = Events.concat([decode_chunk(events_chunk)], dict(events_chunk.new_names))
@@ -364,10 +365,11 @@ def test_a_contiguous_plan_is_judged_against_the_host_lease_too(
     s = session(registry, swap_limit=1500)
     events = Events.concat(list(s.trace.chunks), dict(s.trace.names))
     it = extract(events, events.marks())
-    short = planner.make(it, 1500, 1.0, C, host=1000)
+    made_by = Planner(registry.settings)
+    short = made_by.make(it, 1500, 1.0, C, host=1000)
     assert short == Unfit(1024, 1000, 1500, 1, "host")
-    assert planner.make(it, 1500, 1.0, C, host=1000) == short  # from the cache: judged as well
-    made = planner.make(it, 1500, 1.0, C, host=1024)
+    assert made_by.make(it, 1500, 1.0, C, host=1000) == short  # from the cache: judged as well
+    made = made_by.make(it, 1500, 1.0, C, host=1024)
     assert isinstance(made, Planned) and list(made.update.swap_blocks) == [0]
     end(registry, s)
 
@@ -442,12 +444,18 @@ def test_an_unthrottled_sessions_plan_serves_daemons_that_measured_about_as_much
             w.close()
 
 
+def capped(worker: PlanWorker, cap: int) -> None:
+    """`worker` and its planner with a `max_plan_allocations` of `cap`."""
+    worker.settings = dataclasses.replace(worker.settings, max_plan_allocations=cap)
+    worker.planner = Planner(worker.settings)
+
+
 def test_an_iteration_of_more_allocations_than_the_cap_is_not_planned_and_told_so(
     registry: Registry, planner: PlanWorker
 ) -> None:
     """HIDE makes two allocations an iteration: under a cap of one, its session is told the
     count and the setting, and no solve runs; at a cap of two it is planned."""
-    planner.settings = dataclasses.replace(registry.settings, max_plan_allocations=1)
+    capped(planner, 1)
     s = session(registry, swap_limit=1500)
     assert planner.plan(s) is None
     reason = (
@@ -456,7 +464,7 @@ def test_an_iteration_of_more_allocations_than_the_cap_is_not_planned_and_told_s
     )
     assert told(s) == [PlanUnavailable(1500, TOO_LARGE, reason)]
     assert (planner.plans_too_large, planner.plans_made) == (1, 0)
-    planner.settings = dataclasses.replace(registry.settings, max_plan_allocations=2)
+    capped(planner, 2)
     assert planner.plan(s) is not None and planner.plans_made == 1
     end(registry, s)
 
@@ -469,7 +477,7 @@ def test_a_session_over_the_cap_is_told_before_its_iteration_is_extracted(
     wait for none)."""
     import tidalplan.learn
 
-    planner.settings = dataclasses.replace(registry.settings, max_plan_allocations=1)
+    capped(planner, 1)
     s = session(registry, swap_limit=1500)
     for before in (10, 20):  # HIDE's iterations: a mark and nine events each
         s.trace.step(pool_pb2.StepMark(events_before=before))

@@ -126,7 +126,7 @@ def test_the_daemon_row_is_the_plan_the_daemon_sends(
     from tidaloffline.simulate_command import load
     from tidalplan import placed, placement
     from tidalplan.model import Placement, Problem
-    from tidalpoold.plan_worker import Planned, PlanWorker
+    from tidalpoold.planning import Planned, Planner
     from tidalpoold.settings import Settings
 
     def first_greedy(problem: Problem, time_limit_s: float = 0.0) -> Placement:
@@ -150,11 +150,7 @@ def test_the_daemon_row_is_the_plan_the_daemon_sends(
         metrics_address="",
         plan_time_limit_s=1.0,
     )
-    worker = PlanWorker(settings)
-    try:
-        made = worker.make(load(trace), got["limit_bytes"], 12.0)
-    finally:
-        worker.close()
+    made = Planner(settings).make(load(trace), got["limit_bytes"], 12.0)
     assert isinstance(made, Planned)
     assert made.update.prediction.step_ns == row["iteration_ns"]
     assert len(made.update.swap_blocks) == row["swaps"]
