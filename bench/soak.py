@@ -665,6 +665,19 @@ class Watcher:
         }
 
 
+def _plans_logged(path: Path) -> list[dict[str, Any]]:
+    """What the daemon's JSON log says of each plan it made or refused: the event, the
+    allocations and the seconds it took where said."""
+    plans, keep = [], ("event", "allocations", "seconds", "source", "why")
+    for line in path.read_text().splitlines():
+        with suppress(ValueError):
+            record = json.loads(line)
+            event = str(record.get("event", ""))
+            if event.startswith("plan.") and event != "plan.waiting":
+                plans.append({k: record[k] for k in keep if k in record})
+    return plans
+
+
 def _children(pid: int) -> list[int]:
     """The pids of process `pid`'s children."""
     found: list[int] = []
@@ -779,10 +792,35 @@ def _plan_latency(d: LocalDaemon, salt: int) -> float:
 @contextmanager
 def _heavy_iteration(d: LocalDaemon, allocations: int) -> Iterator[dict[str, int]]:
     """A session whose iterations make `allocations` allocations each, three of them recorded
-    at once, so that the daemon plans (or refuses) it while the bystander's plan waits."""
+    at once, so that the daemon plans (or refuses) it while the bystander's plan waits; in a
+    process of its own, as a job is (its client decoding the plan it gets does not hold the
+    bystander's interpreter)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    ours, theirs = context.Pipe()
+    child = context.Process(target=_heavy_session, args=(theirs, str(d.socket_dir), allocations))
+    child.start()
+    theirs.close()
+    try:
+        if not ours.poll(120):
+            raise RuntimeError("the daemon did not take the heavy session's trace in 120 s")
+        yield ours.recv()
+    finally:
+        with suppress(OSError):
+            ours.send("close")
+        child.join(60)
+        if child.is_alive():
+            child.kill()
+        ours.close()
+
+
+def _heavy_session(conn: Any, socket_dir: str, allocations: int) -> None:
+    """`_heavy_iteration`'s process: its trace sent and taken, it says so on `conn` and holds
+    its session until told to close."""
     from tidalcore.events import ALLOC, FREE, OP
 
-    s = tidalpool.attach(d.socket_dir, device_limit="4MiB")
+    s = tidalpool.attach(socket_dir, device_limit="4MiB")
     try:
         block = 1 << 20
         for i in range(3):
@@ -797,9 +835,11 @@ def _heavy_iteration(d: LocalDaemon, allocations: int) -> Iterator[dict[str, int
         deadline = time.monotonic() + 120
         while s.connection.events_received() < s.recorder.events_sent:  # it is planning now
             if time.monotonic() > deadline:
-                raise RuntimeError("the daemon did not take the heavy session's trace in 120 s")
+                return  # the parent reports it
             time.sleep(0.05)
-        yield {"allocations": allocations, "events": s.recorder.events_sent}
+        conn.send({"allocations": allocations, "events": s.recorder.events_sent})
+        with suppress(EOFError, OSError):
+            conn.recv()
     finally:
         s.close(flush_timeout_s=60)
 
@@ -848,6 +888,7 @@ def starve(args: argparse.Namespace) -> dict[str, Any]:
             "heavy": heavy,
             "bystander_plan_s_alone": round(alone, 3),
             "bystander_plan_s_beside": round(beside, 3),
+            "plans": _plans_logged(d.log_path),
             **w.report(),
         }
         log("starve", f"planner: {json.dumps(report['planner'])[:300]}")

@@ -51,8 +51,9 @@ HANDSHAKE_S = 5.0  # a connection's HTTP/2 preface and settings come within this
 IDLE_S = 60.0  # a connection to tidalpool.sock with no call for this long is closed
 SWITCH_INTERVAL_S = 0.0005
 """How long a thread may hold the interpreter's lock while another waits for it (Python's
-default: 5 ms). The planner computes in Python for seconds; every byte the front door relays
-and every call a gRPC thread serves waits for that lock, each hop up to this long."""
+default: 5 ms). Every byte the front door relays and every call a gRPC thread serves waits for
+that lock behind the thread that holds it (a trace's chunk decoded, a job handed to the
+planner's process), each hop up to this long."""
 INNER_SOCKET = ".grpc.sock"  # the gRPC server's own socket, beside tidalpool.sock: the daemon's
 STREAMS_PER_CONNECTION = 16  # a session's channel needs its stream and a few calls at once
 
