@@ -665,6 +665,14 @@ class Watcher:
         }
 
 
+@contextmanager
+def _two_floods(path: str, n: int, hello: bytes) -> Iterator[dict[str, Any]]:
+    """`flood` from uid 65534 and from uid 65533 at once: together they can hold every place,
+    each within its share."""
+    with flood(path, n, hello, NOBODY) as one, flood(path, n, hello, NOBODY - 1) as other:
+        yield {"uids": [one, other]}
+
+
 def _plans_logged(path: Path) -> list[dict[str, Any]]:
     """What the daemon's JSON log says of each plan it made or refused: the event, the
     allocations and the seconds it took where said."""
@@ -875,6 +883,7 @@ def starve(args: argparse.Namespace) -> dict[str, Any]:
             attacks.append(
                 ("another_uid_idle", lambda: flood(str(jobs), args.flood, hello, NOBODY))
             )
+            attacks.append(("two_uids_idle", lambda: _two_floods(str(jobs), args.flood, hello)))
         for name, attack in attacks:
             with attack() as about, Watcher(d) as w:
                 time.sleep(args.attack_seconds)  # the attack's length: what is measured

@@ -18,7 +18,11 @@ socket of the daemon's uid alone (`inner`), and one selector thread serves the p
 
 A uid holds at most `places - reserved` places, so whatever one uid opens, `reserved` places
 are left for the others; a flood from one process never costs another process its place in
-the waiting room, however fast it reconnects. Past the preface, the gRPC server's own limits
+the waiting room, however fast it reconnects. With every place held (several uids together),
+a newcomer whose uid holds fewer than the uid holding the most, less one, takes the place of
+that uid's connection that has been quiet longest, once it has passed no byte for `quiet_s`
+(a session's channel carries its heartbeat every second; a channel that lost its place
+connects again at its next call). Past the preface, the gRPC server's own limits
 apply (its handshake timeout, streams per connection, idle connections closed).
 
 A relayed connection costs three fds (the peer's, ours to `inner`, gRPC's end of it) and at
@@ -69,6 +73,7 @@ class _Pair:
     outer: socket.socket
     inner: socket.socket
     uid: int
+    last: float  # when bytes last passed, either way (monotonic seconds)
     to_inner: bytearray = field(default_factory=bytearray)
     to_outer: bytearray = field(default_factory=bytearray)
     ended: set[socket.socket] = field(default_factory=set)
@@ -95,6 +100,7 @@ class FrontDoor:
         waiting: int,
         reserved: int,
         handshake_s: float,
+        quiet_s: float,
     ) -> None:
         if not 0 <= reserved < places or waiting < 1 or not handshake_s > 0:
             raise ValueError(
@@ -103,7 +109,7 @@ class FrontDoor:
             )
         self.path, self.inner = path, inner
         self.places, self.waiting, self.reserved = places, waiting, reserved
-        self.handshake_s = handshake_s
+        self.handshake_s, self.quiet_s = handshake_s, quiet_s
         self._refused_total = 0  # connections closed for want of a place or a preface, in all
         self._log_at, self._logged = 0.0, 0  # when the next warning may be; refused by then
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -277,7 +283,7 @@ class FrontDoor:
         if len(waiting.data) < len(PREFACE):
             return
         uid = waiting.peer.uid
-        if self._relayed >= self.places:
+        if self._relayed >= self.places and not self._take_quiet_place(uid):
             self._refuse(waiting.sock, f"all {self.places} places are held")
             return
         if self._held[uid] >= self.places - self.reserved:
@@ -293,12 +299,30 @@ class FrontDoor:
             self._refuse(waiting.sock, f"the gRPC server's socket refused it: {e.strerror}")
             return
         self._leave(waiting.sock)
-        pair = _Pair(waiting.sock, inner, uid, to_inner=bytearray(PREFACE))
+        pair = _Pair(waiting.sock, inner, uid, time.monotonic(), to_inner=bytearray(PREFACE))
         self._pairs[pair.outer] = self._pairs[inner] = pair
         self._held[uid] += 1
         self._relayed += 1
         self._watch(pair, pair.outer)
         self._watch(pair, inner)
+
+    def _take_quiet_place(self, uid: int) -> bool:
+        """With every place held: close the connection quiet longest of the uid holding the
+        most, when `uid` holds fewer than that uid less one and it has been quiet `quiet_s`;
+        whether a place is free now."""
+        heaviest = max(self._held, key=lambda u: self._held[u])
+        if self._held[uid] >= self._held[heaviest] - 1:
+            return False
+        theirs = {id(p): p for p in self._pairs.values() if p.uid == heaviest}.values()
+        quietest = min(theirs, key=lambda p: p.last)
+        quiet_for = time.monotonic() - quietest.last
+        if quiet_for < self.quiet_s:
+            return False
+        self._refused_total += 1
+        extra = {"uid": heaviest, "quiet_s": round(quiet_for, 1), "for_uid": uid}
+        log.info("front.place_taken", extra=extra)
+        self._end(quietest)
+        return True
 
     def _relay(self, pair: _Pair, sock: socket.socket, events: int) -> None:
         other, incoming, outgoing = pair.sides(sock)
@@ -310,6 +334,7 @@ class FrontDoor:
             if events & selectors.EVENT_READ and not incoming:
                 n = sock.recv_into(self._buffer)
                 if n:
+                    pair.last = time.monotonic()
                     incoming += self._view[:n]
                     with contextlib.suppress(BlockingIOError):
                         del incoming[: other.send(incoming)]

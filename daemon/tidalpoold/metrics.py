@@ -118,7 +118,8 @@ class DaemonCollector(Collector):
         yield CounterMetricFamily(
             "tidalpool_connections_refused",
             "Connections to tidalpool.sock the daemon closed: no place for their uid or all held,"
-            " the waiting room full, no HTTP/2 preface in time, or not HTTP/2.",
+            " the waiting room full, no HTTP/2 preface in time, not HTTP/2, or a quiet one's"
+            " place taken by a lighter uid.",
             value=counts["refused"],
         )
 

@@ -49,6 +49,7 @@ RESERVED_CONNECTIONS = 32  # of tidalpool.sock's places, what one uid never take
 WAITING_CONNECTIONS = 64  # connections to tidalpool.sock without their HTTP/2 preface yet
 HANDSHAKE_S = 5.0  # a connection's HTTP/2 preface and settings come within this, or it goes
 IDLE_S = 60.0  # a connection to tidalpool.sock with no call for this long is closed
+QUIET_S = 2.0  # with every place held, one this quiet of the uid holding the most may be taken
 SWITCH_INTERVAL_S = 0.0005
 """How long a thread may hold the interpreter's lock while another waits for it (Python's
 default: 5 ms). Every byte the front door relays and every call a gRPC thread serves waits for
@@ -228,6 +229,7 @@ def _build(
         waiting=WAITING_CONNECTIONS,
         reserved=RESERVED_CONNECTIONS,  # places >= 66: max_sessions is at least 1
         handshake_s=HANDSHAKE_S,
+        quiet_s=QUIET_S,
     )
     front.start()
     if metrics is not None:

@@ -47,7 +47,7 @@ def echo(short_dir: Path) -> Iterator[Path]:
 
 
 def door(short_dir: Path, echo: Path, **kw: float) -> FrontDoor:
-    args = {"places": 4, "waiting": 3, "reserved": 1, "handshake_s": 5.0, **kw}
+    args = {"places": 4, "waiting": 3, "reserved": 1, "handshake_s": 5.0, "quiet_s": 10.0, **kw}
     front = FrontDoor(short_dir / "front.sock", echo, 0o600, **args)  # type: ignore[arg-type]
     front.start()
     return front
@@ -185,4 +185,83 @@ def test_one_uid_keeps_all_places_but_the_reserved_ones(short_dir: Path, echo: P
 
 def test_settings_out_of_range_are_refused(short_dir: Path, echo: Path) -> None:
     with pytest.raises(ValueError, match="reserved < places"):
-        FrontDoor(short_dir / "x.sock", echo, 0o600, places=2, waiting=1, reserved=2, handshake_s=1)
+        door(short_dir, echo, places=2, waiting=1, reserved=2)
+
+
+# As uid argv[2]: opens argv[3] connections through the door that send the preface (echoed
+# back while relayed), says how many it kept, and holds them until stdin closes.
+HOLD = """
+import os, socket, sys
+uid = int(sys.argv[2])
+os.setgid(uid); os.setgroups([]); os.setuid(uid)
+kept = []
+for _ in range(int(sys.argv[3])):
+    c = socket.socket(socket.AF_UNIX)
+    c.settimeout(30)
+    c.connect(sys.argv[1])
+    c.sendall(bytes.fromhex(sys.argv[4]))
+    try:
+        if c.recv(24):
+            kept.append(c)
+            continue
+    except OSError:
+        pass
+    c.close()
+print(len(kept), flush=True)
+sys.stdin.read()
+"""
+
+
+def hold(front: FrontDoor, uid: int, n: int) -> tuple[subprocess.Popen[str], int]:
+    """A process of `uid` holding what it kept of `n` connections, and how many that is."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(front.path), str(uid), str(n), PREFACE.hex()],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout is not None
+    return process, int(process.stdout.readline())
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching to other uids needs root")
+@pytest.mark.parametrize("quiet_s", [0.0, 3600.0])
+def test_with_every_place_held_a_lighter_uid_takes_a_quiet_place_of_the_heaviest(
+    short_dir: Path, echo: Path, quiet_s: float
+) -> None:
+    """Two uids hold every place (65534 three, this one the fourth): a third uid's connection
+    takes the place of one of 65534's once it has been quiet `quiet_s` (0: at once), and is
+    refused while none has (an hour); this uid's connection, not the heaviest's, is kept."""
+    os.chmod(short_dir, 0o755)
+    front = FrontDoor(
+        short_dir / "front.sock",
+        echo,
+        0o666,
+        places=4,
+        waiting=8,
+        reserved=1,
+        handshake_s=5.0,
+        quiet_s=quiet_s,
+    )
+    front.start()
+    holders = []
+    try:
+        heavy, kept = hold(front, 65534, 4)
+        holders.append(heavy)
+        assert kept == 3  # all but the reserved place
+        mine = connect(front)
+        mine.sendall(PREFACE)
+        assert mine.recv(len(PREFACE)) == PREFACE
+        assert front.counts() == {"waiting": 0, "relayed": 4, "refused": 1}
+        light, kept = hold(front, 65533, 1)
+        holders.append(light)
+        assert kept == (1 if quiet_s == 0 else 0)
+        assert front.counts() == {"waiting": 0, "relayed": 4, "refused": 2}
+        mine.sendall(b"still here")
+        assert mine.recv(10) == b"still here"
+        mine.close()
+    finally:
+        for process in holders:
+            process.kill()
+            process.communicate()
+        front.close()
