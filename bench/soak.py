@@ -893,6 +893,9 @@ def starve(args: argparse.Namespace) -> dict[str, Any]:
         alone = _plan_latency(d, salt=1)
         with _heavy_iteration(d, args.heavy_allocations) as heavy, Watcher(d) as w:
             beside = _plan_latency(d, salt=2)
+            deadline = time.monotonic() + 120  # the bystander watches till the heavy plan ends
+            while len(_plans_logged(d.log_path)) < 3 and time.monotonic() < deadline:
+                time.sleep(0.1)
         report["planner"] = {
             "heavy": heavy,
             "bystander_plan_s_alone": round(alone, 3),

@@ -24,11 +24,12 @@ second shape, with its persistent blocks on the device at every boundary
 
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
@@ -61,6 +62,7 @@ CATCH_UP_S = 1.0
 (`TraceStore.caught_up`) before it is made with those it has: a job waiting for its plan
 after its learning iterations sends no more."""
 FORGET_AFTER_S = 60.0  # a shape still catching up after this long: its session is gone
+WARM_AFTER_S = 0.25  # a plan running this long has the next planner warmed
 
 DEFAULT_COPY_GBPS = 12.0
 """Bandwidth the swap planner assumes for a session whose copies are not throttled (PCIe 3 x16),
@@ -88,37 +90,69 @@ class Plans(Protocol):
 
     def run(self, job: Job) -> Outcome: ...
 
+    def warm(self) -> None:
+        """Be ready for a plan soon (import the planner, start the process), not waiting for
+        it."""
+
     def close(self) -> None: ...
 
 
 class Turns:
-    """Sessions' iteration shapes waiting for the planning thread, served in turn by uid: the
-    next is the oldest waiting of the uid served longest ago. One uid's many sessions (a client
-    attaching again and again with new traces) or shapes wait behind each other, never in front
-    of another uid's: a plan waits at most one plan of each other uid with plans waiting."""
+    """Sessions' iteration shapes waiting for a planner, served in turn by uid: the next is the
+    oldest waiting of the uid served longest ago. One uid's many sessions (a client attaching
+    again and again with new traces) or shapes wait behind each other, never in front of
+    another uid's: a plan waits at most one plan of each other uid with plans waiting. With
+    `slots` planners, one uid's plans take at most all but one of them at once (one, with
+    one): another uid's plan then never waits for it."""
 
-    def __init__(self) -> None:
+    def __init__(self, slots: int = 1) -> None:
         self._by_uid: OrderedDict[int, deque[tuple[Session, str]]] = OrderedDict()
         self._ready = threading.Condition()
         self._closed = False
+        self._free = list(range(slots))  # planners free, a heap: the lowest taken first
+        self._planning: Counter[int] = Counter()  # plans under way by uid
+        self._per_uid = max(1, slots - 1)
 
     def put(self, session: Session, shape: str = "") -> None:
         with self._ready:
             self._by_uid.setdefault(session.uid, deque()).append((session, shape))
-            self._ready.notify()
+            self._ready.notify_all()
 
-    def take(self) -> tuple[Session, str] | None:
-        """The next session and shape to plan (blocks while none waits); None once closed."""
+    def take(self) -> tuple[int, Session, str] | None:
+        """The planner to use (its slot) and the next session and shape to plan, once one
+        waits of a uid under its share and a planner is free (blocking till then); None once
+        closed. `done` gives the slot back."""
         with self._ready:
-            self._ready.wait_for(lambda: self._closed or bool(self._by_uid))
+            self._ready.wait_for(lambda: self._closed or self._next_uid() is not None)
             if self._closed:
                 return None
-            uid, waiting = next(iter(self._by_uid.items()))
-            taken = waiting.popleft()
-            del self._by_uid[uid]
+            uid = self._next_uid()
+            assert uid is not None
+            waiting = self._by_uid.pop(uid)
+            session, shape = waiting.popleft()
             if waiting:  # its next one waits behind every other uid's
                 self._by_uid[uid] = waiting
-            return taken
+            self._planning[uid] += 1
+            return heapq.heappop(self._free), session, shape
+
+    def _next_uid(self) -> int | None:
+        if not self._free:
+            return None
+        return next((u for u in self._by_uid if self._planning[u] < self._per_uid), None)
+
+    def done(self, slot: int, uid: int) -> None:
+        """The plan `take` gave `slot` for, of `uid`, is over."""
+        with self._ready:
+            heapq.heappush(self._free, slot)
+            self._planning[uid] -= 1
+            if not self._planning[uid]:
+                del self._planning[uid]
+            self._ready.notify_all()
+
+    def ready(self) -> bool:
+        """Whether `take` would return at once."""
+        with self._ready:
+            return self._closed or self._next_uid() is not None
 
     def waiting(self) -> int:
         with self._ready:
@@ -132,24 +166,27 @@ class Turns:
 
 
 class PlanWorker:
-    """Queues sessions for planning and runs the pure planner on one worker thread."""
+    """Queues sessions for planning, and has each plan made by a free planner on a thread of
+    its own."""
 
     def __init__(
         self,
         settings: Settings,
         copy_gbps: float = DEFAULT_COPY_GBPS,
         on_planned: Callable[[str, float], None] | None = None,
-        planner: Plans | None = None,
+        planners: Sequence[Plans] = (),
     ) -> None:
         """`on_planned(outcome, seconds)` is told of every plan sent: "cached" or "solved",
         and the seconds it took from the trace to the stream (the daemon's metrics).
-        `planner` makes the plans (None: a `planning.Planner` on the worker's thread); the
-        worker closes it."""
+        `planners` make the plans, as many at once, the first free of them first (none given:
+        one `planning.Planner`, on the plan's thread); the worker closes them. While a plan runs
+        on the first for `WARM_AFTER_S`, the second is warmed (`Plans.warm`), so that a plan
+        coming then finds it ready."""
         self.settings = settings
         self.copy_gbps = copy_gbps  # for sessions whose copies are not throttled
         self.on_planned = on_planned
-        self.planner: Plans = planner if planner is not None else Planner(settings)
-        self._turns = Turns()
+        self.planners: list[Plans] = list(planners) or [Planner(settings)]
+        self._turns = Turns(len(self.planners))
         self._queued: set[tuple[str, str]] = set()  # (session id, shape) queued or planned
         # Of those, planned while their session had one shape: their persistent blocks may be
         # away across the boundary, which iterations of another shape do not expect.
@@ -170,11 +207,32 @@ class PlanWorker:
     @property
     def cache_defects(self) -> int:
         """Plan cache entries refused (and planned past)."""
-        return self.planner.defects
+        return sum(p.defects for p in self.planners)
 
     def _run(self) -> None:
+        """The dispatcher: each plan, once a planner is free for it, on a thread of its own."""
         while (taken := self._turns.take()) is not None:
-            self._plan_quietly(*taken)
+            slot, session, shape = taken
+            plan = threading.Thread(
+                target=self._plan_on, args=(slot, session, shape), name=f"plan-{slot}", daemon=True
+            )
+            plan.start()
+
+    def _plan_on(self, slot: int, session: Session, shape: str) -> None:
+        """`_plan_quietly` on planner `slot`, which is given back after. A plan on the first
+        that runs `WARM_AFTER_S` has the second warmed (the others start when a plan needs
+        them: a lazily started planner's first plan runs that long on its import alone)."""
+        warm = None
+        if slot == 0 and len(self.planners) > 1:
+            warm = threading.Timer(WARM_AFTER_S, self.planners[1].warm)
+            warm.daemon = True
+            warm.start()
+        try:
+            self._plan_quietly(session, shape, self.planners[slot])
+        finally:
+            if warm is not None:
+                warm.cancel()
+            self._turns.done(slot, session.uid)
 
     def on_step(
         self, session: Session, ended: str | None = None, forgotten: Sequence[str] = ()
@@ -268,15 +326,19 @@ class PlanWorker:
         """Plan no more: the sessions waiting are dropped, the planner closed (a plan being
         made in its process ends there)."""
         self._turns.close()
-        self.planner.close()
+        for planner in self.planners:
+            planner.close()
 
-    def _plan_quietly(self, session: Session, shape: str = "") -> None:
-        """`plan(session, shape)`; a plan that fails leaves the session learning, logged
+    def _plan_quietly(
+        self, session: Session, shape: str = "", planner: Plans | None = None
+    ) -> None:
+        """`plan(session, shape, planner)`; a plan that fails leaves the session learning, logged
         (`plan.failed`) and told why on its stream (`PlanUnavailable`, kind "failed")."""
         try:
-            self.plan(session, shape)
+            self.plan(session, shape, planner)
         except Exception as e:
-            self.plans_failed += 1
+            with self._lock:
+                self.plans_failed += 1
             if isinstance(e, PlannerStopped | PlanningFailed):
                 why = str(e)  # a one-line why of its own
             else:
@@ -287,11 +349,13 @@ class PlanWorker:
             )
             session.outbox.put(pool_pb2.ServerMessage(unplanned=told.message()))
 
-    def plan(self, session: Session, shape: str = "") -> pool_pb2.PlanUpdate | None:
-        """Plan `session`'s steady iteration of `shape` and put the plan on its stream, tagged
-        with the shape; None (and the session keeps learning) when it gets none, which the
-        stream is told once, with why (`PlanUnavailable`), save while a paged session's
-        persistent blocks wait for its next step mark."""
+    def plan(
+        self, session: Session, shape: str = "", planner: Plans | None = None
+    ) -> pool_pb2.PlanUpdate | None:
+        """Plan `session`'s steady iteration of `shape` on `planner` (None: the first) and put
+        the plan on its stream, tagged with the shape; None (and the session keeps learning)
+        when it gets none, which the stream is told once, with why (`PlanUnavailable`), save
+        while a paged session's persistent blocks wait for its next step mark."""
         started = time.perf_counter()
         trace = session.trace
         # Counted first from the kinds alone: a session over the cap costs the planner no
@@ -318,7 +382,7 @@ class PlanWorker:
             session.page_bytes,
             dict(session.live_at) if paged else {},
         )
-        outcome = self.planner.run(job)
+        outcome = (planner or self.planners[0]).run(job)
         if isinstance(outcome, TooLarge):
             self._too_large(session, shape, outcome.allocations)
             return None
@@ -346,7 +410,8 @@ class PlanWorker:
         """Count, log (`plan.too_large`) and tell `session` that its iteration of `shape`, of
         `allocations` allocations, is more than the daemon plans."""
         cap = self.settings.max_plan_allocations
-        self.plans_too_large += 1
+        with self._lock:
+            self.plans_too_large += 1
         reason = (
             f"its iteration makes {allocations:,} allocations, more than the {cap:,} this"
             " daemon plans (its setting max_plan_allocations): the session runs without a plan"
@@ -369,11 +434,11 @@ class PlanWorker:
     ) -> None:
         """Count `plan` (made, or from the cache: `source`), number it, put it on `session`'s
         stream and log it (`plan.sent`, with `about`: what its kind of plan says of itself)."""
-        if source == "cache":
-            self.plans_cached += 1
-        else:
-            self.plans_made += 1
         with self._lock:
+            if source == "cache":
+                self.plans_cached += 1
+            else:
+                self.plans_made += 1
             plan.plan_id = self._next_plan_id
             self._next_plan_id += 1
         seconds = time.perf_counter() - started
@@ -400,7 +465,8 @@ class PlanWorker:
     def _tell_unfit(self, session: Session, refused: Refused) -> None:
         """Count and log an unfit plan (`plan.unfit`) and tell the session why."""
         made = refused.unfit
-        self.plans_unfit += 1
+        with self._lock:
+            self.plans_unfit += 1
         log.warning(
             "plan.unfit",
             extra={

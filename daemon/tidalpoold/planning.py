@@ -220,6 +220,10 @@ class Planner:
         self.cache = PlanCache(settings.plan_cache_dir, settings.plan_cache_bytes)
         self.defects = 0  # cache entries refused (and planned past)
 
+    def warm(self) -> None:
+        """Import the planner's modules (a few tenths of a second), as the first plan would."""
+        _import_planner()
+
     def close(self) -> None:
         """Nothing runs but the caller's thread: nothing to stop."""
 
@@ -542,7 +546,10 @@ class PlannerProcess:
     its budget by `grace_s` (the job is then `PlannerStopped`), and a process that ended is
     started again for the next job. What it logs is logged here, as the daemon's."""
 
-    def __init__(self, settings: Settings, grace_s: float = KILL_GRACE_S) -> None:
+    def __init__(
+        self, settings: Settings, grace_s: float = KILL_GRACE_S, start: bool = True
+    ) -> None:
+        """`start`: start the process now (else at `warm` or the first job)."""
         self.settings = settings
         self.grace_s = grace_s
         self.defects = 0  # cache entries the process refused (and planned past)
@@ -555,13 +562,27 @@ class PlannerProcess:
         self._busy: BaseProcess | None = None  # the process a job runs on now
         self._overdue = False
         self._closed = False
-        self._start()
+        if start:
+            self._start()
 
     @property
     def pid(self) -> int | None:
         """The process's pid (None between a failed start and the next job)."""
         process = self._process
         return process.pid if process is not None else None
+
+    def warm(self) -> None:
+        """Start the process unless it runs (or a job is starting it): the next job then finds
+        the planner imported. A failure to start is the next job's to report."""
+        if not self._one_job.acquire(blocking=False):
+            return  # a job runs on it, or starts it
+        try:
+            if self._process is None and not self._closed:
+                self._start()
+        except OSError as e:
+            log.warning("plan.planner_not_started", extra={"why": str(e)})
+        finally:
+            self._one_job.release()
 
     def _start(self) -> None:
         ours, theirs = self._context.Pipe()

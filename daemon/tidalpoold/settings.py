@@ -390,6 +390,16 @@ class Settings:
             " with them); a session whose iteration makes more is told so and runs unplanned",
         ),
     )
+    planner_processes: int = field(
+        default=3,
+        metadata=_about(
+            _INT,
+            "plans made at once, each in a process of its own (the first started with the"
+            " daemon, the second once a plan on the first has run a quarter of a second, the"
+            " others when a plan needs them); one uid's plans use all but one of them at most,"
+            " so another uid's plan does not wait for them",
+        ),
+    )
     max_plan_shapes: int = field(
         default=8,
         metadata=_about(
@@ -553,6 +563,8 @@ def _problems(s: Settings) -> Iterator[tuple[str, str, str | None]]:
         )
     if s.max_plan_allocations < 1:
         yield "max_plan_allocations", "must be at least 1", None
+    if not 1 <= s.planner_processes <= 64:
+        yield "planner_processes", "must be between 1 and 64", None
     if not 1 <= s.max_plan_shapes <= 1024:
         yield "max_plan_shapes", "must be between 1 and 1024", None
     if s.plan_cache_bytes <= 0:

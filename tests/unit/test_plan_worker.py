@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,12 +21,13 @@ from tidalplan.learn import extract, signature
 from tidalpoold import plan_cache
 from tidalpoold.backends import SimBackend
 from tidalpoold.plan_worker import PlanWorker, Turns
-from tidalpoold.planning import Planned, Planner, Unfit
+from tidalpoold.planning import Job, Outcome, Planned, Planner, Unfit
 from tidalpoold.sessions import PlanFootprint, Reason, Registry, Session
 from tidalpoold.settings import Settings
 from tidalpoold.trace import decode_chunk
 
 C = 2 * 1024 * 1024
+WAIT_S = 60.0  # for a state, on a busy machine
 
 # As in test_swap_policies: A (1000 B) is idle from op1 to op7, B needs its room between.
 #   t0 a A   t1 op 100 A   t2 op 2000   t3 a B   t4 op 3000 B   t5 f B   t6 op 1500
@@ -241,7 +243,7 @@ def test_a_failed_plan_is_told_in_one_line(
     def fail(*args: object, **kwargs: object) -> None:
         raise ValueError("the iteration\nhas no ops")
 
-    monkeypatch.setattr(planner.planner, "make", fail)
+    monkeypatch.setattr(planner.planners[0], "make", fail)
     s = session(registry, swap_limit=1500)
     planner._plan_quietly(s)
     assert told(s) == [
@@ -447,7 +449,7 @@ def test_an_unthrottled_sessions_plan_serves_daemons_that_measured_about_as_much
 def capped(worker: PlanWorker, cap: int) -> None:
     """`worker` and its planner with a `max_plan_allocations` of `cap`."""
     worker.settings = dataclasses.replace(worker.settings, max_plan_allocations=cap)
-    worker.planner = Planner(worker.settings)
+    worker.planners = [Planner(worker.settings)]
 
 
 def test_an_iteration_of_more_allocations_than_the_cap_is_not_planned_and_told_so(
@@ -512,7 +514,11 @@ def test_the_planner_serves_uids_in_turn() -> None:
     turns.put(_Waiting("b1", 2))  # type: ignore[arg-type]
     turns.put(_Waiting("c1", 3))  # type: ignore[arg-type]
     turns.put(_Waiting("c2", 3))  # type: ignore[arg-type]
-    order = [turns.take()[0].id for _ in range(8)]  # type: ignore[index]
+    order = []
+    for _ in range(8):
+        slot, session, _shape = turns.take()  # type: ignore[misc]
+        order.append(session.id)
+        turns.done(slot, session.uid)
     assert order == ["a1", "b1", "c1", "a2", "c2", "a3", "a4", "a5"]
     assert turns.waiting() == 0
     turns.close()
@@ -589,3 +595,81 @@ def test_a_plan_waiting_for_the_next_iteration_goes_once_a_later_mark_ends_it(
     planner.on_step(s, "", ())
     assert (s.id, "") in planner._queued and (s.id, "") not in planner._catching_up
     end(registry, s)
+
+
+def test_one_uid_takes_all_planners_but_one() -> None:
+    """Three planners: uid 1's plans take two at most; uid 2's takes the third at once, and uid
+    1's third waits for one of its own to end."""
+    turns = Turns(slots=3)
+    for name in ("a1", "a2", "a3"):
+        turns.put(_Waiting(name, 1))  # type: ignore[arg-type]
+    turns.put(_Waiting("b1", 2))  # type: ignore[arg-type]
+    taken = [turns.take() for _ in range(3)]
+    assert [(slot, s.id) for slot, s, _ in taken] == [(0, "a1"), (1, "b1"), (2, "a2")]  # type: ignore[misc]
+    assert not turns.ready()  # no planner free
+    turns.done(1, 2)
+    assert not turns.ready()  # a planner free, but uid 1 holds its share
+    turns.done(0, 1)
+    assert turns.ready()
+    slot, s, _ = turns.take()  # type: ignore[misc]
+    assert (slot, s.id) == (0, "a3")
+    turns.close()
+
+
+class _Held:
+    """A planner whose plans wait until `go` is set, then are made by `made_by`; `warmed`
+    once told to warm."""
+
+    def __init__(self, made_by: Planner) -> None:
+        self.made_by, self.defects = made_by, 0
+        self.go, self.started, self.warmed = threading.Event(), threading.Event(), False
+
+    def run(self, job: Job) -> Outcome:
+        self.started.set()
+        assert self.go.wait(WAIT_S)
+        return self.made_by.run(job)
+
+    def warm(self) -> None:
+        self.warmed = True
+
+    def close(self) -> None:
+        self.go.set()
+
+
+def test_a_plan_does_not_wait_for_another_uids_plan_under_way(registry: Registry) -> None:
+    """Two planners: uid 1's plan holds the first (and has the second warmed after a second);
+    uid 2's is made on the second meanwhile; uid 1's next waits for its first to end."""
+    held, second = _Held(Planner(registry.settings)), _Held(Planner(registry.settings))
+    second.go.set()
+    worker = PlanWorker(registry.settings, planners=[held, second])
+    try:
+        heavy = registry.open(C, C, "heavy", 1, 1)
+        registry.attach(heavy, 1500, 1.0)
+        heavy.trace.add(chunk(HIDE, {}))
+        worker._queue(heavy, "")
+        assert held.started.wait(WAIT_S)
+        bystander = session(registry, swap_limit=1500)  # uid 0
+        worker._queue(bystander, "")
+        deadline = time.monotonic() + WAIT_S
+        while bystander.outbox.empty():
+            assert time.monotonic() < deadline, "the bystander's plan waited"
+            time.sleep(0.01)
+        assert sent(bystander) is not None and heavy.outbox.empty()
+        later = registry.open(C, C, "later", 2, 1)  # uid 1 again
+        registry.attach(later, 1500, 1.0)
+        later.trace.add(chunk(HIDE, {}))
+        worker._queue(later, "")
+        assert worker._turns.waiting() == 1 and not worker._turns.ready()
+        deadline = time.monotonic() + WAIT_S
+        while not second.warmed:
+            assert time.monotonic() < deadline, "the second planner was never warmed"
+            time.sleep(0.01)
+        held.go.set()
+        for s in (heavy, later):
+            while s.outbox.empty():
+                assert time.monotonic() < deadline, "no plan after the first planner was free"
+                time.sleep(0.01)
+            assert sent(s) is not None
+        end(registry, heavy, bystander, later)
+    finally:
+        worker.close()

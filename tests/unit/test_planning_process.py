@@ -160,7 +160,7 @@ def test_a_plan_past_its_deadline_is_stopped_and_the_session_told(
     told, and the next plan is made in a new process."""
     settings = settings_in(tmp_path, plan_time_limit_s=0.1, plan_deadline_s=0.1)
     planner = PlannerProcess(settings, grace_s=0.2)
-    worker = PlanWorker(settings, planner=planner)
+    worker = PlanWorker(settings, planners=[planner])
     try:
         pid = planner.pid
         assert pid is not None

@@ -106,6 +106,7 @@ def test_describe_is_json_friendly() -> None:
         "plan_after_iterations": 3,
         "plan_time_limit_s": 5.0,
         "plan_deadline_s": 30.0,
+        "planner_processes": 3,
         "max_plan_allocations": 30_000,
         "max_plan_shapes": 8,
         "plan_cache_dir": "/var/cache/tidalpool",
