@@ -54,6 +54,45 @@ print(json.dumps(counts), flush=True)
 """
 
 SETTINGS_FRAME = bytes(3) + b"\x04" + bytes(5)  # an empty HTTP/2 SETTINGS frame
+
+# As uid argv[2]: opens argv[3] connections to the socket argv[1], each sending argv[4] (hex),
+# keeps those answered (a daemon's SETTINGS, an echo), says how many, and holds them until its
+# stdin closes.
+_HOLD = """
+import os, socket, sys
+uid = int(sys.argv[2])
+os.setgid(uid); os.setgroups([]); os.setuid(uid)
+kept = []
+for _ in range(int(sys.argv[3])):
+    c = socket.socket(socket.AF_UNIX)
+    c.settimeout(30)
+    c.connect(sys.argv[1])
+    c.sendall(bytes.fromhex(sys.argv[4]))
+    try:
+        if c.recv(9):
+            kept.append(c)
+            continue
+    except OSError:
+        pass
+    c.close()
+print(len(kept), flush=True)
+sys.stdin.read()
+"""
+
+
+def hold(path: str, uid: int, n: int, hello: bytes) -> tuple[subprocess.Popen[str], int]:
+    """A process of `uid` (needs root) holding what it kept of `n` connections to `path`, each
+    sending `hello` and answered, and how many that is; it holds them until killed."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, path, str(uid), str(n), hello.hex()],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout is not None
+    return process, int(process.stdout.readline())
+
+
 NOBODY = 65534
 
 

@@ -4,8 +4,6 @@ process its place, and one uid never holds the places the others are left."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,32 +21,9 @@ from tidalpoold.server import (
 )
 
 from tests.conftest import StartDaemon
-from tests.flood import SETTINGS_FRAME, flood
+from tests.flood import NOBODY, SETTINGS_FRAME, flood, hold
 
 WAIT_S = 60.0  # for a state, on a busy machine
-
-# As uid 65534: opens `n` connections that begin HTTP/2 (the preface and a SETTINGS frame), says
-# how many the daemon kept (it answers with its own SETTINGS) and holds them until stdin closes.
-HOLD = """
-import os, socket, sys
-os.setgid(65534); os.setgroups([]); os.setuid(65534)
-path, n, hello = sys.argv[1], int(sys.argv[2]), bytes.fromhex(sys.argv[3])
-kept = []
-for _ in range(n):
-    c = socket.socket(socket.AF_UNIX)
-    c.settimeout(30)
-    c.connect(path)
-    c.sendall(hello)
-    try:
-        if c.recv(9):
-            kept.append(c)
-            continue
-    except OSError:
-        pass
-    c.close()
-print(len(kept), flush=True)
-sys.stdin.read()
-"""
 
 
 def health_on_jobs_socket(socket_dir: Path, wait_for_ready: bool = True) -> bool:
@@ -92,28 +67,16 @@ def test_one_uid_holds_at_most_its_share_of_the_places(start_daemon: StartDaemon
     os.chmod(d.socket_dir, 0o755)
     places = CONNECTIONS_PER_SESSION * sessions + SPARE_CONNECTIONS
     share = places - RESERVED_CONNECTIONS
-    hold = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            HOLD,
-            str(d.socket_dir / "tidalpool.sock"),
-            str(places),
-            (PREFACE + SETTINGS_FRAME).hex(),
-        ],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    jobs = str(d.socket_dir / "tidalpool.sock")
+    holder, kept = hold(jobs, NOBODY, places, PREFACE + SETTINGS_FRAME)
     try:
-        assert hold.stdout is not None
-        assert int(hold.stdout.readline()) == share  # the rest were closed at their preface
+        assert kept == share  # the rest were closed at their preface
         started = time.monotonic()
         assert health_on_jobs_socket(d.socket_dir)
         with tidalpool.attach(d.socket_dir, device_limit=2 << 20) as s:  # the daemon's uid
             s.free(s.malloc(4096))
         assert time.monotonic() - started < WAIT_S
-        assert hold.poll() is None
+        assert holder.poll() is None
     finally:
-        hold.kill()
-        hold.communicate()
+        holder.kill()
+        holder.communicate()

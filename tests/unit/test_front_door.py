@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from tidalpoold.front import PREFACE, FrontDoor
 
+from tests.flood import hold
+
 WAIT_S = 30.0  # for a state, on a busy machine
 
 
@@ -188,42 +190,6 @@ def test_settings_out_of_range_are_refused(short_dir: Path, echo: Path) -> None:
         door(short_dir, echo, places=2, waiting=1, reserved=2)
 
 
-# As uid argv[2]: opens argv[3] connections through the door that send the preface (echoed
-# back while relayed), says how many it kept, and holds them until stdin closes.
-HOLD = """
-import os, socket, sys
-uid = int(sys.argv[2])
-os.setgid(uid); os.setgroups([]); os.setuid(uid)
-kept = []
-for _ in range(int(sys.argv[3])):
-    c = socket.socket(socket.AF_UNIX)
-    c.settimeout(30)
-    c.connect(sys.argv[1])
-    c.sendall(bytes.fromhex(sys.argv[4]))
-    try:
-        if c.recv(24):
-            kept.append(c)
-            continue
-    except OSError:
-        pass
-    c.close()
-print(len(kept), flush=True)
-sys.stdin.read()
-"""
-
-
-def hold(front: FrontDoor, uid: int, n: int) -> tuple[subprocess.Popen[str], int]:
-    """A process of `uid` holding what it kept of `n` connections, and how many that is."""
-    process = subprocess.Popen(
-        [sys.executable, "-c", HOLD, str(front.path), str(uid), str(n), PREFACE.hex()],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert process.stdout is not None
-    return process, int(process.stdout.readline())
-
-
 @pytest.mark.skipif(os.geteuid() != 0, reason="switching to other uids needs root")
 @pytest.mark.parametrize("quiet_s", [0.0, 3600.0])
 def test_with_every_place_held_a_lighter_uid_takes_a_quiet_place_of_the_heaviest(
@@ -246,14 +212,14 @@ def test_with_every_place_held_a_lighter_uid_takes_a_quiet_place_of_the_heaviest
     front.start()
     holders = []
     try:
-        heavy, kept = hold(front, 65534, 4)
+        heavy, kept = hold(str(front.path), 65534, 4, PREFACE)
         holders.append(heavy)
         assert kept == 3  # all but the reserved place
         mine = connect(front)
         mine.sendall(PREFACE)
         assert mine.recv(len(PREFACE)) == PREFACE
         assert front.counts() == {"waiting": 0, "relayed": 4, "refused": 1}
-        light, kept = hold(front, 65533, 1)
+        light, kept = hold(str(front.path), 65533, 1, PREFACE)
         holders.append(light)
         assert kept == (1 if quiet_s == 0 else 0)
         assert front.counts() == {"waiting": 0, "relayed": 4, "refused": 2}
