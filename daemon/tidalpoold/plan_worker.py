@@ -1,17 +1,18 @@
 """The daemon's planning worker: sessions in line for a plan → `planning` → their streams.
 
-Runs on one worker thread of the daemon, never on a request thread: a session
-that marks `plan_after_iterations` iterations is queued once, and the queue serves
-uids in turn (`Turns`: one uid's many sessions wait behind each other, not in front
-of another uid's); an iteration of more than `max_plan_allocations` allocations is not
-planned (the session is told so), counted from its events' kinds before anything is
-extracted. The worker hands each a `planning.Job` (its events, limit, leases, bandwidth,
-the plan's deadline) and puts what comes back on its stream: the plan, numbered; or,
-when none fits its swap limit or device lease, why, once (`PlanUnavailable`: under the
-op-wise bound, with that bound as the lowest limit that could work; over the lease; no
-schedule found; or the planner's failure). The session keeps swapping by its LRU cache
-meanwhile. The daemon's planner runs in a process of its own (`planning.PlannerProcess`);
-`PlanWorker` alone plans on its thread (`planning.Planner`).
+Never on a request thread: a session that marks `plan_after_iterations` iterations is
+queued once, and the queue serves uids in turn (`Turns`: one uid's many sessions wait behind
+each other, not in front of another uid's), each plan on the first free of the worker's
+planners, one uid's plans on all but one of them at most; an iteration of more than
+`max_plan_allocations` allocations is not planned (the session is told so), counted from its
+events' kinds before anything is extracted. The worker hands each a `planning.Job` (its
+events, limit, leases, bandwidth, the plan's deadline) and puts what comes back on its
+stream: the plan, numbered; or, when none fits its swap limit or device lease, why, once
+(`PlanUnavailable`: under the op-wise bound, with that bound as the lowest limit that could
+work; over the lease; no schedule found; or the planner's failure). The session keeps
+swapping by its LRU cache meanwhile. The daemon's planners are processes of its own
+(`planning.PlannerProcess`, `planner_processes` of them); a `PlanWorker` given none plans on
+its threads (`planning.Planner`).
 
 A session under virtual residency (`Session.page_bytes`) whose persistent block is missing
 from its latest step mark gets no plan: it is queued again at its next step.
