@@ -44,7 +44,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing
-import os
 import queue
 import signal
 import threading
@@ -77,9 +76,6 @@ log = logging.getLogger("tidalpoold.planning")
 
 Taken = TypeVar("Taken")
 
-PLANNER_NICE = 10
-"""How much nicer than the daemon its planner process runs: on a machine whose cores are all
-busy, the threads serving clients come first, and a plan waits for them."""
 KILL_GRACE_S = 5.0
 """How long past its `plan_deadline_s` a job may run in the planner's process before that
 process is killed (and started again for the next job)."""
@@ -688,7 +684,6 @@ def _serve(conn: Connection, settings: Settings, level: int) -> None:
     """The planner process: jobs from `conn` and their `_Done` back, until the daemon closes
     its end (or is gone: the next answer cannot be sent)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon's to handle; this ends with it
-    os.nice(PLANNER_NICE)
     records: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
     root = logging.getLogger()
     root.handlers[:] = [QueueHandler(records)]
