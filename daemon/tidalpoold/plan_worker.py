@@ -180,9 +180,9 @@ class PlanWorker:
         """`on_planned(outcome, seconds)` is told of every plan sent: "cached" or "solved",
         and the seconds it took from the trace to the stream (the daemon's metrics).
         `planners` make the plans, as many at once, the first free of them first (none given:
-        one `planning.Planner`, on the plan's thread); the worker closes them. While a plan runs
-        on the first for `WARM_AFTER_S`, the second is warmed (`Plans.warm`), so that a plan
-        coming then finds it ready."""
+        one `planning.Planner`, on the plan's thread); the worker closes them. The first is
+        warmed (`Plans.warm`) at the first step mark of any session; while a plan runs on it
+        for `WARM_AFTER_S`, the second, so that a plan coming then finds it ready."""
         self.settings = settings
         self.copy_gbps = copy_gbps  # for sessions whose copies are not throttled
         self.on_planned = on_planned
@@ -202,6 +202,7 @@ class PlanWorker:
         self.plans_failed = 0
         self.plans_unfit = 0  # plans that did not fit the limit or the lease: not sent
         self.plans_too_large = 0  # iterations of more than max_plan_allocations: not planned
+        self._stepped = False  # a session has marked a step
         self._thread = threading.Thread(target=self._run, name="planner", daemon=True)
         self._thread.start()
 
@@ -242,9 +243,11 @@ class PlanWorker:
         session forget `forgotten` (`TraceStore.step`): queues each shape of the session once
         it has marked `plan_after_iterations` iterations, one of them whole (a session of one
         shape: as soon as it has marked them). A forgotten shape is planned again if it
-        comes back."""
+        comes back. The first step mark the worker sees warms its first planner, on a thread of
+        its own: a plan comes `plan_after_iterations` steps later."""
         again: set[str] = set()
         with self._lock:
+            first, self._stepped = not self._stepped, True
             for shape in forgotten:
                 self._queued.discard((session.id, shape))
                 self._open.discard((session.id, shape))
@@ -256,6 +259,8 @@ class PlanWorker:
         after = self.settings.plan_after_iterations
         if not after:
             return
+        if first:
+            threading.Thread(target=self.planners[0].warm, name="planner-warm", daemon=True).start()
         self.on_events(session)  # a mark ends the iteration after any that waited for it
         current = session.trace.shapes.current
         marks = session.trace.iterations_seen

@@ -176,9 +176,7 @@ def _build(
         settings,
         copy_gbps=copy_gbps_of(backend),
         on_planned=metrics.on_planned if metrics else None,
-        planners=[
-            PlannerProcess(settings, start=slot == 0) for slot in range(settings.planner_processes)
-        ],
+        planners=[PlannerProcess(settings, start=False) for _ in range(settings.planner_processes)],
     )
     registry.on_quota = planner.replan
     if metrics is not None:

@@ -394,10 +394,10 @@ class Settings:
         default=3,
         metadata=_about(
             _INT,
-            "plans made at once, each in a process of its own (the first started with the"
-            " daemon, the second once a plan on the first has run a quarter of a second, the"
-            " others when a plan needs them); one uid's plans use all but one of them at most,"
-            " so another uid's plan does not wait for them",
+            "plans made at once, each in a process of its own (the first started at the first"
+            " step a session marks, the second once a plan on the first has run a quarter of a"
+            " second, the others when a plan needs them); one uid's plans use all but one of"
+            " them at most, so another uid's plan does not wait for them",
         ),
     )
     max_plan_shapes: int = field(

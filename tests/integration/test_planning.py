@@ -116,9 +116,9 @@ def test_plans_are_made_in_a_process_that_a_kill_does_not_end_planning_for(
     """The daemon's planner is a process of its own: killed (SIGKILL) between plans, the next
     session's plan is made by a new one, and the daemon says so in its log."""
     d = start_daemon()
-    first = planner_of(d.process.pid)
     with tidalpool.attach(d.socket_dir, device_limit="8MiB") as s:
         run_until_planned(s)
+    first = planner_of(d.process.pid)
     os.kill(first, signal.SIGKILL)
     with tidalpool.attach(d.socket_dir, device_limit="8MiB", swap_limit="4MiB") as s:  # not cached
         run_until_planned(s)

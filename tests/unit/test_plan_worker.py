@@ -673,3 +673,22 @@ def test_a_plan_does_not_wait_for_another_uids_plan_under_way(registry: Registry
         end(registry, heavy, bystander, later)
     finally:
         worker.close()
+
+
+def test_the_first_step_mark_warms_the_first_planner(registry: Registry) -> None:
+    """A daemon's first planner starts when a session first marks a step, not before: a daemon
+    whose sessions never step starts none."""
+    held = _Held(Planner(registry.settings))
+    held.go.set()
+    worker = PlanWorker(registry.settings, planners=[held])
+    try:
+        s = session(registry, swap_limit=1500)
+        assert not held.warmed
+        worker.on_step(s)
+        deadline = time.monotonic() + WAIT_S
+        while not held.warmed:
+            assert time.monotonic() < deadline, "never warmed"
+            time.sleep(0.01)
+        end(registry, s)
+    finally:
+        worker.close()
