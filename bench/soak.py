@@ -890,11 +890,12 @@ def starve(args: argparse.Namespace) -> dict[str, Any]:
             report[name] = {"attack": about, **w.report()}
             log("starve", f"{name}: {json.dumps(report[name])[:300]}")
         _settled(d)  # the attacks' failed attaches left leases pending: wait them out
+        _plan_latency(d, salt=0)  # the first plan starts the first planner process
         alone = _plan_latency(d, salt=1)
         with _heavy_iteration(d, args.heavy_allocations) as heavy, Watcher(d) as w:
             beside = _plan_latency(d, salt=2)
             deadline = time.monotonic() + 120  # the bystander watches till the heavy plan ends
-            while len(_plans_logged(d.log_path)) < 3 and time.monotonic() < deadline:
+            while len(_plans_logged(d.log_path)) < 4 and time.monotonic() < deadline:
                 time.sleep(0.1)
         report["planner"] = {
             "heavy": heavy,
