@@ -563,7 +563,8 @@ class PlannerProcess:
 
     @property
     def pid(self) -> int | None:
-        """The process's pid (None between a failed start and the next job)."""
+        """The process's pid (None before it is started, and between a failed start and the next
+        job)."""
         process = self._process
         return process.pid if process is not None else None
 
