@@ -203,6 +203,7 @@ class PlanWorker:
         self.plans_unfit = 0  # plans that did not fit the limit or the lease: not sent
         self.plans_too_large = 0  # iterations of more than max_plan_allocations: not planned
         self._stepped = False  # a session has marked a step
+        self._first_made = False  # the first planner has made a plan
         self._thread = threading.Thread(target=self._run, name="planner", daemon=True)
         self._thread.start()
 
@@ -222,10 +223,11 @@ class PlanWorker:
 
     def _plan_on(self, slot: int, session: Session, shape: str) -> None:
         """`_plan_quietly` on planner `slot`, which is given back after. A plan on the first
-        that runs `WARM_AFTER_S` has the second warmed (the others start when a plan needs
-        them: a lazily started planner's first plan runs that long on its import alone)."""
+        that runs `WARM_AFTER_S` has the second warmed, the first plan made there excepted (it
+        may run that long on the process's start alone); the others start when a plan needs
+        them."""
         warm = None
-        if slot == 0 and len(self.planners) > 1:
+        if slot == 0 and len(self.planners) > 1 and self._first_made:
             warm = threading.Timer(WARM_AFTER_S, self.planners[1].warm)
             warm.daemon = True
             warm.start()
@@ -234,6 +236,8 @@ class PlanWorker:
         finally:
             if warm is not None:
                 warm.cancel()
+            if slot == 0:
+                self._first_made = True
             self._turns.done(slot, session.uid)
 
     def on_step(

@@ -395,9 +395,9 @@ class Settings:
         metadata=_about(
             _INT,
             "plans made at once, each in a process of its own (the first started at the first"
-            " step a session marks, the second once a plan on the first has run a quarter of a"
-            " second, the others when a plan needs them); one uid's plans use all but one of"
-            " them at most, so another uid's plan does not wait for them",
+            " step a session marks, the second once a plan on the first, its first excepted,"
+            " has run a quarter of a second, the others when a plan needs them); one uid's plans"
+            " use all but one of them at most, so another uid's plan does not wait for them",
         ),
     )
     max_plan_shapes: int = field(

@@ -32,7 +32,7 @@ RANK_SCRIPT = textwrap.dedent(
     import tidalpool
     import tidalpool.torch as tt
 
-    MOST, STEADY = 40, 3  # iterations at most; planned ones every rank runs after its switch
+    MOST, STEADY = 400, 3  # iterations at most; planned ones every rank runs after its switch
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

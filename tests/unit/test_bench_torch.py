@@ -94,6 +94,7 @@ def test_the_batch_search_finds_the_largest_fitting_batch(limit: int, start: int
     assert len(tried) < 30
 
 
+@pytest.mark.timeout(300)  # about 70 s of CPU: more than 120 s on a busy machine
 def test_the_prediction_records_simulates_and_compares_with_the_bandwidth_bound(
     tmp_path: Path,
 ) -> None:

@@ -643,6 +643,7 @@ def test_a_plan_does_not_wait_for_another_uids_plan_under_way(registry: Registry
     second.go.set()
     worker = PlanWorker(registry.settings, planners=[held, second])
     try:
+        worker._first_made = True  # past the first plan, which may start the first planner
         heavy = registry.open(C, C, "heavy", 1, 1)
         registry.attach(heavy, 1500, 1.0)
         heavy.trace.add(chunk(HIDE, {}))
