@@ -74,21 +74,26 @@ def chunk(steps: list[str], persistent: dict[str, int], iterations: int = 3) -> 
     return msg
 
 
-@pytest.fixture
-def registry(tmp_path: Path) -> Iterator[Registry]:
-    settings = Settings(
+def settings_in(directory: Path, **changes: float) -> Settings:
+    """Pools of four chunks (C bytes), leases of one, sockets and plan cache in `directory`."""
+    changes = {"plan_time_limit_s": 1.0, **changes}
+    return Settings(
         device_pool=Bytes(4 * C),
         host_pool=Bytes(4 * C),
         default_device_lease=Bytes(C),
         default_host_lease=Bytes(C),
         chunk_size=Bytes(C),
-        socket_dir=tmp_path,
-        plan_cache_dir=tmp_path / "plans",
+        socket_dir=directory,
+        plan_cache_dir=directory / "plans",
         metrics_address="",
-        plan_time_limit_s=1.0,
+        **changes,  # type: ignore[arg-type]
     )
+
+
+@pytest.fixture
+def registry(tmp_path: Path) -> Iterator[Registry]:
     backend = SimBackend(4 * C, 4 * C, C)
-    yield Registry(settings, backend)
+    yield Registry(settings_in(tmp_path), backend)
     backend.close()
 
 

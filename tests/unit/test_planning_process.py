@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 from tidalcore.events import Events
-from tidalcore.units import Bytes
 from tidalcore.unplanned import FAILED, PlanUnavailable
 from tidalpoold.plan_worker import PlanWorker
 from tidalpoold.planning import (
@@ -26,11 +25,10 @@ from tidalpoold.planning import (
     PlanningFailed,
 )
 from tidalpoold.sessions import Registry
-from tidalpoold.settings import Settings
 from tidalpoold.trace import decode_chunk
 
 from . import test_plan_worker
-from .test_plan_worker import HIDE, C, chunk, end, session, told
+from .test_plan_worker import HIDE, C, chunk, end, session, settings_in, told
 
 registry = test_plan_worker.registry  # sessions with a device lease of one chunk (C bytes)
 
@@ -44,31 +42,21 @@ def wait_for(done: Callable[[], bool], what: str) -> None:
         time.sleep(0.01)
 
 
+def state(pid: int) -> str:
+    """Process `pid`'s state letter (/proc/PID/stat), "" once reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return ""
+
+
 def gone(pid: int) -> bool:
     """Whether process `pid` has ended (a zombie, or reaped)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
+    return state(pid) in ("Z", "")
 
 
 def stopped(pid: int) -> bool:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
-
-
-def settings_in(directory: Path, **changes: float) -> Settings:
-    changes = {"plan_time_limit_s": 1.0, **changes}
-    return Settings(
-        device_pool=Bytes(4 * C),
-        host_pool=Bytes(4 * C),
-        default_device_lease=Bytes(C),
-        default_host_lease=Bytes(C),
-        chunk_size=Bytes(C),
-        socket_dir=directory,
-        plan_cache_dir=directory / "plans",
-        metrics_address="",
-        **changes,  # type: ignore[arg-type]
-    )
+    return state(pid) == "T"
 
 
 def job(shape: str = "", budget_s: float = 30.0) -> Job:
