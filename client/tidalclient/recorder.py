@@ -91,8 +91,12 @@ class Recorder:
         self._new_names: dict[int, str] = {}
         self._steps: list[pool_pb2.StepMark] = []
         # Shapes of the iterations the next step marks begin, in order (`expect`): a mark made
-        # on another thread (the native ring's) takes the shape given when its step was.
-        self._shapes: deque[str] = deque(maxlen=SHAPES_AHEAD)
+        # on another thread (the native ring's) takes the shape given when its step was. None:
+        # told later (`decide`).
+        self._shapes: deque[str | None] = deque(maxlen=SHAPES_AHEAD)
+        # The mark whose shape is not told yet, and its ITER event's number in the trace: the
+        # trace is sent up to that event, not past it, until `decide`.
+        self._undecided: tuple[pool_pb2.StepMark, int] | None = None
         self._lock = threading.Lock()  # drainer vs. step/flush; never taken by record()
         self._wake = threading.Event()
         self._stopped = False
@@ -124,23 +128,48 @@ class Recorder:
         with self._lock:
             return self.events_sent + len(self._pending)
 
-    def expect(self, shape: str) -> None:
+    def expect(self, shape: str | None) -> None:
         """The shape of the iteration the next step mark not yet made begins (StepMark.shape);
-        a mark with none expected is of shape ""."""
+        a mark with none expected is of shape "". None: `decide` tells it, later (the trace
+        waits for it)."""
         self._shapes.append(shape)
+
+    def decide(self, shape: str) -> None:
+        """The shape of the iteration begun by the step whose shape was not told (`expect(None)`):
+        its mark and ITER event take it, and the trace goes on from there."""
+        name = self.name_id(shape) if shape else 0
+        with self._lock:
+            if self._undecided is None:
+                raise RuntimeError("no step waits for its shape")
+            mark, event = self._undecided
+            i = event - self.events_sent - self.events_dropped
+            if 0 <= i < len(self._pending):  # else dropped with the trace (`stopped`)
+                kind, iteration, size, duration, _ = self._pending[i]
+                self._pending[i] = (kind, iteration, size, duration, name)
+            mark.shape = shape
+            self._undecided = None
+        self._wake.set()
 
     def step(self, iteration: int, live: Sequence[tuple[int, int, bool]] = ()) -> None:
         """Mark an iteration boundary after every event recorded so far: an ITER event named
         by the iteration's shape (`expect`; no name for ""), and a step mark; `live`: under
         virtual residency, every live block as (id, address, owns whole pages)."""
         shape = self._shapes.popleft() if self._shapes else ""
-        self.record(ITER, iteration, 0, 0, self.name_id(shape) if shape else 0)
-        mark = pool_pb2.StepMark(iteration=iteration, shape=shape)
+        mark = pool_pb2.StepMark(iteration=iteration, shape=shape or "")
         for block_id, address, owning in live:
             mark.live_block_ids.append(block_id)
             mark.live_addresses.append(address)
             mark.live_owning.append(owning)
-        with self._lock:
+        name = self.name_id(shape) if shape else 0
+        with self._lock:  # the drainer sends no ITER of a shape not told yet
+            if shape is None:
+                if self._undecided is not None:
+                    raise RuntimeError("the shape of the step before is not told yet (`decide`)")
+                self._undecided = (
+                    mark,
+                    self.events_sent + self.events_dropped + len(self._pending),
+                )
+            self._pending.append((ITER, iteration, 0, 0, name))
             mark.events_before = self.events_sent + len(self._pending)
             self._steps.append(mark)
         self._wake.set()
@@ -212,14 +241,17 @@ class Recorder:
                 self.steps_sent += 1
 
     def _known(self) -> int:
-        """How many pending events, from the first, have their durations known. Under the
-        lock."""
+        """How many pending events, from the first, have their durations known and follow no
+        step whose shape is not told yet. Under the lock."""
         pending = self._pending
-        for i in range(len(pending)):
+        end = len(pending)
+        if self._undecided is not None:
+            end = self._undecided[1] - self.events_sent - self.events_dropped
+        for i in range(end):
             duration = pending[i][3]
             if not isinstance(duration, int) and not duration.ready():
                 return i
-        return len(pending)
+        return end
 
     def _pack(self, events: list[Event], new_names: dict[int, str]) -> pool_pb2.TraceChunk:
         chunk = pool_pb2.TraceChunk(first_event=self.events_sent, new_names=new_names)

@@ -47,7 +47,7 @@ from tidalclient.devices.pages import CudaPageSpace, Frames, PageSpace, SimPageS
 from tidalclient.devices.streams import Elapsed, Stream, TimedStream
 from tidalclient.elastic import ElasticLease
 from tidalclient.errors import AttachError, InvalidBlock, SessionClosed
-from tidalclient.executors.base import Block, Executor, Residency, SwapStats
+from tidalclient.executors.base import Block, Executor, Residency, SwapStats, Switches, check_size
 from tidalclient.executors.native import NativeExecutor
 from tidalclient.executors.paged import Paged, range_bytes
 from tidalclient.executors.python import PythonExecutor
@@ -108,6 +108,12 @@ def socket_dir_from_env(socket_dir: str | os.PathLike[str] | None) -> Path:
         raise AttachError(f"which daemon: {e}") from None
 
 
+def auto_shape(first: int | None) -> str:
+    """The shape a session that recognises shapes (`attach(recognise_shapes=True)`) gives an
+    iteration whose first allocation is of `first` bytes (None: it allocated nothing)."""
+    return "auto-none" if first is None else f"auto-{first}"
+
+
 def attach(
     socket_dir: str | os.PathLike[str] | None = None,
     device_limit: int | str | None = None,
@@ -123,6 +129,7 @@ def attach(
     page_bytes: int | str | None = None,
     device_min: int | str | None = None,
     device_max: int | str | None = None,
+    recognise_shapes: bool = False,
 ) -> Session:
     """Open a session with the daemon of `socket_dir` and map its lease.
 
@@ -156,6 +163,12 @@ def attach(
     daemon's default_device_floor); above it the session borrows, up to `device_max` (0: the
     whole pool), what the daemon lends it by need, and gives chunks back when asked
     (`tidalclient.elastic`). Its swap limit holds within the chunks it has.
+    `recognise_shapes`: a `step()` that names no shape has its iteration's shape recognised
+    from its first allocation, by its size: iterations that begin with an allocation of the
+    same size are one shape (`auto-<bytes>`; one of no allocation: `auto-none`), planned apart
+    from the others and switched to at that allocation (see `Session.step`). Not with the
+    native allocator, whose allocations the session does not see, nor with a swap limit
+    without `page_bytes`.
     Raises AttachError when there is no daemon, it runs as a user not accepted, or it
     refuses (wrong uid, pool exhausted, its GPU not visible here).
     """
@@ -181,6 +194,18 @@ def attach(
         raise ValueError("page_bytes pages a session under a limit: give swap_limit too")
     if page and allocator == "native":
         raise ValueError("the native allocator does not page: drop page_bytes")
+    if recognise_shapes and allocator == "native":
+        raise ValueError(
+            "recognise_shapes needs the session to see each allocation, which the native"
+            " allocator's framework makes itself: name shapes with step(shape=) (tidalpool.torch"
+            " names them from its inputs)"
+        )
+    if recognise_shapes and not page and (swap_bytes is not None or copy_gbps is not None):
+        raise ValueError(
+            "recognise_shapes switches plans at an iteration's first allocation, which a"
+            " session that swaps does only when paged: give page_bytes too, or name shapes with"
+            " step(shape=)"
+        )
     elastic = device_min is not None or device_max is not None
     if elastic and not page:
         raise ValueError(
@@ -281,6 +306,7 @@ def attach(
         compute,
         space,
         plan_shapes=reply.plan_shapes or 1,
+        recognise_shapes=recognise_shapes,
     )
     if elastic:
         assert isinstance(executor, Paged) and swap_bytes is not None
@@ -475,6 +501,7 @@ class Session:
         compute: Callable[[], Any] | None = None,
         space: PageSpace | None = None,
         plan_shapes: int = 1,
+        recognise_shapes: bool = False,
     ) -> None:
         self.id = session_id
         self.device: DeviceLease = mapped.device
@@ -509,6 +536,12 @@ class Session:
         self._plan_shapes = plan_shapes
         self._shape = ""
         self._shapes_lock = threading.Lock()  # the training thread's step vs. plans arriving
+        # A step naming no shape leaves it to the iteration's first allocation (`_recognise`);
+        # `_unknown`: the iteration begun has not allocated yet, its shape is still to tell.
+        if recognise_shapes and not isinstance(executor, Switches):
+            raise ValueError(f"{type(executor).__name__} cannot switch plans within an iteration")
+        self.recognise_shapes = recognise_shapes
+        self._unknown = False
         # Why the daemon sends no plan, as it last said; None once a plan arrives.
         self.plan_unavailable: PlanUnavailable | None = None
         self._compute = compute
@@ -534,6 +567,8 @@ class Session:
     def malloc(self, nbytes: int) -> Block:
         """`nbytes` of device memory in the lease (ValueError if <= 0, LeaseExceeded if no room)."""
         self._check_open()
+        if self._unknown:
+            self._recognise(auto_shape(check_size(nbytes)))
         return self.executor.malloc(nbytes)
 
     def free(self, block: Block) -> None:
@@ -693,7 +728,10 @@ class Session:
         one of a shape with no plan yet is placed online and recorded, as the first iterations
         are. At most the daemon's `max_plan_shapes` shapes keep a plan (the least recently
         stepped into is forgotten, and planned again if it comes back). "": the session's one
-        shape."""
+        shape, or, in a session that recognises shapes (`attach(recognise_shapes=True)`), the
+        shape its first allocation tells (`auto_shape`): the iteration runs under the plan of
+        the iteration before until that allocation, then under the plan of its shape (or
+        online, for a shape with none yet)."""
         self._check_open()
         if not isinstance(shape, str):
             raise TypeError(f"shape must be a str, not {type(shape).__name__}")
@@ -704,6 +742,14 @@ class Session:
             )
         if self._dead:  # garbage tensors' blocks go before the boundary, not after it
             self._free_dead()
+        if self._unknown:  # the iteration ending allocated nothing
+            self._recognise(auto_shape(None))
+        if self.recognise_shapes and not shape:
+            # Begun with the plan in use; its first allocation tells its shape (`malloc`).
+            self.recorder.expect(None)
+            self.executor.step()
+            self._unknown = True
+            return
         with self._shapes_lock:
             if shape != self._shape:
                 self.executor.install_plan(self._shapes.get(shape))  # None: online from here
@@ -711,6 +757,24 @@ class Session:
             self._stepped(shape)
         self.recorder.expect(shape)
         self.executor.step()
+
+    def _recognise(self, shape: str) -> None:
+        """The iteration begun is of `shape`: its plan from here, before the first allocation
+        (its ops so far ran under the plan of the iteration before)."""
+        with self._shapes_lock:
+            if shape != self._shape:
+                assert isinstance(self.executor, Switches)
+                self.executor.switch_plan(self._shapes.get(shape))
+                self._shape = shape
+            self._stepped(shape)
+        self.recorder.decide(shape)
+        self._unknown = False
+
+    @property
+    def shape(self) -> str:
+        """The shape of the iteration running: as its `step` named it, or as its first
+        allocation told it (`recognise_shapes`; that of the iteration before until then)."""
+        return self._shape
 
     def _stepped(self, shape: str) -> None:
         """`shape` is the most recently stepped into: the least recent beyond `plan_shapes`
@@ -781,6 +845,8 @@ class Session:
         to release local resources."""
         if self._released:
             return
+        if self._unknown:  # the last iteration's tail: of the shape before
+            self._recognise(self._shape)
         kept = self._arrays_bytes()  # before the detach: the daemon scrubs the lease then
         device_keep, host_keep = self._cupy_bytes()
         self.recorder.close()

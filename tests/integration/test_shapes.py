@@ -3,6 +3,7 @@ shape's plan for its iterations, and keeps at most the daemon's number of shapes
 
 from __future__ import annotations
 
+import random
 import re
 import time
 
@@ -76,6 +77,66 @@ def test_a_job_that_cycles_its_batch_size_runs_a_plan_for_each(
     assert after.plan_misses == before.plan_misses
     assert after.plan_hits - before.plan_hits == 15 * 4
     assert sorted(plans_sent(d.log_path.read_text())) == ["128", "64", "96"]
+
+
+@pytest.mark.parametrize("kind", ["placed", "paged"])
+def test_shapes_unnamed_are_recognised_by_their_first_allocation(
+    start_daemon: StartDaemon, kind: str
+) -> None:
+    """Steps naming no shape, in a random order of batch sizes, each iteration beginning with
+    an op on a persistent block (before any allocation tells its shape): each shape is planned
+    apart and, once planned, runs its plan from its first allocation on, with no miss."""
+    d = start_daemon()
+    sizes = (64, 128, 96)
+    rng = random.Random(0)
+    with tidalpool.attach(
+        d.socket_dir, device_limit="8MiB", recognise_shapes=True, **SESSIONS[kind]
+    ) as s:
+        w = s.malloc(16 * KiB)  # persistent: the weights
+
+        def one(batch: int) -> None:
+            s.step()
+            assert s.shape != "" or batch == sizes[0]  # the shape before, until an allocation
+            with s.op(writes=[w], name="zero_grad"):
+                pass
+            x = s.malloc(batch * KiB)
+            assert s.shape == f"auto-{batch * KiB}"
+            y = s.malloc(2 * batch * KiB)
+            with s.op(reads=[x, w], writes=[y], name="matmul"):
+                pass
+            s.free(x)
+            g = s.malloc(batch * KiB)
+            s.free(y)
+            s.free(g)
+
+        def cycle() -> None:
+            for b in sizes:
+                one(b)
+
+        shapes = {f"auto-{b * KiB}" for b in sizes}
+        until(lambda: set(s.plans) == shapes, "a plan for each shape", cycle)
+        cycle()  # each plan takes over at its shape's next iteration
+        before = s.stats()
+        order = [rng.choice(sizes) for _ in range(30)]
+        modes = []
+        for b in order:
+            one(b)
+            modes.append(s.stats().mode)
+        after = s.stats()
+    assert modes == ["planned"] * len(order)
+    assert after.plan_misses == before.plan_misses
+    assert after.plan_hits - before.plan_hits == len(order) * 3
+    assert sorted(plans_sent(d.log_path.read_text())) == sorted(shapes)
+
+
+def test_recognising_shapes_is_refused_where_plans_cannot_switch(
+    start_daemon: StartDaemon,
+) -> None:
+    d = start_daemon()
+    with pytest.raises(ValueError, match="only when paged: give page_bytes too"):
+        tidalpool.attach(d.socket_dir, swap_limit="1MiB", recognise_shapes=True)
+    with pytest.raises(ValueError, match="native allocator's framework makes itself"):
+        tidalpool.attach(d.socket_dir, allocator="native", recognise_shapes=True)
 
 
 def test_a_new_shape_mid_run_runs_online_and_disturbs_no_other(start_daemon: StartDaemon) -> None:

@@ -408,3 +408,34 @@ def test_flush_waits_for_the_times_of_the_ops_recorded(recorder: Recorder, sink:
         (ITER, 0, 0, 0, 0),
     ]
     assert sink.bodies()[-1] == "step" and recorder.steps_sent == 1
+
+
+def test_a_step_whose_shape_is_told_later_holds_the_trace_from_its_iter_event(
+    recorder: Recorder, sink: Sink
+) -> None:
+    """`expect(None)`: the ITER event and the mark wait, with every event after them, until
+    `decide` names the shape; both then carry it."""
+    recorder.record(ALLOC, 1, 256)
+    recorder.expect(None)
+    recorder.step(0)
+    recorder.record(OP, 0, 0, 100, 0)  # an op before the allocation that tells the shape
+    recorder.flush()
+    assert [e for c in sink.chunks for e in events_of(c)] == [(ALLOC, 1, 256, 0, 0)]
+    assert "step" not in sink.bodies()
+    recorder.expect(None)
+    with pytest.raises(RuntimeError, match="not told yet"):
+        recorder.step(1)  # a second one before the first is told
+    recorder.decide("auto-512")
+    recorder.record(ALLOC, 2, 512)
+    recorder.flush()
+    name = recorder.name_id("auto-512")
+    assert [e for c in sink.chunks for e in events_of(c)] == [
+        (ALLOC, 1, 256, 0, 0),
+        (ITER, 0, 0, 0, name),
+        (OP, 0, 0, 100, 0),
+        (ALLOC, 2, 512, 0, 0),
+    ]
+    [mark] = [m.step for m in sink.messages if m.WhichOneof("body") == "step"]
+    assert mark == StepMark(iteration=0, events_before=2, shape="auto-512")
+    with pytest.raises(RuntimeError, match="no step waits for its shape"):
+        recorder.decide("again")

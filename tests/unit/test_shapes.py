@@ -158,6 +158,32 @@ def test_an_executor_leaves_its_plan_for_an_unplanned_shape_and_takes_it_up_agai
     assert (stats.plan_hits, stats.plan_misses) == (3, 0)
 
 
+def test_an_executor_switches_plans_before_an_iterations_first_allocation_only() -> None:
+    """`switch_plan`: the iteration just begun runs another plan (or none) from its first
+    allocation, as if installed before its step; once it has allocated, RuntimeError."""
+    ex = PythonExecutor(1 << 20)
+    a, b = plan(1, [1024, 2048]), plan(2, [4096])
+    ex.install_plan(a)
+    ex.step()
+    ex.switch_plan(b)  # the iteration turns out to be b's
+    x = ex.malloc(4096)
+    assert ex.mode == "planned" and ex.plan_table is b.table
+    with pytest.raises(RuntimeError, match="allocated already"):
+        ex.switch_plan(a)
+    ex.free(x)
+    ex.step()  # b goes on
+    ex.switch_plan(None)  # a shape with no plan: online from its first allocation
+    y = ex.malloc(512)
+    assert ex.mode == "learning"
+    ex.free(y)
+    ex.step()
+    ex.switch_plan(a)
+    x, y = ex.malloc(1024), ex.malloc(2048)
+    assert ex.mode == "planned" and ex.plan_table is a.table
+    stats = ex.stats()
+    assert (stats.plan_hits, stats.plan_misses) == (3, 0)
+
+
 # -- offline: traces of several shapes --------------------------------------------------------
 def test_a_trace_file_keeps_each_iterations_shape(tmp_path: Path) -> None:
     s = Stream()

@@ -27,7 +27,7 @@ import itertools
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from tidalcore.units import BlockId, Bytes, Offset, format_size
 
@@ -139,6 +139,14 @@ class Executor(Protocol):
     def stats(self) -> ExecutorStats: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class Switches(Protocol):
+    """An executor that can take another plan for the iteration just begun, until its first
+    allocation (`Session` recognising an iteration's shape from that allocation)."""
+
+    def switch_plan(self, plan: Plan | None) -> None: ...
 
 
 class Residency(Protocol):

@@ -620,6 +620,31 @@ class Paged:
     def _step(self) -> int:
         if self._deferred:
             self._run_deferred()
+        self._take_pending()
+        self.residency.poll()
+        self._waiting_ins.clear()
+        self._op_index = 0
+        self._tick = 0
+        self._iter_ids = []
+        self._iteration += 1
+        if self._trace is not None:  # where the live blocks are: a next plan keeps them there
+            self._trace.step(self._iteration, self.placed())
+        return self._iteration
+
+    def switch_plan(self, plan: Plan | None) -> None:
+        """Run `plan` (None: none) for the iteration just begun instead of the one its `step()`
+        took, from its next op on, as if installed before that step: the iteration has
+        allocated nothing yet (RuntimeError otherwise). Swap-ins the plan before issued stay
+        on their way; those it left waiting for pages come when an op needs them."""
+        with self._busy:
+            if self._iter_ids:
+                raise RuntimeError("the iteration has allocated already: its plan stays")
+            self.install_plan(plan)
+            self._take_pending()
+            self._waiting_ins.clear()  # swaps of the plan before, by its numbering
+
+    def _take_pending(self) -> None:
+        """Leave the plan in use, or take the plan installed (unless it cannot run here)."""
         plan, self._pending_plan = self._pending_plan, None
         if self._online:
             self._online = False
@@ -638,15 +663,6 @@ class Paged:
                 self._schedule = (
                     OpSchedule.build(plan.swaps, starts=plan.swap_in_ticks) if plan.swaps else None
                 )
-        self.residency.poll()
-        self._waiting_ins.clear()
-        self._op_index = 0
-        self._tick = 0
-        self._iter_ids = []
-        self._iteration += 1
-        if self._trace is not None:  # where the live blocks are: a next plan keeps them there
-            self._trace.step(self._iteration, self.placed())
-        return self._iteration
 
     # -- an elastic lease ----------------------------------------------------------------------
     def defer(self, fn: Callable[[Paged], None]) -> None:

@@ -249,6 +249,31 @@ class PythonExecutor:
             self.plan_fallbacks += 1
             if not arena.live:
                 self._drop_arena()
+        self._take_pending()
+        self.last_footprint = self._high_water
+        self._high_water = max((b.offset + b.size for b in self._blocks.values()), default=0)
+        if self._arena is not None:
+            self._high_water = max(self._high_water, self._arena.base + self._arena.table.height)
+        self._iteration += 1
+        if self._trace is not None:
+            self._trace.step(self._iteration)
+        return self._iteration
+
+    def switch_plan(self, plan: Plan | None) -> None:
+        """Run `plan` (None: place online) for the iteration just begun instead of the one its
+        `step()` took, as if installed before that step: the iteration has allocated nothing
+        yet (RuntimeError otherwise)."""
+        if self._arena is not None and self._arena.cursor:
+            raise RuntimeError("the iteration has allocated already: its plan stays")
+        self.install_plan(plan)
+        self._take_pending()
+        if self._arena is not None:
+            self._high_water = max(self._high_water, self._arena.base + self._arena.table.height)
+
+    def _take_pending(self) -> None:
+        """At an iteration's start: leave the plan in use for online placement, or take the
+        plan installed, when its arena fits."""
+        arena = self._arena
         if self._online:
             self._online = False
             if arena is not None and arena.active:
@@ -264,14 +289,6 @@ class PythonExecutor:
                 self._pending = None
         if self._arena is not None:
             self._arena.begin_iteration()
-        self.last_footprint = self._high_water
-        self._high_water = max((b.offset + b.size for b in self._blocks.values()), default=0)
-        if self._arena is not None:
-            self._high_water = max(self._high_water, self._arena.base + self._arena.table.height)
-        self._iteration += 1
-        if self._trace is not None:
-            self._trace.step(self._iteration)
-        return self._iteration
 
     def _drop_arena(self) -> None:
         arena = self._arena
