@@ -3,9 +3,11 @@
 Records (on PyTorch's meta device, `tidalpool.torch.record(batches=)`) GPT-2 small at batch 1
 and sequence lengths 128, 256, 512 and 1,024, and ResNet-18 at batch 32 with a last batch of 8;
 then, per model and limit, replays their iterations in one session in a random order of shapes
-(`--iterations`, seeded), each step naming its shape (`Session.step(shape=)`), against a sim
-daemon that plans each shape apart. The limit is a fraction of the largest shape's peak (1.0:
-no swaps needed); sessions are paged (virtual residency, `--page`). Per shape it reports:
+(`--iterations`, seeded), each step naming its shape (`Session.step(shape=)`) or, with
+`--recognise-shapes`, naming none (the session recognises each iteration's shape from its first
+allocation), against a sim daemon that plans each shape apart. The limit is a fraction of the
+largest shape's peak (1.0: no swaps needed); sessions are paged (virtual residency, `--page`).
+Per shape it reports:
 
 - iterations run before its plan took over (learning: placed online, recorded);
 - plan hits over the allocations of its iterations from then on (misses: placed online);
@@ -109,12 +111,13 @@ def run(its: dict[str, Any], fraction: float, args: argparse.Namespace) -> dict[
     peak = max(peaks.values())
     limit = int(peak * fraction)
     rows: list[dict[str, Any]] = []
+    recognise = args.recognise_shapes
     with private_daemon("sim", peak, lambda text: None) as directory:
         session, limit = open_session(args, directory, limit, peak, lambda text: None)
         with session:
             compute = SimCompute(session.compute)
             replayers = {
-                s: Replayer(session, it, compute, args.compute_scale, shape=s)
+                s: Replayer(session, it, compute, args.compute_scale, shape="" if recognise else s)
                 for s, it in its.items()
             }
             shared: dict[int, Any] = {}
@@ -138,6 +141,7 @@ def run(its: dict[str, Any], fraction: float, args: argparse.Namespace) -> dict[
                         "on_demand_bytes": record.on_demand_out_bytes + record.on_demand_in_bytes,
                         "mismatches": record.mismatches,
                         "stamps_checked": record.stamps_checked,
+                        "session_shape": session.shape,  # as named, or as recognised
                     }
                 )
                 if args.verbose:
@@ -150,12 +154,14 @@ def run(its: dict[str, Any], fraction: float, args: argparse.Namespace) -> dict[
     shapes = {}
     for s in its:
         mine = [r for r in rows if r["shape"] == s]
+        told = sorted({r["session_shape"] for r in mine})  # one per shape, unless misread
+        key = told[0] if len(told) == 1 else s
         first = next((i for i, r in enumerate(mine) if r["phase"] != "learning"), None)
         after_plan = mine[first:] if first is not None else []
         hits = sum(r["hits"] for r in after_plan)
         misses = sum(r["misses"] for r in after_plan)
         steady = [r["step_ns"] for r in after_plan if r["phase"] == "steady"]
-        plan = plans.get(s)
+        plan = plans.get(key)
         p = plan.prediction if plan is not None else None
         shapes[s] = {
             "iterations": len(mine),
@@ -168,7 +174,8 @@ def run(its: dict[str, Any], fraction: float, args: argparse.Namespace) -> dict[
             "swaps": len(plan.swaps) if plan else None,
             "measured_step_ns": statistics.median(steady) if steady else None,
             "predicted_step_ns": p.step_ns if p is not None else None,
-            "plan_seconds": planned_at.get(s),
+            "plan_seconds": planned_at.get(key),
+            "session_shapes": told,
             "on_demand_bytes_after_plan": sum(r["on_demand_bytes"] for r in after_plan),
             "mismatches": sum(r["mismatches"] for r in mine),
             "stamps_checked": sum(r["stamps_checked"] for r in mine),
@@ -217,6 +224,11 @@ def show(model: str, result: dict[str, Any]) -> None:
             f" {'—' if r['plan_seconds'] is None else r['plan_seconds']:>6}"
             f" {r['mismatches']:>8}"
         )
+    told = {
+        s: r["session_shapes"] for s, r in result["shapes"].items() if r["session_shapes"] != [s]
+    }
+    if told:
+        print("  the session told: " + "; ".join(f"{s} as {', '.join(t)}" for s, t in told.items()))
     if result["unavailable"]:
         print(f"  the daemon: {result['unavailable']}")
 
@@ -231,6 +243,11 @@ def main() -> int:
     parser.add_argument("--page", default="2MiB")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--verbose", action="store_true")
+    parser.add_argument(
+        "--recognise-shapes",
+        action="store_true",
+        help="steps name no shape: the session tells each from its first allocation",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="tp-shapes-traces-"))

@@ -415,3 +415,26 @@ def test_a_trace_of_two_shapes_replays_both_in_one_session(
     assert got["limit_bytes"] == int(0.8 * largest)
     assert main([*argv, "--timeline", "t.json"]) == 2
     assert "pick one with --shape" in capsys.readouterr().err
+
+
+def test_a_trace_of_two_shapes_replays_with_each_shape_recognised(
+    shapes_trace: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--recognise-shapes: the steps name no shape; every iteration is told its own shape
+    (`auto-<bytes>`, checked by the replay), each gets its plan, and runs it as when named."""
+    argv = ["replay", str(shapes_trace), "--limit", "0.8", "--iterations", "6"]
+    assert main([*argv, "--recognise-shapes"]) == 2
+    assert "give --page too" in capsys.readouterr().err
+    assert main([*argv, "--recognise-shapes", "--page", "64KiB", "--shape", "128x256"]) == 2
+    assert "is replayed for shape '128x256' alone" in capsys.readouterr().err
+    argv += ["--page", "64KiB", "--recognise-shapes", "--seed", "3", "--json"]
+    assert main(argv) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert sorted(got["order"]) == ["128x256"] * 6 + ["512x256"] * 6
+    plans = set()
+    for s in got["shapes"]:
+        assert s["outcome"] == "compared" and s["steady_iterations"] == 2
+        assert s["checks"]["mismatches"] == 0 and s["checks"]["not_resident"] == 0
+        assert s["measured"]["on_demand_out_bytes"] == s["measured"]["on_demand_in_bytes"] == 0
+        plans.add(s["plan"]["id"])
+    assert len(plans) == 2

@@ -642,6 +642,34 @@ class Paged:
             self.install_plan(plan)
             self._take_pending()
             self._waiting_ins.clear()  # swaps of the plan before, by its numbering
+            self._catch_up()
+
+    def _catch_up(self) -> None:
+        """Where the schedule taken within an iteration would be after its ops so far: blocks
+        it has away by now leave, and those it is bringing back by now come. Only persistent
+        blocks are concerned (the iteration has allocated nothing yet); a swap across the
+        boundary is left as it is (its block may stay until it is needed)."""
+        schedule, k = self._schedule, self._op_index
+        if schedule is None or not k:
+            return
+        issued = {j: at for at, swaps in schedule.ins_at.items() for j in swaps}
+        for j, ((persistent, _), out, back) in enumerate(
+            zip(schedule.refs, schedule.out_after, schedule.in_before, strict=True)
+        ):
+            if not persistent or not out < k <= back:
+                continue
+            if issued[j] < k:  # on its way back by now
+                self._waiting_ins.append(j)
+                continue
+            live = self._resolve(j)
+            if (
+                live is not None
+                and live.owning
+                and not (live.locks or live.pinned)
+                and self.residency.where(live.block.id) == DEVICE
+            ):
+                self._evict(live, planned=True)
+        self._land_waiting()
 
     def _take_pending(self) -> None:
         """Leave the plan in use, or take the plan installed (unless it cannot run here)."""

@@ -99,6 +99,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         " in one session, --iterations each, in a random order)",
     )
     parser.add_argument(
+        "--recognise-shapes",
+        action="store_true",
+        help="of a trace of several iteration shapes: the steps name no shape, and the session"
+        " tells each iteration's from its first allocation (attach(recognise_shapes=True);"
+        " paged, with --page)",
+    )
+    parser.add_argument(
         "--seed",
         type=int,
         default=0,
@@ -174,6 +181,12 @@ def run(args: argparse.Namespace) -> int:
 
             return several.run(args, list(shapes), socket_dir)
     try:
+        if args.recognise_shapes:
+            raise InputError(
+                "--recognise-shapes is for a trace of several iteration shapes, replayed"
+                f" together: {args.trace}"
+                + (f" is replayed for shape {args.shape!r} alone" if args.shape else " has one")
+            )
         check_options(args)
         it = load(args.trace, "replay", args.shape)
         peak = int(load_curve(it).max(initial=0))

@@ -80,6 +80,11 @@ def check_options(args: argparse.Namespace) -> None:
             raise InputError(f"{option}: {e}") from None
         if getattr(args, name) <= 0:
             raise InputError(f"{option} must be a positive size")
+    if getattr(args, "recognise_shapes", False) and args.page is None:
+        raise InputError(
+            "--recognise-shapes switches plans at an iteration's first allocation, which a"
+            " swapping session does only when paged: give --page too"
+        )
     if getattr(args, "device_min", None) is not None:
         if args.page is None:
             raise InputError("--device-min makes an elastic lease, which needs --page")
@@ -171,6 +176,7 @@ def open_session(
             copy_gbps=args.copy_gbps,
             async_compute=True,
             page_bytes=args.page,
+            recognise_shapes=getattr(args, "recognise_shapes", False),
         )
     except AttachError as e:
         raise ReplayError(f"the daemon at {directory} refused the session: {e}") from None

@@ -12,6 +12,11 @@ against the simulator's prediction for its plan.
 
 A block of one shape's iteration freed in the next (it crosses the boundary) would be freed in
 an iteration of another shape: such a trace is refused here (replay one shape with --shape).
+
+`--recognise-shapes`: the steps name no shape; the session (`recognise_shapes=True`) tells each
+iteration's shape from its first allocation (`auto-<bytes>`), and each iteration is checked to
+have been told the one of its shape. Shapes whose iterations begin with allocations of one size
+would be told as one: such a trace is refused with that option.
 """
 
 from __future__ import annotations
@@ -70,6 +75,8 @@ def run(args: argparse.Namespace, shapes: list[str], socket_dir: Path | None) ->
                     " after theirs, which here would be another shape's: replay that shape alone"
                     " with --shape"
                 )
+        if args.recognise_shapes:
+            _check_told_apart(its)
         peaks = {s: int(load_curve(it).max(initial=0)) for s, it in its.items()}
         largest = max(peaks.values())
         limit = parse_limit(args.limit, largest)
@@ -142,6 +149,27 @@ def run(args: argparse.Namespace, shapes: list[str], socket_dir: Path | None) ->
     return 1 if any(c["mismatches"] or c["not_resident"] for c in checks) else 0
 
 
+def told(it: Iteration) -> str:
+    """The shape a session that recognises shapes tells an iteration of `it`."""
+    from tidalclient.session import auto_shape
+
+    return auto_shape(int(it.blocks[0].size) if it.blocks else None)
+
+
+def _check_told_apart(its: dict[str, Iteration]) -> None:
+    """InputError when two shapes would be told as one (their first allocations' sizes)."""
+    seen: dict[str, str] = {}
+    for s, it in its.items():
+        key = told(it)
+        if key in seen:
+            raise InputError(
+                f"shapes {seen[key]!r} and {s!r} both begin with {key.removeprefix('auto-')}"
+                " bytes allocated: a session recognising shapes tells them as one; replay them"
+                " without --recognise-shapes (their steps named)"
+            )
+        seen[key] = s
+
+
 def _replay(
     args: argparse.Namespace,
     its: dict[str, Iteration],
@@ -160,8 +188,11 @@ def _replay(
     with session:
         backend = "sim" if session.cuda is None else "cuda"
         compute = compute_of(session)
+        recognise = args.recognise_shapes
+        keys = {s: told(it) if recognise else s for s, it in its.items()}  # the session's names
         replayers = {
-            s: Replayer(session, it, compute, args.compute_scale, shape=s) for s, it in its.items()
+            s: Replayer(session, it, compute, args.compute_scale, shape="" if recognise else s)
+            for s, it in its.items()
         }
         shared: dict[int, Any] = {}
         for replayer in replayers.values():
@@ -173,11 +204,16 @@ def _replay(
                     continue
                 replayer = replayers[shape]
                 if len(replayer.records) == LEARNING_ITERATIONS and not _planned(
-                    session, shape, args.plan_timeout, reports[shape], say
+                    session, keys[shape], args.plan_timeout, reports[shape], say
                 ):
                     stopped.add(shape)
                     continue
                 r = replayer.iteration()
+                if session.shape != keys[shape]:
+                    raise ReplayError(
+                        f"iteration {len(ran)} of shape {shape!r} was told as"
+                        f" {session.shape!r}, not {keys[shape]!r}"
+                    )
                 ran.append(shape)
                 say(
                     f"{shape} iteration {r.index} ({r.phase}): {show_ms(r.step_ns)}, out"
@@ -198,7 +234,7 @@ def _replay(
             report.unresolved_accesses = replayer.script.unresolved
             report.missing_accesses = replayer.missing
             report.peak_resident_bytes = swap.peak_resident_bytes if swap is not None else 0
-            report.plan, report.predicted = plan_of(session, s)
+            report.plan, report.predicted = plan_of(session, keys[s])
             if report.outcome == "compared" and not report.steady():
                 report.outcome = (
                     "its plan arrived but no steady iteration of it ran"
