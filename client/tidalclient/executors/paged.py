@@ -646,29 +646,41 @@ class Paged:
 
     def _catch_up(self) -> None:
         """Where the schedule taken within an iteration would be after its ops so far: blocks
-        it has away by now leave, and those it is bringing back by now come. Only persistent
-        blocks are concerned (the iteration has allocated nothing yet); a swap across the
-        boundary is left as it is (its block may stay until it is needed)."""
-        schedule, k = self._schedule, self._op_index
-        if schedule is None or not k:
+        it has away by now leave, those it is bringing back by now come, and blocks the plan
+        before sent away that it keeps on the device come back. Only persistent blocks are
+        concerned (the iteration has allocated nothing yet); a swap across the boundary is left
+        as it is (its block may stay until it is needed)."""
+        k = self._op_index
+        if not k:
             return
-        issued = {j: at for at, swaps in schedule.ins_at.items() for j in swaps}
-        for j, ((persistent, _), out, back) in enumerate(
-            zip(schedule.refs, schedule.out_after, schedule.in_before, strict=True)
-        ):
-            if not persistent or not out < k <= back:
-                continue
-            if issued[j] < k:  # on its way back by now
-                self._waiting_ins.append(j)
-                continue
-            live = self._resolve(j)
-            if (
-                live is not None
-                and live.owning
-                and not (live.locks or live.pinned)
-                and self.residency.where(live.block.id) == DEVICE
+        schedule = self._schedule
+        scheduled: set[int] = set()  # blocks the schedule moves around op k: left to it
+        if schedule is not None:
+            issued = {j: at for at, swaps in schedule.ins_at.items() for j in swaps}
+            for j, ((persistent, ref), out, back) in enumerate(
+                zip(schedule.refs, schedule.out_after, schedule.in_before, strict=True)
             ):
-                self._evict(live, planned=True)
+                if not persistent:
+                    continue
+                if back <= out:  # across the boundary
+                    scheduled.add(ref)
+                if not out < k <= back:
+                    continue
+                scheduled.add(ref)
+                if issued[j] < k:  # on its way back by now
+                    self._waiting_ins.append(j)
+                    continue
+                live = self._resolve(j)
+                if (
+                    live is not None
+                    and live.owning
+                    and not (live.locks or live.pinned)
+                    and self.residency.where(live.block.id) == DEVICE
+                ):
+                    self._evict(live, planned=True)
+        for block_id, live in self._live.items():
+            if block_id not in scheduled and self.residency.where(block_id) in (HOST, LEAVING):
+                self._restore(live, wait=False)
         self._land_waiting()
 
     def _take_pending(self) -> None:
