@@ -256,3 +256,40 @@ def test_a_later_plan_lies_past_the_live_blocks_of_the_one_before(made) -> None:
     b = ex.malloc(PAGE)
     assert b.offset == ex._region + 2 * PAGE  # past keep: no block moves
     assert ex.stats().plan_hits == 2 and ex.stats().plan_misses == 0
+
+
+def test_a_plan_switched_to_within_an_iteration_catches_up_with_its_schedule(made) -> None:
+    """`switch_plan` after ops and before the iteration's first allocation: a persistent block
+    the new plan has away by then leaves, one it keeps that the plan before sent away comes
+    back (bytes intact), and allocating first makes a switch a RuntimeError."""
+    ex = executor(made, limit_pages=8)
+    w = ex.malloc(2 * PAGE)  # persistent
+    v = ex.malloc(2 * PAGE)  # persistent
+    (at,) = ex.begin_op([v])
+    data = write(ex, at, 2 * PAGE, 5)
+    ex.end_op([v])
+    ex.step()
+    # Plan a: w leaves after op 0 and is back before op 3. Plan b: v leaves after op 0 and is
+    # back before op 3. Both place one allocation of a page.
+    away_w = ScheduledSwap(block=w.id, out_after=0, in_before=3, persistent=True)
+    away_v = ScheduledSwap(block=v.id, out_after=0, in_before=3, persistent=True)
+    a = paged_plan(ex, [PAGE], [0], [True], (away_w,), 8 * PAGE)
+    b = paged_plan(ex, [PAGE], [0], [True], (away_v,), 8 * PAGE)
+    ex.install_plan(a)
+    ex.step()
+    for _ in range(2):  # ops 0 and 1 under a: w leaves after op 0
+        ex.begin_op([v])
+        ex.end_op([v])
+    ex.synchronize()
+    assert (ex.where(w), ex.where(v)) == (HOST, DEVICE)
+    ex.switch_plan(b)  # the iteration is b's: v leaves, w (b keeps it) comes back
+    ex.synchronize()
+    assert (ex.where(w), ex.where(v)) == (DEVICE, HOST)
+    x = ex.malloc(PAGE)
+    assert x.offset == ex._region  # b's slot
+    with pytest.raises(RuntimeError, match="allocated already"):
+        ex.switch_plan(a)
+    (again,) = ex.begin_op([v])
+    assert read(ex, again, 2 * PAGE) == data
+    ex.end_op([v])
+    ex.free(x)
