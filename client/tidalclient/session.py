@@ -542,6 +542,9 @@ class Session:
             raise ValueError(f"{type(executor).__name__} cannot switch plans within an iteration")
         self.recognise_shapes = recognise_shapes
         self._unknown = False
+        # (allocations, plan misses) at the last step, while a session of one shape may still
+        # be told that its iterations look like several (`_hint_shapes`); None once told.
+        self._counts_at_step: tuple[int, int] | None = (0, 0)
         # Why the daemon sends no plan, as it last said; None once a plan arrives.
         self.plan_unavailable: PlanUnavailable | None = None
         self._compute = compute
@@ -744,6 +747,8 @@ class Session:
             self._free_dead()
         if self._unknown:  # the iteration ending allocated nothing
             self._recognise(auto_shape(None))
+        if not shape and not self.recognise_shapes and self._counts_at_step is not None:
+            self._hint_shapes()
         if self.recognise_shapes and not shape:
             # Begun with the plan in use; its first allocation tells its shape (`malloc`).
             self.recorder.expect(None)
@@ -757,6 +762,27 @@ class Session:
             self._stepped(shape)
         self.recorder.expect(shape)
         self.executor.step()
+
+    def _hint_shapes(self) -> None:
+        """Once: where the iteration ending, of a session naming no shape, placed most of its
+        allocations outside the plan it ran, say that iterations of several shapes can be
+        named or recognised (a job cycling batch sizes otherwise runs one shape's plan)."""
+        stats = self.executor.stats()
+        before, self._counts_at_step = self._counts_at_step, (stats.mallocs, stats.plan_misses)
+        if before is None or self.plan is None or stats.mode != "planned":
+            return
+        allocations, misses = stats.mallocs - before[0], stats.plan_misses - before[1]
+        if misses >= 2 and 2 * misses > allocations:
+            log.warning(
+                "tidalpool: session %s: %d of the %d allocations of its last iteration missed its"
+                " plan: if its iterations differ in shape (batch size, sequence length, an"
+                " evaluation step), name each with step(shape=...), or attach with"
+                " recognise_shapes=True, for a plan per shape",
+                self.id,
+                misses,
+                allocations,
+            )
+            self._counts_at_step = None
 
     def _recognise(self, shape: str) -> None:
         """The iteration begun is of `shape`: its plan from here, before the first allocation

@@ -3,6 +3,7 @@ shape's plan for its iterations, and keeps at most the daemon's number of shapes
 
 from __future__ import annotations
 
+import logging
 import random
 import re
 import time
@@ -127,6 +128,30 @@ def test_shapes_unnamed_are_recognised_by_their_first_allocation(
     assert after.plan_misses == before.plan_misses
     assert after.plan_hits - before.plan_hits == len(order) * 3
     assert sorted(plans_sent(d.log_path.read_text())) == sorted(shapes)
+
+
+def test_a_job_of_several_shapes_that_names_none_is_told_how_to(
+    start_daemon: StartDaemon, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Steps naming no shape, batch sizes cycling: the one plan misses most allocations of the
+    other sizes' iterations, and the session says once how to get a plan per shape."""
+    d = start_daemon()
+    caplog.set_level(logging.WARNING, logger="tidalpool")
+
+    def told() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "recognise_shapes=True" in r.message]
+
+    with tidalpool.attach(d.socket_dir, device_limit="8MiB") as s:
+
+        def cycle() -> None:
+            for b in (64, 128, 96):
+                iteration(s, b, shape="")
+
+        until(lambda: told(), "the session's advice", cycle)
+        for _ in range(5):
+            cycle()
+    [line] = told()
+    assert "of the 4 allocations of its last iteration missed its plan" in line
 
 
 def test_recognising_shapes_is_refused_where_plans_cannot_switch(
