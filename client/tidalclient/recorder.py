@@ -142,7 +142,7 @@ class Recorder:
             if self._undecided is None:
                 raise RuntimeError("no step waits for its shape")
             mark, event = self._undecided
-            i = event - self.events_sent - self.events_dropped
+            i = self._index(event)
             if 0 <= i < len(self._pending):  # else dropped with the trace (`stopped`)
                 kind, iteration, size, duration, _ = self._pending[i]
                 self._pending[i] = (kind, iteration, size, duration, name)
@@ -165,10 +165,7 @@ class Recorder:
             if shape is None:
                 if self._undecided is not None:
                     raise RuntimeError("the shape of the step before is not told yet (`decide`)")
-                self._undecided = (
-                    mark,
-                    self.events_sent + self.events_dropped + len(self._pending),
-                )
+                self._undecided = (mark, self._number(len(self._pending)))
             self._pending.append((ITER, iteration, 0, 0, name))
             mark.events_before = self.events_sent + len(self._pending)
             self._steps.append(mark)
@@ -246,12 +243,21 @@ class Recorder:
         pending = self._pending
         end = len(pending)
         if self._undecided is not None:
-            end = self._undecided[1] - self.events_sent - self.events_dropped
+            end = self._index(self._undecided[1])
         for i in range(end):
             duration = pending[i][3]
             if not isinstance(duration, int) and not duration.ready():
                 return i
         return end
+
+    def _number(self, index: int) -> int:
+        """The number in the trace of the pending event at `index` (counting those sent and
+        those dropped). Under the lock."""
+        return self.events_sent + self.events_dropped + index
+
+    def _index(self, number: int) -> int:
+        """Where the event numbered `number` is pending (out of range: sent or dropped)."""
+        return number - self._number(0)
 
     def _pack(self, events: list[Event], new_names: dict[int, str]) -> pool_pb2.TraceChunk:
         chunk = pool_pb2.TraceChunk(first_event=self.events_sent, new_names=new_names)

@@ -662,8 +662,9 @@ class Paged:
             ):
                 if not persistent:
                     continue
-                if back <= out:  # across the boundary
+                if back <= out:  # across the boundary: left as it is
                     scheduled.add(ref)
+                    continue
                 if not out < k <= back:
                     continue
                 scheduled.add(ref)
